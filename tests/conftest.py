@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny models built from configs (nothing is downloaded) and a clean environment."""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports triton or vllm: kernels run in the interpreter on CPU, vLLM stays small.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen2-architecture toy model (bf16, 2 layers, hidden 128, head_dim 32)."""
+    from pipeline.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", norm_jitter=0.05)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
+    """Build more toy models: ``factory(arch="llama", dtype=torch.float32, ...)``."""
+    from pipeline.tiny import build_tiny_model
+
+    def factory(arch: str = "qwen2", dtype: torch.dtype = torch.bfloat16, **kwargs) -> Path:
+        return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, dtype=dtype, **kwargs)
+
+    return factory
