@@ -59,3 +59,15 @@ def answer_format(template: str) -> str:
     if template not in TEMPLATES:
         raise ValueError(f"unknown prompt template '{template}'; valid: {', '.join(template_names())}")
     return TEMPLATES[template]["answer_format"]
+
+
+class Problem(dict):
+    """One math problem: ``id``, ``question``, ``answer`` (gold, as text), ``source`` and optional ``level``.
+
+    A plain dict subclass so it round-trips through JSON/parquet rows without conversion code.
+    """
+
+    REQUIRED = ("id", "question", "answer")
+
+    def __init__(self, id: str, question: str, answer: str, source: str = "", level: int | None = None):
+        super().__init__(id=str(id), question=question, answer=str(answer), source=source, level=level)
