@@ -15,12 +15,16 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--work-dir", default=None, help="work directory (default: $QERL_WORK_DIR or ./qerl-work)")
+    parser.add_argument(
+        "--work-dir", default=None, help="work directory (default: $QERL_WORK_DIR or ./qerl-work)"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qerl", description="Quantization-enhanced RL (NVFP4 + LoRA + GRPO + AQN)")
+    parser = argparse.ArgumentParser(
+        prog="qerl", description="Quantization-enhanced RL (NVFP4 + LoRA + GRPO + AQN)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     # --- subcommands (each block adds a parser and registers its handler in COMMANDS) ---
     _ = sub

@@ -140,7 +140,9 @@ class Manifest(BaseModel):
     stage: str
     key: str
     config: dict[str, Any]
-    inputs: dict[str, str] = Field(description="input name -> digest (an upstream manifest digest or a file sha256)")
+    inputs: dict[str, str] = Field(
+        description="input name -> digest (an upstream manifest digest or a file sha256)"
+    )
     code_version: str
     files: dict[str, FileRecord]
     created_at: str
@@ -155,13 +157,17 @@ class Manifest(BaseModel):
 
     def file(self, name: str) -> Path:
         if name not in self.files:
-            raise ArtifactError(f"artifact {self.stage}/{self.key} has no file '{name}' (has: {sorted(self.files)})")
+            raise ArtifactError(
+                f"artifact {self.stage}/{self.key} has no file '{name}' (has: {sorted(self.files)})"
+            )
         return self.dir / name
 
     @property
     def digest(self) -> str:
         """Content digest: what a downstream stage puts in its key for this input."""
-        return sha256_json({"stage": self.stage, "files": {k: v.sha256 for k, v in sorted(self.files.items())}})
+        return sha256_json(
+            {"stage": self.stage, "files": {k: v.sha256 for k, v in sorted(self.files.items())}}
+        )
 
     @classmethod
     def load(cls, directory: str | Path) -> Manifest:
@@ -203,7 +209,12 @@ class ArtifactStore:
     @staticmethod
     def key(stage: str, config: BaseModel | dict[str, Any], inputs: dict[str, str], code: str) -> str:
         return sha256_json(
-            {"stage": stage, "config": config_hash(config), "inputs": dict(sorted(inputs.items())), "code": code}
+            {
+                "stage": stage,
+                "config": config_hash(config),
+                "inputs": dict(sorted(inputs.items())),
+                "code": code,
+            }
         )[:32]
 
     def path_for(self, stage: str, key: str) -> Path:

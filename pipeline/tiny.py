@@ -14,6 +14,7 @@ import json
 import random
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ def default_corpus(n: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def train_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 512):  # noqa: ANN201
+def train_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 512) -> Any:
     """Train a byte-level BPE tokenizer and wrap it as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -89,7 +90,7 @@ def tiny_config(
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     tie_word_embeddings: bool = False,
-):  # noqa: ANN201
+) -> Any:
     """A transformers config of the given family at toy size."""
     from transformers import AutoConfig
 
