@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -28,7 +29,44 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # --- subcommands (each block adds a parser and registers its handler in COMMANDS) ---
     _ = sub
+    _add_score(sub)
     return parser
+
+
+def _add_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("score", help="score completions against gold answers (JSONL in, JSONL out)")
+    p.add_argument("--input", required=True, help="JSONL file; each line has 'completion' and 'answer'")
+    p.add_argument(
+        "--output", required=True, help="JSONL file to write (input + correct/reward/extracted/status)"
+    )
+    p.add_argument("--config", default=None, help="YAML file with reward settings (RewardConfig)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a reward setting"
+    )
+    _common(p)
+    COMMANDS["score"] = _cmd_score
+
+
+def _cmd_score(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from pipeline.config import load_config
+    from pipeline.rewards import RewardConfig
+    from stages.score import score_jsonl
+
+    cfg = load_config(RewardConfig, args.config, args.set)
+    total = None
+    if os.path.isfile(args.input):
+        with open(args.input, encoding="utf-8") as fh:
+            total = sum(1 for line in fh if line.strip())
+    with tqdm(total=total, unit="answer", desc="score") as bar:
+        metrics = score_jsonl(args.input, args.output, cfg, progress=bar.update)
+    print(
+        f"{metrics['n']} answers: accuracy {metrics['accuracy']:.3f}, reward mean {metrics['reward_mean']:.3f}, "
+        f"no_answer {metrics['no_answer_count']}, timeout {metrics['timeout_count']}, error {metrics['error_count']}, "
+        f"{metrics['answers_per_s'] or 0:.0f} answers/s -> {args.output}"
+    )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
