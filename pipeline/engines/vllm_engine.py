@@ -1,0 +1,213 @@
+"""The vLLM rollout engine: one in-process ``vllm.LLM`` that lives across RL steps.
+
+- Adapter versions: each new adapter digest gets a new LoRARequest int id (vLLM caches adapters by
+  id, so reusing an id would serve the old weights) and the prefix cache is reset.
+- AQN: ``collective_rpc("qerl_set_norm_noise", (sigma, seed))`` on every worker through the
+  worker extension ``pipeline.aqn_vllm.AQNWorkerExtension``, then the prefix cache is reset (KV of
+  cached prefixes was computed under the old norm weights).
+- Requests: one request per (prompt, sample) with its own seed (``sample_seed``), prompts passed as
+  token ids encoded exactly as the HF engine encodes them, detokenisation done here with the same
+  tokenizer call, so the two engines are comparable token for token and string for string.
+- Logprobs: ``logprobs_mode`` chosen as described in ``pipeline.engines`` (processed_logprobs when
+  top-k/top-p are off, raw_logprobs at T = 1, otherwise an error).
+- Mode: on CUDA it reads back the quantization scheme the workers built and refuses to call itself
+  ``vllm-nvfp4-marlin`` unless an NVFP4 scheme is there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from pipeline.engines import (
+    Completion,
+    EngineError,
+    RolloutConfig,
+    SamplingSpec,
+    check_adapter_dir,
+    encode_prompt,
+    sample_seed,
+)
+
+log = logging.getLogger("qerl.engines.vllm")
+
+EXTENSION = "pipeline.aqn_vllm.AQNWorkerExtension"
+
+
+def logprobs_mode_for(sampling: SamplingSpec) -> str:
+    """The vLLM logprobs_mode that records log_softmax(logits / T) for this sampling, or an error."""
+    if not sampling.truncates:
+        return "processed_logprobs"
+    if sampling.temperature == 1.0:
+        return "raw_logprobs"
+    raise EngineError(
+        f"temperature {sampling.temperature} with top_p={sampling.top_p}/top_k={sampling.top_k}: vLLM cannot "
+        "return log_softmax(logits/T) un-renormalised by top-k/top-p; use temperature 1 or turn top-k/top-p off"
+    )
+
+
+def _compatible(mode: str, sampling: SamplingSpec) -> bool:
+    if mode == "processed_logprobs":
+        return not sampling.truncates
+    return sampling.greedy or sampling.temperature == 1.0
+
+
+class VLLMEngine:
+    """``vllm.LLM`` + LoRARequest per adapter version + AQN via the worker extension."""
+
+    def __init__(self, cfg: RolloutConfig, model_dir: Path, mode: str):
+        import torch
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.cfg, self.mode, self.model_dir = cfg, mode, Path(model_dir)
+        self.logprobs_mode = logprobs_mode_for(cfg.sampling())
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        kwargs: dict[str, Any] = {
+            "model": str(self.model_dir),
+            "tokenizer": str(self.model_dir),
+            "dtype": cfg.dtype,
+            "seed": cfg.seed,
+            "max_model_len": cfg.max_model_len,
+            "max_num_seqs": cfg.max_num_seqs,
+            "enable_prefix_caching": True,
+            "enable_lora": cfg.enable_lora,
+            "logprobs_mode": self.logprobs_mode,
+            "worker_extension_cls": EXTENSION,
+            "enforce_eager": cfg.enforce_eager,
+        }
+        if cfg.enable_lora:
+            kwargs.update(max_loras=1, max_lora_rank=cfg.max_lora_rank)
+        if cfg.enforce_eager:
+            kwargs["compilation_config"] = {"mode": 0}  # no torch.compile: ~2 s startup on CPU
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * (1 << 30))
+            if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                log.info(
+                    "VLLM_CPU_KVCACHE_SPACE=%s GiB overrides kv_cache_gib",
+                    os.environ["VLLM_CPU_KVCACHE_SPACE"],
+                )
+        self.llm = LLM(**kwargs)
+        self._lora_ids: dict[str, int] = {}
+        self._lora: Any = None
+        self.sigma, self.noise_seed = 0.0, 0
+        schemes = sorted(set().union(*self.llm.collective_rpc("qerl_describe_quant")))
+        self.info: dict[str, Any] = {
+            "model_dir": str(self.model_dir),
+            "logprobs_mode": self.logprobs_mode,
+            "linear_methods": schemes,
+            "vllm_version": _vllm_version(),
+        }
+        if mode == "vllm-nvfp4-marlin" and not any("Fp4" in s or "FP4" in s for s in schemes):
+            raise EngineError(f"vLLM on CUDA did not load an NVFP4 scheme for {self.model_dir}: {schemes}")
+        log.info("vLLM engine up: mode=%s logprobs_mode=%s linear=%s", mode, self.logprobs_mode, schemes)
+
+    def set_adapter(self, path: Path | None, digest: str | None) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if path is None:
+            if self._lora is not None:
+                self.llm.reset_prefix_cache()
+            self._lora = None
+            return
+        if not self.cfg.enable_lora:
+            raise EngineError(f"adapter {path} given but the engine was built with enable_lora=False")
+        if not digest:
+            raise EngineError(f"adapter {path} given without its digest")
+        if self._lora is not None and self._lora.lora_name == f"qerl-{digest[:16]}":
+            return
+        check_adapter_dir(Path(path))
+        if digest not in self._lora_ids:
+            self._lora_ids[digest] = len(self._lora_ids) + 1  # ids start at 1; a new one per version
+        self._lora = LoRARequest(f"qerl-{digest[:16]}", self._lora_ids[digest], str(path))
+        self.llm.reset_prefix_cache()
+        log.info("vLLM engine: adapter %s -> lora id %d", digest[:12], self._lora_ids[digest])
+
+    def set_noise(self, sigma: float, seed: int) -> None:
+        counts = self.llm.collective_rpc("qerl_set_norm_noise", args=(float(sigma), int(seed)))
+        if not counts or min(counts) <= 0:
+            raise EngineError(f"AQN reached no norm weights on the vLLM workers (counts {counts})")
+        if not self.llm.reset_prefix_cache():
+            raise EngineError("vLLM refused to reset its prefix cache after AQN")
+        self.sigma, self.noise_seed = float(sigma), int(seed)
+        log.debug("vLLM engine: AQN sigma=%g seed=%d on %s norm weights per worker", sigma, seed, counts)
+
+    def norm_weights(self) -> dict[str, list[float]]:
+        """The norm weights as worker 0 holds them (tests)."""
+        return self.llm.collective_rpc("qerl_norm_weights")[0]
+
+    def generate(
+        self, prompts: list[str], n: int, sampling: SamplingSpec, seed: int
+    ) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not _compatible(self.logprobs_mode, sampling):
+            raise EngineError(
+                f"engine built with logprobs_mode={self.logprobs_mode} cannot record log_softmax(logits/T) "
+                f"for {sampling}; build the engine with this sampling"
+            )
+        encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
+        for i, ids in enumerate(encoded):
+            if len(ids) + sampling.max_new_tokens > self.cfg.max_model_len:
+                raise EngineError(
+                    f"prompt {i} has {len(ids)} tokens: with max_new_tokens {sampling.max_new_tokens} it "
+                    f"exceeds max_model_len {self.cfg.max_model_len}"
+                )
+        requests, params = [], []
+        for i, ids in enumerate(encoded):
+            for j in range(n):
+                requests.append(TokensPrompt(prompt_token_ids=ids))
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        top_k=max(sampling.top_k, 0),
+                        max_tokens=sampling.max_new_tokens,
+                        seed=sample_seed(seed, i, j),
+                        logprobs=0,
+                        detokenize=False,
+                    )
+                )
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
+        results: list[list[Completion]] = [[] for _ in prompts]
+        for k, out in enumerate(outputs):
+            i = k // n
+            results[i].append(self._completion(encoded[i], out.outputs[0], k))
+        return results
+
+    def _completion(self, prompt_ids: list[int], output: Any, k: int) -> Completion:
+        tokens = list(output.token_ids)
+        if output.finish_reason not in ("stop", "length"):
+            raise EngineError(f"request {k} finished with {output.finish_reason!r}")
+        if output.logprobs is None or len(output.logprobs) != len(tokens):
+            raise EngineError(
+                f"request {k}: vLLM returned logprobs for {len(output.logprobs or [])} of {len(tokens)} tokens"
+            )
+        logprobs = [float(step[tok].logprob) for step, tok in zip(output.logprobs, tokens, strict=True)]
+        return Completion(
+            prompt_ids=list(prompt_ids),
+            completion_ids=tokens,
+            completion_text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            logprobs=logprobs,
+            finish_reason=output.finish_reason,
+        )
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            shutdown = getattr(llm.llm_engine, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            del llm
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
