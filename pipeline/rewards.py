@@ -134,8 +134,13 @@ def _from_tags(text: str) -> str | None:
 
 
 def _from_gsm8k(text: str) -> str | None:
+    """The last ``####`` line: its leading number ("#### 72 apples" -> 72), else the whole line."""
     found = _GSM8K.findall(text)
-    return found[-1] if found else None
+    if not found:
+        return None
+    line = found[-1].strip()
+    lead = re.match(r"\$?\s*(" + _NUMBER.pattern + r")(?![\d^_{\\])", line)
+    return lead.group(1) if lead else line
 
 
 def _last_number(text: str) -> str | None:
@@ -228,7 +233,7 @@ def verify_pair(pred: str, gold: str) -> tuple[Status, bool, str | None]:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     gold_parsed = _parse_gold(gold)
-    if not gold_parsed:
+    if all(isinstance(x, str) for x in gold_parsed):  # only the raw-string fallback: LaTeX did not parse
         return "error", False, f"gold answer {gold[:80]!r} does not parse as LaTeX"
     pred_parsed = parse(
         f"${pred}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None
