@@ -352,7 +352,9 @@ class VerifierPool:
             now = time.monotonic()
             for w in self._workers:
                 if w.ready and not w.busy and pending:
-                    chunk = [pending.popleft() for _ in range(min(self.cfg.chunk_size, len(pending)))]
+                    # small batches are split evenly so no worker idles while another holds a queue
+                    size = min(self.cfg.chunk_size, -(-len(pending) // len(self._workers)))
+                    chunk = [pending.popleft() for _ in range(size)]
                     w.busy.extend(chunk)
                     w.conn.send([(i, *pairs[i]) for i in chunk])
                     w.item_since = now
