@@ -1,0 +1,211 @@
+"""NVFP4 reference kernel: truth tables, ties, saturation, zero blocks, FP8 rounding, and the Triton
+and numba implementations bit-exact against it (Triton under TRITON_INTERPRET=1, set by conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import nvfp4
+from kernels.nvfp4 import (
+    FP4_VALUES,
+    NVFP4Error,
+    dequantize_nvfp4,
+    fp4_codes,
+    global_scale,
+    pack_codes,
+    quantize_nvfp4,
+    round_fp8_e4m3,
+    unpack_codes,
+)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
+
+
+def test_fp4_truth_table_every_code():
+    vals = torch.tensor(FP4_VALUES + tuple(-v for v in FP4_VALUES[1:]), dtype=torch.float32)
+    codes = fp4_codes(vals)
+    assert codes.tolist() == list(range(8)) + list(range(9, 16))
+    # decoding every code (including 8 = "-0") gives the table back, sign of zero included
+    packed = pack_codes(torch.arange(16, dtype=torch.uint8).reshape(1, 16))
+    deq = dequantize_nvfp4(packed, torch.ones(1, 1).to(torch.float8_e4m3fn), 1.0, dtype=torch.float32)[0]
+    assert deq[:8].tolist() == list(FP4_VALUES)
+    assert deq[9:].tolist() == [-v for v in FP4_VALUES[1:]]
+    assert deq[8].item() == 0.0 and torch.signbit(deq[8])
+
+
+@pytest.mark.parametrize(
+    ("x", "code"),
+    [
+        (0.25, 0),  # tie 0 | 0.5 -> even code 0
+        (0.75, 2),  # tie 0.5 | 1.0 -> 1.0
+        (1.25, 2),  # tie 1.0 | 1.5 -> 1.0
+        (1.75, 4),  # tie 1.5 | 2.0 -> 2.0
+        (2.5, 4),  # tie 2 | 3 -> 2
+        (3.5, 6),  # tie 3 | 4 -> 4
+        (5.0, 6),  # tie 4 | 6 -> 4
+        (0.2500001, 1),
+        (0.7499999, 1),
+        (5.0000005, 7),
+        (6.5, 7),  # saturation
+        (1e30, 7),
+        (-1e30, 15),
+        (-0.1, 8),  # a negative quotient that rounds to zero keeps its sign bit (library behaviour)
+        (-0.0, 0),  # but -0.0 itself is code 0
+        (-2.5, 12),
+    ],
+)
+def test_fp4_ties_and_saturation(x, code):
+    assert fp4_codes(torch.tensor([x], dtype=torch.float32)).item() == code
+
+
+def test_pack_unpack_roundtrip_low_nibble_first():
+    codes = torch.randint(0, 16, (5, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_codes(codes)
+    assert packed.shape == (5, 16)
+    assert packed[0, 0].item() == codes[0, 0].item() | (codes[0, 1].item() << 4)
+    assert torch.equal(unpack_codes(packed), codes)
+
+
+def test_fp8_rounding_matches_torch_cast_value_by_value():
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat(
+        [
+            torch.rand(20000, generator=g) * 460,
+            torch.rand(20000, generator=g) * 0.05,  # subnormals of E4M3 (< 2^-6)
+            torch.tensor([7.85, 7.5, 15.5, 0.0, 448.0, 447.9, 1e-9, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 240.0]),
+        ]
+    )
+    ours = round_fp8_e4m3(x)
+    torch_cast = x.clamp(max=448).to(torch.float8_e4m3fn).float()
+    assert torch.equal(ours, torch_cast)
+    assert round_fp8_e4m3(torch.tensor([7.85])).item() == 8.0  # the carry the interpreter gets wrong
+    assert round_fp8_e4m3(torch.tensor([1000.0])).item() == 448.0  # saturation
+
+
+def test_global_scale():
+    assert global_scale(torch.tensor(2688.0)).item() == 1.0
+    assert global_scale(1.0).dtype == torch.float32 and global_scale(1.0).shape == (1,)
+    assert global_scale(0.0).item() == 1.0  # all-zero tensor: the library's fallback
+
+
+def test_zero_blocks_and_zero_tensor():
+    w = torch.randn(4, 64)
+    w[1, 16:32] = 0.0
+    packed, scale, gs = quantize_nvfp4(w)
+    assert scale[1, 1].float().item() == 0.125  # a zero block scale is replaced by 0.125
+    assert torch.all(unpack_codes(packed)[1, 16:32] == 0)
+    z_packed, z_scale, z_gs = quantize_nvfp4(torch.zeros(2, 32))
+    assert z_gs.item() == 1.0 and torch.all(z_packed == 0) and torch.all(z_scale.float() == 0.125)
+    assert torch.all(dequantize_nvfp4(z_packed, z_scale, z_gs) == 0)
+
+
+def test_quantize_dequantize_error_is_bounded():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    packed, scale, gs = quantize_nvfp4(w)
+    deq = dequantize_nvfp4(packed, scale, gs, dtype=torch.float32)
+    # each element is within half an FP4 step (<= 1 at the top binade) of the block scale
+    block_mult = (scale.float() / gs).repeat_interleave(16, dim=1)
+    assert torch.all((deq - w).abs() <= block_mult * 1.0 + 1e-6)
+    assert (deq - w).abs().mean() < 0.1 * w.abs().mean()
+
+
+def test_shared_global_scale_is_used():
+    w = torch.randn(8, 32)
+    _, _, gs = quantize_nvfp4(w, global_scale=torch.tensor([3.0]))
+    assert gs.item() == 3.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weight_names_the_tensor(bad):
+    w = torch.randn(4, 32)
+    w[2, 5] = bad
+    with pytest.raises(NVFP4Error, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*row 2, column 5"):
+        quantize_nvfp4(w, name="model.layers.0.mlp.up_proj.weight")
+
+
+def test_shape_errors_name_the_tensor():
+    with pytest.raises(NVFP4Error, match="q_proj.*multiple of 16"):
+        quantize_nvfp4(torch.randn(4, 24), name="q_proj")
+    with pytest.raises(NVFP4Error, match="2-D"):
+        quantize_nvfp4(torch.randn(32), name="bias")
+
+
+def _adversarial(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    heavy = torch.randn(48, 128, generator=g) ** 7  # huge dynamic range: tiny and saturated blocks
+    ties = (torch.randint(-12, 13, (32, 64), generator=g).float() / 4.0) * (
+        2.0 ** torch.randint(-4, 4, (32, 1))
+    )
+    mixed = torch.randn(32, 96, generator=g) * 0.02
+    mixed[3] = 0.0
+    mixed[5, :16] = -0.0
+    mixed[7, 16:32] = 1e-30  # far below the tensor max: the block scale underflows to 0 -> 0.125
+    return [heavy, ties, mixed, torch.randn(16, 48, generator=g).bfloat16(), torch.randn(8, 32).half()]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_numba_backend_bit_exact(seed):
+    from kernels import nvfp4_numba
+
+    if not nvfp4_numba.available():
+        pytest.skip("numba not installed")
+    for w in _adversarial(seed):
+        ref = quantize_nvfp4(w)
+        fast = nvfp4._quantize_numba(w, None, "w", chunk_elements=1000)  # several row chunks
+        assert all(_same(a, b) for a, b in zip(ref, fast, strict=True))
+
+
+def test_reference_chunking_does_not_change_bits():
+    w = torch.randn(37, 64)
+    assert all(
+        _same(a, b) for a, b in zip(quantize_nvfp4(w), quantize_nvfp4(w, chunk_elements=100), strict=True)
+    )
+
+
+def test_dispatcher_uses_numba_on_cpu():
+    assert nvfp4.quantize_backend("cpu") in {"numba", "torch"}
+    w = torch.randn(16, 64)
+    assert all(_same(a, b) for a, b in zip(nvfp4.quantize(w), quantize_nvfp4(w), strict=True))
+
+
+# --- Triton (interpreter on CPU) ---------------------------------------------------------------------
+
+
+def test_triton_fp8_rounding_matches_torch_cast():
+    from kernels.nvfp4_triton import round_fp8_e4m3_triton
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat(
+        [torch.rand(1000, generator=g) * 460, torch.rand(1000, generator=g) * 0.03, torch.tensor([7.85])]
+    )
+    assert torch.equal(round_fp8_e4m3_triton(x), x.clamp(max=448).to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_quantize_bit_exact(seed):
+    from kernels.nvfp4_triton import quantize_nvfp4_triton
+
+    for w in _adversarial(seed):
+        ref = quantize_nvfp4(w)
+        tri = quantize_nvfp4_triton(w)
+        assert all(_same(a, b) for a, b in zip(ref, tri, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_triton_dequantize_bit_exact(dtype):
+    from kernels.nvfp4_triton import dequantize_nvfp4_triton
+
+    g = torch.Generator().manual_seed(4)
+    packed = torch.randint(0, 256, (24, 40), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(24, 5, generator=g) * 448).to(torch.float8_e4m3fn)
+    gs = torch.tensor([37.5])
+    assert _same(
+        dequantize_nvfp4(packed, scale, gs, dtype), dequantize_nvfp4_triton(packed, scale, gs, dtype)
+    )
