@@ -16,8 +16,9 @@ How the pool departs from the usual ``math_verify.verify`` loop, and why:
   of its chunk is re-queued. A worker that dies (segfault, GMP abort on out-of-memory) is replaced the
   same way and its current answer gets status ``error``. Workers also run under an address-space limit
   so a power tower cannot eat the machine's memory before its deadline.
-* Workers come from a ``forkserver`` context with math-verify preloaded, so replacing a killed
-  worker costs a fork (milliseconds), not a fresh interpreter importing sympy (about a second). The
+* Workers come from a ``forkserver`` context with math-verify preloaded and warmed up
+  (``pipeline._reward_warmup``), so replacing a killed worker costs a fork (milliseconds), not a
+  fresh interpreter importing sympy and building parsers (about 1.5 s). The
   forkserver also makes the pool safe to start from any thread.
 * Identical (prediction, gold) pairs are verified once per batch: verification is a deterministic
   function of the two normalised strings, so this changes no result, and it makes a repeated
@@ -292,7 +293,7 @@ class VerifierPool:
         self.cfg = cfg or RewardConfig()
         self._ctx = multiprocessing.get_context("forkserver")
         # Preload math-verify (sympy, antlr) in the fork server once; every worker is then a cheap fork.
-        self._ctx.set_forkserver_preload(["math_verify", "pipeline.rewards"])
+        self._ctx.set_forkserver_preload(["math_verify", "pipeline.rewards", "pipeline._reward_warmup"])
         self.restarts = 0
         self._workers: list[_Worker] = [self._launch() for _ in range(self.cfg.workers)]
 
