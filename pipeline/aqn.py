@@ -163,7 +163,13 @@ def apply_norm_noise(
 
 
 def apply_to_hf_model(model: torch.nn.Module, sigma: float, seed: int) -> int:
-    """AQN on a transformers (or peft-wrapped) model: keeps the clean copy on the model itself."""
+    """AQN on a transformers (or peft-wrapped) model: keeps the clean copy on the base model.
+
+    A peft wrapper is unwrapped first so that wrapping a noisy model later cannot make its noisy
+    weights look clean (the wrapper and the base share the parameters, not the attribute).
+    """
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     clean = model.__dict__.setdefault(_CLEAN_ATTR, {})
     targets = noise_targets((name, param.data) for name, param in model.named_parameters())
     return apply_norm_noise(targets, clean, sigma, seed)

@@ -132,6 +132,7 @@ class Completion:
 class RolloutEngine(Protocol):
     mode: str
     info: dict[str, Any]
+    tokenizer: Any  # the HF tokenizer prompts are rendered and encoded with
 
     def set_adapter(self, path: Path | None, digest: str | None) -> None: ...
 
