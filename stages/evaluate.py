@@ -1,0 +1,159 @@
+"""Stage ``evaluate``: pass@1 averaged over k samples (avg@k) of the base + adapter on a benchmark.
+
+What: load the benchmark's problems (``pipeline.data``, test split by default), render each with
+the benchmark's prompt template through the base model's tokenizer, generate k completions per
+item with the rollout engine (clean weights: AQN noise is set to 0), score them with the training
+scorer (``pipeline.rewards.score_batch``, same config as training, so "correct" means the same in
+both), and write
+
+* ``results.parquet`` - one row per (item, sample): id, question, answer, sample, completion_text,
+  extracted, correct, reward, status, finish_reason, completion_tokens;
+* ``items.parquet`` - one row per item: id, n_samples, n_correct, rate;
+* ``summary.json`` - benchmark id (name/split@digest of the exact items), n_items, k, accuracy
+  (avg@k), stderr, ci95, pass@k, adapter digest, engine mode and sampling.
+
+The cache key covers the eval and reward configs, the engine mode, the base and adapter digests and
+the digest of the problems themselves, so a changed dataset file re-evaluates.
+The engine is passed in, not built here: the flow keeps one engine across rollout and evaluation.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pipeline import evaluation as ev
+from pipeline import prompts, rewards
+from pipeline.artifacts import ArtifactStore, BuildResult, Manifest, code_version
+from pipeline.data import load_problems, problems_digest
+from pipeline.engines import RolloutEngine, SamplingSpec
+from pipeline.rewards import RewardConfig, score_batch
+
+log = logging.getLogger("qerl.stages.evaluate")
+
+STAGE = "evaluate"
+
+
+def _write_parquet(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def run(
+    cfg: ev.EvalConfig,
+    base: Manifest,
+    adapter_dir: Path | None,
+    adapter_digest: str | None,
+    store: ArtifactStore,
+    engine: RolloutEngine,
+    reward_cfg: RewardConfig,
+) -> Manifest:
+    """Evaluate ``engine`` (serving ``base``) with the adapter (or none) on ``cfg.benchmark``."""
+    if (adapter_dir is None) != (adapter_digest is None):
+        raise ValueError(
+            f"adapter_dir {adapter_dir} and adapter_digest {adapter_digest} must be given together"
+        )
+    problems = load_problems(cfg.benchmark)
+    digest = problems_digest(problems)
+    bench = ev.benchmark_id(cfg.benchmark, digest)
+    inputs = {"base": base.digest, "benchmark": digest, "adapter": adapter_digest or "none"}
+    config = {
+        "eval": cfg.model_dump(mode="json"),
+        "reward": reward_cfg.model_dump(mode="json"),
+        "engine_mode": engine.mode,
+    }
+    code = code_version(sys.modules[__name__], ev, rewards, prompts)
+    sampling = SamplingSpec(
+        temperature=cfg.sampling_temperature, top_p=cfg.sampling_top_p, max_new_tokens=cfg.max_new_tokens
+    )
+    n = cfg.n_samples
+
+    def build(tmp: Path) -> BuildResult:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(base.dir)
+        texts = [prompts.render_prompt(tokenizer, p["question"], cfg.benchmark.template) for p in problems]
+        engine.set_adapter(adapter_dir, adapter_digest)
+        engine.set_noise(0.0, cfg.seed)  # evaluation sees the clean quantized weights
+        log.info(
+            "evaluating %s: %d items x %d samples (%s), engine %s",
+            bench,
+            len(problems),
+            n,
+            sampling,
+            engine.mode,
+        )
+        outputs = engine.generate(texts, n, sampling, cfg.seed)
+        if len(outputs) != len(problems):
+            raise RuntimeError(f"engine returned {len(outputs)} groups for {len(problems)} prompts")
+        for i, group in enumerate(outputs):
+            if len(group) != n:
+                raise RuntimeError(
+                    f"engine returned {len(group)} samples for item {problems[i]['id']}, expected {n}"
+                )
+        flat = [(p, j, c) for p, group in zip(problems, outputs, strict=True) for j, c in enumerate(group)]
+        scores = score_batch(
+            [c.completion_text for _, _, c in flat], [p["answer"] for p, _, _ in flat], reward_cfg
+        )
+        rows = [
+            {
+                "id": p["id"],
+                "question": p["question"],
+                "answer": p["answer"],
+                "sample": j,
+                "completion_text": c.completion_text,
+                "extracted": s.extracted,
+                "correct": bool(s.correct),
+                "reward": float(s.reward),
+                "status": str(s.status),
+                "finish_reason": c.finish_reason,
+                "completion_tokens": len(c.completion_ids),
+            }
+            for (p, j, c), s in zip(flat, scores, strict=True)
+        ]
+        correct = [[bool(s.correct) for s in scores[i * n : (i + 1) * n]] for i in range(len(problems))]
+        items = ev.per_item([p["id"] for p in problems], correct)
+        summary = {
+            **ev.summarize(correct),
+            "benchmark": bench,
+            "benchmark_name": cfg.benchmark.dataset,
+            "split": cfg.benchmark.split,
+            "benchmark_digest": digest,
+            "adapter_digest": adapter_digest,
+            "engine_mode": engine.mode,
+            "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "greedy": cfg.greedy},
+            "max_new_tokens": cfg.max_new_tokens,
+            "truncated_fraction": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
+            "score_status": dict(collections.Counter(r["status"] for r in rows)),
+        }
+        _write_parquet(tmp / "results.parquet", rows)
+        _write_parquet(tmp / "items.parquet", items)
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        log.info(
+            "%s: avg@%d = %.4f +- %.4f (%d items)",
+            bench,
+            n,
+            summary["accuracy"],
+            summary["stderr"],
+            len(items),
+        )
+        return BuildResult(
+            mode=engine.mode,
+            metrics={k: summary[k] for k in ("accuracy", "stderr", "n_items", "k")},
+            extra={"benchmark": bench},
+        )
+
+    manifest, cached = store.produce(STAGE, config, inputs, code, build)
+    if cached:
+        log.info("evaluate %s: cached (%s)", bench, manifest.dir)
+    return manifest
+
+
+def load_summary(manifest: Manifest) -> dict:
+    """The evaluation summary of an ``evaluate`` manifest."""
+    return json.loads(manifest.file("summary.json").read_text())

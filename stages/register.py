@@ -1,0 +1,176 @@
+"""Stage ``register``: log a finished run to MLflow and register its adapter as a model version.
+
+What: one MLflow run per training run holds the per-step history (reward, accuracy, entropy, KL,
+clip fractions, sigma, tokens/s, stage times: every numeric key the flow recorded), the PNG curves,
+the train config as params, the adapter, its manifest and the evaluation table. The adapter becomes
+a version of ``cfg.model_name`` with lineage tags; a complete run's version becomes ``challenger``
+(unless a newer one already is) and ``champion`` when it beats the current champion (see
+``pipeline.registry`` for the rule and its lock). A failed or partial run is still registered (its
+lineage is worth keeping, tagged ``complete=false``) but gets no alias.
+
+Idempotence has two layers. The artifact store caches this stage by (registry config, train and
+evaluation digests, lineage, history, completeness), so an identical re-run does nothing. Because
+the flow run id in the lineage changes when a crashed run is resumed, the registry is also asked
+first whether a version with this adapter digest exists; if so it is reused (its promotion is
+re-decided, which is a no-op when it already happened) and no second version or MLflow run is made.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline import registry
+from pipeline.artifacts import (
+    MANIFEST,
+    ArtifactError,
+    ArtifactStore,
+    BuildResult,
+    Manifest,
+    code_version,
+    sha256_json,
+)
+
+log = logging.getLogger("qerl.stages.register")
+
+STAGE = "register"
+
+
+def _flatten(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _eval_summary(evaluation: Manifest) -> dict[str, Any]:
+    summary = json.loads(evaluation.file("summary.json").read_text())
+    for key in ("benchmark", "accuracy"):
+        if key not in summary:
+            raise ArtifactError(f"{evaluation.file('summary.json')} has no '{key}'")
+    return summary
+
+
+def _log_run(
+    cfg: registry.RegistryConfig,
+    train: Manifest,
+    evaluation: Manifest,
+    lineage: Mapping[str, Any],
+    history: Sequence[Mapping[str, Any]],
+    summary: Mapping[str, Any],
+    complete: bool,
+) -> str:
+    """Create the MLflow run and log everything but the adapter; returns the run id."""
+    name = f"qerl-{lineage.get('flow_run_id') or train.key[:12]}"
+    run_id = registry.start_run(cfg, run_name=name, tags={**lineage, "complete": str(complete).lower()})
+    registry.log_params(run_id, _flatten(train.config))
+    n_metrics = registry.log_history(run_id, history)
+    last_step = max((int(e.get("step", i)) for i, e in enumerate(history)), default=0)
+    registry.log_step_metrics(
+        run_id,
+        last_step,
+        {f"eval_{k}": v for k, v in summary.items() if k in ("accuracy", "stderr", "n_items", "k")},
+    )
+    plots = registry.log_plots(run_id, history)
+    client = registry.MlflowClient()
+    for fname in ("results.parquet", "summary.json"):
+        client.log_artifact(run_id, str(evaluation.file(fname)), artifact_path="evaluation")
+    client.log_artifact(run_id, str(evaluation.dir / MANIFEST), artifact_path="evaluation")
+    log.info("MLflow run %s: %d metric points, plots %s", run_id, n_metrics, plots)
+    return run_id
+
+
+def run(
+    cfg: registry.RegistryConfig,
+    train: Manifest,
+    evaluation: Manifest,
+    lineage: Mapping[str, Any],
+    history: Sequence[Mapping[str, Any]],
+    work_dir: str | Path,
+    complete: bool,
+    store: ArtifactStore,
+) -> Manifest:
+    """Log, register and (maybe) promote the adapter of ``train``; writes ``registration.json``."""
+    adapter_dir = train.dir / "adapter"
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise ArtifactError(f"train artifact {train.stage}/{train.key} has no adapter at {adapter_dir}")
+    if lineage.get("adapter_digest") not in (None, train.digest):
+        raise ValueError(
+            f"lineage adapter_digest {lineage['adapter_digest']} is not train's digest {train.digest}"
+        )
+    lineage = {**lineage, "adapter_digest": train.digest}
+    missing = [k for k in registry.LINEAGE_KEYS if k not in lineage]
+    if missing:
+        raise ValueError(f"lineage lacks {missing} (has {sorted(lineage)})")
+    uri, artifacts = registry.resolve_uris(cfg, work_dir)
+    kind = registry.backend_kind(uri)
+    resolved = cfg.model_copy(update={"tracking_uri": uri, "artifact_location": artifacts})
+    inputs = {
+        "train": train.digest,
+        "evaluation": evaluation.digest,
+        "lineage": sha256_json(dict(lineage)),
+        "history": sha256_json(list(history)),
+    }
+    # the lock timeout does not change what gets registered: keep it out of the key
+    key_cfg = {"registry": resolved.model_dump(mode="json", exclude={"lock_timeout_s"}), "complete": complete}
+
+    def build(tmp: Path) -> BuildResult:
+        registry.open_tracking(resolved, work_dir)
+        summary = _eval_summary(evaluation)
+        existing = registry.find_version(resolved, train.digest)
+        if existing is not None:
+            version, run_id, created = str(existing.version), existing.run_id, False
+        else:
+            run_id = _log_run(resolved, train, evaluation, lineage, history, summary, complete)
+            version, created = registry.register_adapter(
+                resolved, run_id, adapter_dir, train.dir / MANIFEST, summary, lineage, complete
+            )
+            registry.MlflowClient().set_terminated(run_id, status="FINISHED" if complete else "FAILED")
+        challenger = registry.set_challenger(resolved, version) if complete else False
+        promoted = registry.maybe_promote(
+            resolved, version, str(summary["benchmark"]), summary.get("accuracy"), complete
+        )
+        info = registry.version_info(resolved, version)
+        record = {
+            "model_name": resolved.model_name,
+            "version": version,
+            "created": created,
+            "run_id": run_id,
+            "source": info["source"],
+            "aliases": info["aliases"],
+            "challenger": challenger,
+            "promoted": promoted,
+            "promotion": info["tags"].get("promotion"),
+            "complete": complete,
+            "benchmark": summary["benchmark"],
+            "accuracy": summary.get("accuracy"),
+            "tracking_backend": kind,
+        }
+        (tmp / "registration.json").write_text(
+            json.dumps(record, indent=2, sort_keys=True, default=str) + "\n"
+        )
+        return BuildResult(
+            mode=f"mlflow-{kind}",
+            metrics={"version": int(version), "promoted": promoted, "created": created},
+            extra={"run_id": run_id, "model_name": resolved.model_name},
+        )
+
+    manifest, cached = store.produce(
+        STAGE, key_cfg, inputs, code_version(sys.modules[__name__], registry), build
+    )
+    log.info(
+        "register: %s v%s (%s)%s",
+        manifest.extra.get("model_name"),
+        manifest.metrics.get("version"),
+        "promoted" if manifest.metrics.get("promoted") else "not promoted",
+        " [cached]" if cached else "",
+    )
+    return manifest

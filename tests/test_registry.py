@@ -1,0 +1,357 @@
+"""MLflow registry: versions, lineage tags, aliases, the promotion rule, races, sqlite and PostgreSQL."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline import registry as reg
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_adapter(root: Path, tag: str) -> Path:
+    d = root / f"adapter-{tag}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "adapter_config.json").write_text(f'{{"r": 8, "tag": "{tag}"}}')
+    (d / "adapter_model.safetensors").write_bytes(tag.encode() * 8)
+    return d
+
+
+def lineage(digest: str) -> dict:
+    return {
+        "base_digest": "base123",
+        "quant_recipe": "nvfp4a16",
+        "dataset_digest": "data456",
+        "code_version": "code789",
+        "flow_run_id": None,
+        "adapter_digest": digest,
+    }
+
+
+def register(
+    cfg: reg.RegistryConfig, root: Path, tag: str, acc: float | None, bench: str = "arith/test@x"
+) -> str:
+    run_id = reg.start_run(cfg, run_name=tag)
+    version, created = reg.register_adapter(
+        cfg,
+        run_id,
+        make_adapter(root, tag),
+        None,
+        {"benchmark": bench, "accuracy": acc, "k": 4},
+        lineage(tag),
+    )
+    assert created
+    return version
+
+
+def n_versions(cfg: reg.RegistryConfig) -> int:
+    return len(reg.MlflowClient().search_model_versions(f"name = '{cfg.model_name}'"))
+
+
+def champion(cfg: reg.RegistryConfig) -> str | None:
+    mv = reg.alias_version(cfg, cfg.champion_alias)
+    return None if mv is None else str(mv.version)
+
+
+@pytest.fixture(scope="module")
+def sqlite_work(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("registry-work")
+    reg.open_tracking(reg.RegistryConfig(), work)  # creates the schema once for the module
+    return work
+
+
+@pytest.fixture
+def cfg(sqlite_work) -> reg.RegistryConfig:
+    c = reg.RegistryConfig(model_name=f"m-{uuid.uuid4().hex[:8]}")
+    reg.open_tracking(c, sqlite_work)
+    return c
+
+
+def test_default_backend_is_sqlite_under_work_dir(sqlite_work):
+    uri, artifacts = reg.resolve_uris(reg.RegistryConfig(), sqlite_work)
+    assert uri == f"sqlite:///{sqlite_work.resolve() / 'mlflow.db'}"
+    assert (sqlite_work / "mlflow.db").is_file()
+    assert artifacts == (sqlite_work.resolve() / "mlartifacts").as_uri()
+    with pytest.raises(reg.RegistryError, match="not a sqlite or postgresql"):
+        reg.backend_kind("http://mlflow.example:5000")
+    with pytest.raises(Exception, match="promote_margin"):
+        reg.RegistryConfig(promote_margin=-0.1)
+
+
+def test_register_tags_aliases_and_margin(cfg, tmp_path):
+    cfg = cfg.model_copy(update={"promote_margin": 0.05})
+    v1 = register(cfg, tmp_path, "a1", 0.50)
+    info = reg.version_info(cfg, v1)
+    for key, value in {**lineage("a1"), "flow_run_id": "none", "eval_benchmark": "arith/test@x"}.items():
+        assert info["tags"][key] == str(value), key
+    assert info["source"].endswith("/adapter") and info["run_id"]
+    # the registered source holds the adapter files
+    local = reg.MlflowClient().download_artifacts(info["run_id"], "adapter", str(tmp_path / "dl"))
+    assert sorted(os.listdir(local)) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    assert reg.set_challenger(cfg, v1)
+    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.50, complete=True)
+    assert champion(cfg) == v1
+    v2 = register(cfg, tmp_path, "a2", 0.54)  # better, but not by the margin
+    assert not reg.maybe_promote(cfg, v2, "arith/test@x", 0.54, complete=True)
+    assert champion(cfg) == v1
+    assert "does not beat" in reg.version_info(cfg, v2)["tags"]["promotion"]
+    v3 = register(cfg, tmp_path, "a3", 0.56)
+    assert reg.maybe_promote(cfg, v3, "arith/test@x", 0.56, complete=True)
+    assert champion(cfg) == v3
+    assert reg.maybe_promote(cfg, v3, "arith/test@x", 0.56, complete=True)  # already champion: no-op
+    # a champion measured on another benchmark is not comparable
+    v4 = register(cfg, tmp_path, "a4", 0.99, bench="gsm8k/test@y")
+    assert not reg.maybe_promote(cfg, v4, "gsm8k/test@y", 0.99, complete=True)
+    assert champion(cfg) == v3
+    # challenger follows the newest version and never moves back
+    assert reg.set_challenger(cfg, v4)
+    assert not reg.set_challenger(cfg, v2)
+    assert str(reg.alias_version(cfg, cfg.challenger_alias).version) == v4
+
+
+def test_failed_or_partial_run_never_promotes(cfg, tmp_path):
+    v1 = register(cfg, tmp_path, "p1", 0.9)
+    assert not reg.maybe_promote(cfg, v1, "arith/test@x", 0.9, complete=False)
+    assert champion(cfg) is None
+    assert "incomplete" in reg.version_info(cfg, v1)["tags"]["promotion"]
+    assert not reg.maybe_promote(cfg, v1, "arith/test@x", None, complete=True)
+    assert not reg.maybe_promote(cfg, v1, "arith/test@x", float("nan"), complete=True)
+    assert champion(cfg) is None
+    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.9, complete=True)
+    v2 = register(cfg, tmp_path, "p2", 1.0)
+    assert not reg.maybe_promote(cfg, v2, "arith/test@x", 1.0, complete=False)
+    assert champion(cfg) == v1
+
+
+def test_idempotent_register_and_manual_promote(cfg, tmp_path):
+    v1 = register(cfg, tmp_path, "i1", 0.7)
+    run_id = reg.start_run(cfg, run_name="again")
+    again, created = reg.register_adapter(
+        cfg, run_id, make_adapter(tmp_path, "i1"), None, {"benchmark": "b", "accuracy": 0.7}, lineage("i1")
+    )
+    assert (again, created) == (v1, False)
+    assert n_versions(cfg) == 1
+    assert reg.find_version(cfg, "i1").version == int(v1)
+    with pytest.raises(reg.RegistryError, match="lacks"):
+        reg.register_adapter(cfg, run_id, make_adapter(tmp_path, "x"), None, {}, {"adapter_digest": "x"})
+    with pytest.raises(reg.RegistryError, match="adapter_config.json"):
+        reg.register_adapter(cfg, run_id, tmp_path / "nowhere", None, {}, lineage("y"))
+
+    v2 = register(cfg, tmp_path, "i2", 0.1)
+    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.7, complete=True)
+    reg.promote(cfg, cfg.model_name, v2)  # manual: a worse version can be made champion
+    assert champion(cfg) == v2
+    assert reg.version_info(cfg, v2)["tags"]["promotion"] == "manual promotion"
+    with pytest.raises(reg.RegistryError, match="does not exist"):
+        reg.promote(cfg, cfg.model_name, "99")
+
+
+def test_history_metrics_and_plots(cfg):
+    history = [
+        {"step": s, "reward_mean": 0.1 * s, "accuracy": 0.05 * s, "entropy": 1.0 - 0.1 * s, "sigma": 0.01 / (s + 1),
+         "kl": 0.0, "mode": "vllm-nvfp4-emulated"}
+        for s in range(5)
+    ]  # fmt: skip
+    run_id = reg.start_run(cfg, run_name="plots")
+    assert reg.log_history(run_id, history) == 5 * 6  # the string 'mode' is not a metric
+    client = reg.MlflowClient()
+    points = client.get_metric_history(run_id, "reward_mean")
+    assert sorted((m.step, round(m.value, 6)) for m in points) == [(s, round(0.1 * s, 6)) for s in range(5)]
+    assert sorted(reg.log_plots(run_id, history)) == ["accuracy", "entropy", "reward", "sigma"]
+    pngs = [a.path for a in client.list_artifacts(run_id, "plots")]
+    assert sorted(pngs) == ["plots/accuracy.png", "plots/entropy.png", "plots/reward.png", "plots/sigma.png"]
+    local = client.download_artifacts(run_id, "plots/reward.png")
+    assert Path(local).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert reg.log_plots(run_id, [{"step": 0, "kl": 0.1}]) == []
+
+
+_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    sys.path.insert(0, {repo!r})
+    from pipeline import registry as reg
+    work, name, tag, acc, go, ready = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5], sys.argv[6]
+    cfg = reg.RegistryConfig(model_name=name, tracking_uri=os.environ.get("QERL_TEST_URI") or None)
+    reg.open_tracking(cfg, work)
+    adapter = Path(work) / ("adapter-" + tag)
+    adapter.mkdir(exist_ok=True)
+    (adapter / "adapter_config.json").write_text("{{}}")
+    (adapter / "adapter_model.safetensors").write_bytes(tag.encode())
+    lin = dict(base_digest="b", quant_recipe="q", dataset_digest="d", code_version="c", flow_run_id=tag,
+               adapter_digest=tag)
+    run_id = reg.start_run(cfg, run_name=tag)
+    Path(ready).touch()
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    version, _ = reg.register_adapter(cfg, run_id, adapter, None, {{"benchmark": "arith", "accuracy": acc}}, lin)
+    reg.set_challenger(cfg, version)
+    print("PROMOTED" if reg.maybe_promote(cfg, version, "arith", acc, True) else "KEPT", version)
+    """
+).format(repo=str(REPO))
+
+
+def race(
+    cfg: reg.RegistryConfig, work: Path, accs: dict[str, float], env: dict | None = None
+) -> dict[str, str]:
+    """One process per adapter, released together while we hold the registry lock; tag -> output.
+
+    Holding the lock at the release proves that registration and promotion wait for it; dropping
+    it lets both go at once, the race the lock must make harmless.
+    """
+    name = cfg.model_name
+    uri, _ = reg.resolve_uris(cfg, work)
+    go = work / f"go-{name}"
+    procs = {}
+    for tag, acc in accs.items():
+        ready = work / f"ready-{name}-{tag}"
+        procs[tag] = (
+            subprocess.Popen(
+                [sys.executable, "-c", _WORKER, str(work), name, tag, str(acc), str(go), str(ready)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, **(env or {})},
+            ),
+            ready,
+        )
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for _, r in procs.values()):
+        assert time.monotonic() < deadline, "workers did not start"
+        assert all(p.poll() is None for p, _ in procs.values()), [p.communicate() for p, _ in procs.values()]
+        time.sleep(0.05)
+    before = n_versions(cfg)
+    with reg.registry_lock(uri, name):
+        go.touch()
+        time.sleep(1.5)
+        assert all(p.poll() is None for p, _ in procs.values()), "a worker went ahead while the lock was held"
+        assert n_versions(cfg) == before
+    out = {}
+    for tag, (p, _) in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-3000:]
+        out[tag] = stdout.strip().splitlines()[-1]
+    return out
+
+
+def check_race(cfg: reg.RegistryConfig, work: Path, env: dict | None = None) -> None:
+    # an existing champion at 0.5: the 0.4 run must not win even if it writes last
+    v0 = register(cfg, work, f"{cfg.model_name}-seed", 0.5, bench="arith")
+    assert reg.maybe_promote(cfg, v0, "arith", 0.5, True)
+    out = race(cfg, work, {"good": 0.7, "bad": 0.4}, env)
+    versions = {mv.tags["adapter_digest"]: str(mv.version) for mv in reg.MlflowClient().search_model_versions(
+        f"name = '{cfg.model_name}'")}  # fmt: skip
+    assert set(versions) == {f"{cfg.model_name}-seed", "good", "bad"}, out
+    assert champion(cfg) == versions["good"], out
+    assert out["good"].startswith("PROMOTED") and out["bad"].startswith("KEPT"), out
+    assert str(reg.alias_version(cfg, cfg.challenger_alias).version) == str(
+        max(int(v) for v in versions.values())
+    )
+
+
+@pytest.mark.slow
+def test_two_processes_finishing_together_sqlite(cfg, sqlite_work):
+    check_race(cfg, sqlite_work)
+    uri, _ = reg.resolve_uris(cfg, sqlite_work)
+    with pytest.raises(reg.RegistryError, match="timed out"), reg.registry_lock(uri, cfg.model_name):
+        with reg.registry_lock(uri, cfg.model_name, timeout_s=0.3):
+            pass
+
+
+def test_promotion_decision_rule():
+    cfg = reg.RegistryConfig(promote_margin=0.02)
+
+    class V:
+        def __init__(self, version, bench, acc):
+            self.version, self.tags = version, {"eval_benchmark": bench, "eval_accuracy": str(acc)}
+
+    assert reg.promotion_decision(cfg, None, "1", "b", 0.1, True)[0]
+    assert not reg.promotion_decision(cfg, None, "1", "b", 0.1, False)[0]
+    assert not reg.promotion_decision(cfg, V("1", "b", 0.5), "2", "b", 0.52, True)[0]
+    assert reg.promotion_decision(cfg, V("1", "b", 0.5), "2", "b", 0.5201, True)[0]
+    assert not reg.promotion_decision(cfg, V("1", "c", 0.1), "2", "b", 0.9, True)[0]
+
+
+# ---- PostgreSQL: a real server started for the test --------------------------------------------
+def _pg_bin() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if found:
+        return Path(found[-1]).parent
+    which = shutil.which("initdb")
+    return Path(which).parent if which else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pg_uri():
+    bindir = _pg_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed on this machine")
+    root = Path(tempfile.mkdtemp(prefix="qerl-pg-"))
+    prefix: list[str] = []
+    if os.geteuid() == 0:  # initdb refuses root: run the server as the postgres (or nobody) user
+        import pwd
+
+        user = "postgres" if "postgres" in {p.pw_name for p in pwd.getpwall()} else "nobody"
+        shutil.chown(root, user=user)
+        prefix = ["runuser", "-u", user, "--"]
+    data, port = root / "data", _free_port()
+
+    def run(*cmd):
+        return subprocess.run([*prefix, *cmd], check=True, capture_output=True, text=True, timeout=120)
+
+    run(str(bindir / "initdb"), "-D", str(data), "-U", "qerl", "-A", "trust", "--no-sync")
+    opts = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
+    run(str(bindir / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(root / "log"), "-w", "start")
+    try:
+        run(str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "qerl", "mlflow")
+        yield f"postgresql+psycopg://qerl@127.0.0.1:{port}/mlflow"
+    finally:
+        subprocess.run([*prefix, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                       capture_output=True, timeout=60)  # fmt: skip
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_postgresql_backend(pg_uri, tmp_path):
+    cfg = reg.RegistryConfig(tracking_uri=pg_uri, model_name="pg-adapter")
+    reg.open_tracking(cfg, tmp_path)
+    assert reg.backend_kind(pg_uri) == "postgresql"
+    v1 = register(cfg, tmp_path, "pg1", 0.5)
+    assert reg.set_challenger(cfg, v1)
+    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.5, True)
+    v2 = register(cfg, tmp_path, "pg2", 0.4)
+    assert not reg.maybe_promote(cfg, v2, "arith/test@x", 0.4, True)
+    assert champion(cfg) == v1
+    again, created = reg.register_adapter(
+        cfg, reg.start_run(cfg), make_adapter(tmp_path, "pg1"), None, {"benchmark": "b"}, lineage("pg1")
+    )
+    assert (again, created) == (v1, False)
+    reg.promote(cfg, cfg.model_name, v2)
+    assert champion(cfg) == v2
+    # the advisory lock excludes a second holder
+    with pytest.raises(reg.RegistryError, match="timed out"), reg.registry_lock(pg_uri, cfg.model_name):
+        with reg.registry_lock(pg_uri, cfg.model_name, timeout_s=0.3):
+            pass
+    # two processes against the server: both versions kept, the better one champion
+    race_cfg = reg.RegistryConfig(tracking_uri=pg_uri, model_name="pg-race")
+    reg.open_tracking(race_cfg, tmp_path)
+    check_race(race_cfg, tmp_path, env={"QERL_TEST_URI": pg_uri})
