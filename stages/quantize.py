@@ -1,0 +1,266 @@
+"""Stages ``quantize`` (HF model -> NVFP4A16 checkpoint) and ``dequantize`` (its bf16 twin), plus export.
+
+What: ``run`` turns a local Hugging Face model directory (or a hub id, resolved with
+``huggingface_hub.snapshot_download`` only when SRC is not a local directory) into a compressed-tensors
+NVFP4A16 checkpoint. The artifact directory *is* the loadable checkpoint: ``config.json`` with its
+``quantization_config``, ``model-0000i-of-0000n.safetensors`` + index, tokenizer files and generation
+config. ``run_twin`` derives the dequantized twin (Linear weights = exactly our dequantization, bf16,
+no quantization_config) that the rollout engine serves where no NVFP4 kernel exists (vLLM on CPU);
+it is its own stage ("dequantize", mode ``nvfp4-dequantized-twin``) so lineage says what it is.
+``export`` copies an artifact to a user path atomically.
+
+How: everything that can reject the model (architecture, MoE, unknown linears, shapes) runs on
+config.json and the safetensors headers before the store is asked to build anything; the build then
+streams one tensor group at a time through ``pipeline.nvfp4.write_sharded`` (see there for the memory
+bound). The cache key is the base model's content digest, the recipe and the code version of this
+module, the format module and the kernels, so a second run is a lookup.
+The manifest's ``mode`` records which quantizer ran (``nvfp4/numba``, ``nvfp4/torch`` or
+``nvfp4/triton``); all three are bit-identical to the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import kernels.nvfp4 as nvfp4_kernels
+import kernels.nvfp4_numba as nvfp4_numba_kernels
+import pipeline.nvfp4 as fmt
+from pipeline.artifacts import (
+    ArtifactError,
+    ArtifactStore,
+    BuildResult,
+    Manifest,
+    atomic_write_json,
+    code_version,
+)
+from pipeline.nvfp4 import QuantizeConfig, RawSlice, TensorSpec, UnsupportedModelError
+
+__all__ = ["QuantizeConfig", "export", "resolve_source", "run", "run_twin", "run_with_status"]
+
+log = logging.getLogger("qerl.stages.quantize")
+
+STAGE = "quantize"
+TWIN_STAGE = "dequantize"
+TWIN_MODE = "nvfp4-dequantized-twin"
+EXPORT_MARKER = ".qerl-export.json"
+# Files never copied from a source model: weights are rewritten, pickles are not read.
+_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".msgpack", ".h5", ".onnx")
+_SKIP_NAMES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def resolve_source(src: str | Path) -> Path:
+    """A local model directory as is; otherwise a hub id fetched with snapshot_download (clear error offline)."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise UnsupportedModelError(f"SRC {src} is a file; give a model directory or a hub id")
+    text = str(src)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise UnsupportedModelError(
+            f"SRC {src} is not a local directory and does not look like a hub id (org/name)"
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+        )
+    except Exception as err:  # noqa: BLE001 - any hub failure becomes one clear message
+        offline = os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "True")
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub is unreachable or the id is wrong"
+        raise UnsupportedModelError(
+            f"SRC '{src}' is not a local directory and could not be fetched from the Hugging Face hub "
+            f"({why}): {type(err).__name__}: {err}"
+        ) from err
+
+
+def _copy_aux_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for p in sorted(src.iterdir()):
+        if not p.is_file() or p.name.startswith(".") or p.name in _SKIP_NAMES or p.suffix in _SKIP_SUFFIXES:
+            continue
+        shutil.copy2(p, dst / p.name)
+        copied.append(p.name)
+    return copied
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _quant_producer(group: fmt.Group, device: torch.device) -> Callable[[], dict[str, torch.Tensor]]:
+    def produce() -> dict[str, torch.Tensor]:
+        weights = {s.name: fmt.read_tensor(s).to(device) for s in group.sources}
+        gs = None
+        if len(weights) > 1:  # fused q/k/v or gate/up: one global scale from the max amax of the group
+            amax = max(nvfp4_kernels.tensor_amax(w, name) for name, w in weights.items())
+            gs = nvfp4_kernels.global_scale(amax)
+        out: dict[str, torch.Tensor] = {}
+        for name, w in weights.items():
+            packed, scale, g = nvfp4_kernels.quantize(w, gs, name=name)
+            base = name[: -len(".weight")]
+            out[f"{base}.weight_packed"] = packed.cpu()
+            out[f"{base}.weight_scale"] = scale.cpu()
+            out[f"{base}.weight_global_scale"] = g.cpu()
+        return out
+
+    return produce
+
+
+def _copy_producer(spec: TensorSpec) -> Callable[[], dict[str, RawSlice]]:
+    return lambda: {spec.name: RawSlice(spec.path, spec.offset, spec.nbytes)}
+
+
+def run(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) -> Manifest:
+    """Quantize SRC to an NVFP4A16 checkpoint artifact (cached by base digest + recipe + code)."""
+    return run_with_status(cfg, src, store)[0]
+
+
+def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) -> tuple[Manifest, bool]:
+    """``run`` that also says whether the artifact came from the cache."""
+    src_dir = resolve_source(src)
+    model_config = fmt.read_model_config(src_dir)
+    arch = fmt.check_architecture(model_config, cfg)
+    specs = fmt.safetensors_index(src_dir)
+    plan = fmt.plan_quantization(specs, cfg)  # every rejection happens here, before any write
+    base_digest = store.source_digest(src_dir)
+    code = code_version(sys.modules[__name__], fmt, nvfp4_kernels, nvfp4_numba_kernels)
+    device = _device()
+    backend = nvfp4_kernels.quantize_backend(device)
+
+    def build(tmp: Path) -> BuildResult:
+        t0 = time.perf_counter()
+        aux = _copy_aux_files(src_dir, tmp)
+        config = dict(model_config)
+        config["quantization_config"] = fmt.quantization_config(cfg)
+        atomic_write_json(tmp / "config.json", config)
+        groups = [
+            (g.outputs, _quant_producer(g, device) if g.quantize else _copy_producer(g.sources[0]))
+            for g in plan
+        ]
+        n_tensors = sum(len(g.sources) for g in plan)
+        with tqdm(total=n_tensors, desc=f"quantize {src_dir.name}", unit="tensor", disable=None) as bar:
+            sizes = iter([len(g.sources) for g in plan])
+            fmt.write_sharded(tmp, groups, cfg.max_shard_mb << 20, progress=lambda _: bar.update(next(sizes)))
+        seconds = time.perf_counter() - t0
+        n_quant = sum(len(g.sources) for g in plan if g.quantize)
+        bytes_in = sum(s.nbytes for s in specs.values())
+        bytes_out = sum(s.nbytes for g in plan for s in g.outputs)
+        log.info(
+            "quantized %d linears of %s with the %s backend in %.1fs", n_quant, src_dir, backend, seconds
+        )
+        return BuildResult(
+            mode=f"nvfp4/{backend}",
+            metrics={"seconds": seconds, "bytes_in": bytes_in, "bytes_out": bytes_out},
+            extra={
+                "base_digest": base_digest,
+                "source": str(src),
+                "architecture": arch,
+                "recipe": fmt.quantization_config(cfg),
+                "quantized_tensors": n_quant,
+                "copied_tensors": sum(1 for g in plan if not g.quantize),
+                "fused_groups": sum(1 for g in plan if g.quantize and len(g.sources) > 1),
+                "aux_files": aux,
+                "backend": backend,
+            },
+        )
+
+    return store.produce(STAGE, cfg, {"base": base_digest}, code, build)
+
+
+def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> Manifest:
+    """Derive the dequantized twin of a quantized artifact (stage "dequantize")."""
+    if quantized.stage != STAGE:
+        raise ArtifactError(
+            f"run_twin needs a '{STAGE}' artifact, got stage '{quantized.stage}' at {quantized.dir}"
+        )
+    dtype = getattr(torch, cfg.twin_dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise UnsupportedModelError(f"twin_dtype '{cfg.twin_dtype}' is not a torch floating dtype")
+    code = code_version(sys.modules[__name__], fmt, nvfp4_kernels)
+    src = quantized.dir
+
+    def build(tmp: Path) -> BuildResult:
+        t0 = time.perf_counter()
+        aux = _copy_aux_files(src, tmp)
+        config = fmt.read_model_config(src)
+        config.pop("quantization_config", None)
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = cfg.twin_dtype
+        atomic_write_json(tmp / "config.json", config)
+        specs = fmt.safetensors_index(src)
+        groups = []
+        for name in sorted(specs, key=fmt._natural_key):
+            spec = specs[name]
+            if name.endswith((".weight_scale", ".weight_global_scale")):
+                continue
+            if name.endswith(".weight_packed"):
+                base = name[: -len(".weight_packed")]
+                out_f, half = spec.shape
+                out = TensorSpec(f"{base}.weight", fmt._DTYPE_NAMES[dtype], (out_f, half * 2))
+
+                def produce(base: str = base, out_name: str = out.name) -> dict[str, torch.Tensor]:
+                    p, s, g = (fmt.read_tensor(specs[f"{base}.{k}"]) for k in fmt.QUANT_SUFFIXES)
+                    return {out_name: nvfp4_kernels.dequantize(p, s, g, dtype=dtype)}
+
+                groups.append(([out], produce))
+            else:
+                groups.append(([TensorSpec(name, spec.dtype, spec.shape)], _copy_producer(spec)))
+        with tqdm(total=len(groups), desc="dequantize twin", unit="tensor", disable=None) as bar:
+            fmt.write_sharded(tmp, groups, cfg.max_shard_mb << 20, progress=bar.update)
+        return BuildResult(
+            mode=TWIN_MODE,
+            metrics={"seconds": time.perf_counter() - t0},
+            extra={
+                "derived_from": {"stage": quantized.stage, "key": quantized.key, "digest": quantized.digest},
+                "base_digest": quantized.extra.get("base_digest"),
+                "dtype": cfg.twin_dtype,
+                "dequantized_linears": sum(1 for n in specs if n.endswith(".weight_packed")),
+                "aux_files": aux,
+                "note": "derived artifact: Linear weights are kernels.nvfp4.dequantize_nvfp4 of the NVFP4 checkpoint",
+            },
+        )
+
+    return store.produce(TWIN_STAGE, cfg, {"quantized": quantized.digest}, code, build)[0]
+
+
+def export(manifest: Manifest, dst: str | Path) -> Path:
+    """Copy an artifact to ``dst`` atomically (temp dir beside it, then rename).
+
+    A non-empty ``dst`` is replaced only if it is a previous qerl export (it holds the marker file).
+    """
+    dst = Path(dst).expanduser().resolve()
+    if dst.exists() and (not dst.is_dir() or (any(dst.iterdir()) and not (dst / EXPORT_MARKER).is_file())):
+        raise ArtifactError(
+            f"refusing to overwrite {dst}: it exists, is not empty and is not a previous qerl export"
+        )
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+    old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+    try:
+        shutil.copytree(manifest.dir, tmp)
+        marker = {
+            "stage": manifest.stage,
+            "key": manifest.key,
+            "digest": manifest.digest,
+            "mode": manifest.mode,
+        }
+        (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        if dst.exists():
+            os.replace(dst, old)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return dst
