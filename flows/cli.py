@@ -30,7 +30,39 @@ def build_parser() -> argparse.ArgumentParser:
     # --- subcommands (each block adds a parser and registers its handler in COMMANDS) ---
     _ = sub
     _add_score(sub)
+    _add_quantize(sub)
     return parser
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="quantize a HF model (dir or hub id) to an NVFP4A16 checkpoint")
+    p.add_argument("src", metavar="SRC", help="local model directory, or a hub id where the hub is reachable")
+    p.add_argument("--out", required=True, metavar="DST", help="directory to write the checkpoint to")
+    p.add_argument("--config", default=None, help="YAML file with quantize settings (QuantizeConfig)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    _common(p)
+    COMMANDS["quantize"] = _cmd_quantize
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from pipeline.artifacts import ArtifactStore
+    from pipeline.config import load_config
+    from pipeline.nvfp4 import QuantizeConfig
+    from stages.quantize import export, run_with_status
+
+    t0 = time.perf_counter()
+    cfg = load_config(QuantizeConfig, args.config, args.set)
+    work = Path(args.work_dir or os.environ.get("QERL_WORK_DIR") or "qerl-work")
+    manifest, cached = run_with_status(cfg, args.src, ArtifactStore(work / "store"))
+    dst = export(manifest, args.out)
+    status = "cache hit" if cached else f"quantized ({manifest.mode})"
+    print(
+        f"{status}: {dst} ({manifest.extra.get('quantized_tensors')} linears) in {time.perf_counter() - t0:.2f}s"
+    )
+    return 0
 
 
 def _add_score(sub: argparse._SubParsersAction) -> None:
