@@ -268,6 +268,8 @@ def _load_hub(name: str, split: str, levels: list[int] | None) -> tuple[list[dic
 def _gold(layout: str, raw: Any) -> str | None:
     if raw is None:
         return None
+    if isinstance(raw, float) and raw.is_integer():
+        raw = int(raw)  # AMC stores answers as floats: 142.0 -> "142"
     text = str(raw).strip()
     if layout == "gsm8k":
         if "####" not in text:

@@ -135,6 +135,8 @@ def test_local_bigmath_and_aime_layouts(tmp_path):
     aime = _jsonl(tmp_path / "aime.jsonl", [{"problem": "q", "answer": 204, "id": 7}])
     (p,) = load_problems(DataConfig(dataset=str(aime), local_format="aime"))
     assert p["answer"] == "204" and p["id"] == "math500-7"
+    amc = _jsonl(tmp_path / "amc.jsonl", [{"problem": "q", "answer": 142.0}, {"problem": "r", "answer": 2.5}])
+    assert [p["answer"] for p in load_problems(DataConfig(dataset=str(amc)))] == ["142", "2.5"]
     odd = _jsonl(tmp_path / "odd.jsonl", [{"text": "q", "label": "1"}])
     with pytest.raises(ValueError, match="cannot tell the dataset layout"):
         load_problems(DataConfig(dataset=str(odd)))
