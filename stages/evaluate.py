@@ -1,7 +1,7 @@
 """Stage ``evaluate``: pass@1 averaged over k samples (avg@k) of the base + adapter on a benchmark.
 
 What: load the benchmark's problems (``pipeline.data``, test split by default), render each with
-the benchmark's prompt template through the base model's tokenizer, generate k completions per
+the benchmark's prompt template through the engine's tokenizer, generate k completions per
 item with the rollout engine (clean weights: AQN noise is set to 0), score them with the training
 scorer (``pipeline.rewards.score_batch``, same config as training, so "correct" means the same in
 both), and write
@@ -74,10 +74,10 @@ def run(
     n = cfg.n_samples
 
     def build(tmp: Path) -> BuildResult:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(base.dir)
-        texts = [prompts.render_prompt(tokenizer, p["question"], cfg.benchmark.template) for p in problems]
+        # the engine's own tokenizer: the one its prompts are encoded with
+        texts = [
+            prompts.render_prompt(engine.tokenizer, p["question"], cfg.benchmark.template) for p in problems
+        ]
         engine.set_adapter(adapter_dir, adapter_digest)
         engine.set_noise(0.0, cfg.seed)  # evaluation sees the clean quantized weights
         log.info(

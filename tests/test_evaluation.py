@@ -1,0 +1,206 @@
+"""Evaluation statistics against independent references, and the evaluate stage's bookkeeping."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import evaluation as ev
+from pipeline.artifacts import ArtifactStore, BuildResult
+from pipeline.config import ConfigError, apply_overrides
+from pipeline.data import DataConfig, load_problems
+from pipeline.engines import Completion, RolloutEngine, SamplingSpec
+from pipeline.rewards import RewardConfig
+
+
+# ---- statistics --------------------------------------------------------------------------------
+def test_avg_at_k_and_stderr_match_numpy():
+    rng = np.random.default_rng(0)
+    matrix = rng.random((37, 4)) < rng.random((37, 1))  # items of varying difficulty
+    rows = matrix.tolist()
+    assert ev.avg_at_k(rows) == pytest.approx(matrix.mean())
+    rates = matrix.mean(axis=1)
+    assert ev.item_rates(rows) == pytest.approx(rates.tolist())
+    assert ev.stderr(rates.tolist()) == pytest.approx(rates.std(ddof=1) / math.sqrt(len(rates)))
+    s = ev.summarize(rows)
+    assert s["n_items"] == 37 and s["k"] == 4 and s["n_samples"] == 148
+    assert s["n_correct"] == int(matrix.sum())
+    lo, hi = s["ci95"]
+    assert lo == pytest.approx(max(0, s["accuracy"] - 1.96 * s["stderr"]))
+    assert hi == pytest.approx(min(1, s["accuracy"] + 1.96 * s["stderr"]))
+    # pass@k with k = all samples is "any sample correct"
+    assert s["pass@4"] == pytest.approx(matrix.any(axis=1).mean())
+    assert ev.stderr([0.5]) == 0.0
+    assert ev.confidence_interval(0.99, 0.1) == (pytest.approx(0.794), 1.0)
+
+
+def test_pass_at_k_matches_enumeration():
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                samples = [1] * c + [0] * (n - c)
+                subsets = list(itertools.combinations(samples, k))
+                brute = sum(any(s) for s in subsets) / len(subsets)
+                assert ev.pass_at_k(n, c, k) == pytest.approx(brute), (n, c, k)
+    with pytest.raises(ValueError, match="pass@k"):
+        ev.pass_at_k(3, 4, 1)
+
+
+def test_per_item_and_bad_input():
+    items = ev.per_item(["a", "b"], [[True, False], [True, True]])
+    assert items == [
+        {"id": "a", "n_samples": 2, "n_correct": 1, "rate": 0.5},
+        {"id": "b", "n_samples": 2, "n_correct": 2, "rate": 1.0},
+    ]
+    with pytest.raises(ValueError, match="2 ids for 1 items"):
+        ev.per_item(["a", "b"], [[True]])
+    with pytest.raises(ValueError, match="item 1 has no samples"):
+        ev.avg_at_k([[True], []])
+    with pytest.raises(ValueError, match="no items"):
+        ev.avg_at_k([])
+
+
+def test_eval_config():
+    cfg = ev.EvalConfig()
+    assert (cfg.k, cfg.temperature, cfg.top_p, cfg.benchmark.split) == (4, 0.6, 0.95, "test")
+    assert (cfg.n_samples, cfg.sampling_temperature) == (4, 0.6)
+    greedy = apply_overrides(cfg, ["greedy=true", "benchmark.dataset=gsm8k"])
+    assert (greedy.n_samples, greedy.sampling_temperature, greedy.sampling_top_p) == (1, 0.0, 1.0)
+    assert greedy.benchmark.dataset == "gsm8k"
+    with pytest.raises(ConfigError, match="valid keys here"):
+        apply_overrides(cfg, ["benchmark.nope=1"])
+    with pytest.raises(ConfigError, match="greedy"):
+        apply_overrides(cfg, ["temperature=0"])
+    assert ev.benchmark_id(DataConfig(dataset="/x/y/aime24.jsonl", split="test"), "ab" * 32) == (
+        "aime24/test@" + "ab" * 6
+    )
+
+
+# ---- the stage with a test double of the engine -------------------------------------------------
+class FakeEngine:
+    """Implements the RolloutEngine protocol; answers item i correctly on samples j < i % (n+1)."""
+
+    mode = "fake-test-double"
+
+    def __init__(self, answers: dict[str, str], tokenizer):
+        self.info: dict = {}
+        self.tokenizer = tokenizer
+        self.answers = answers  # question text -> gold
+        self.calls: list[tuple] = []
+
+    def set_adapter(self, path, digest):
+        self.calls.append(("adapter", path, digest))
+
+    def set_noise(self, sigma, seed):
+        self.calls.append(("noise", sigma, seed))
+
+    def generate(self, prompts, n, sampling, seed):
+        self.calls.append(("generate", len(prompts), n, sampling, seed))
+        out = []
+        for i, prompt in enumerate(prompts):
+            gold = next(a for q, a in self.answers.items() if q in prompt)
+            group = []
+            for j in range(n):
+                text = f"so <answer>{gold}</answer>" if j < i % (n + 1) else "so <answer>-12345</answer>"
+                group.append(Completion([1, 2], [3, 4, 5], text, [-0.1] * 3, "stop" if j else "length"))
+            out.append(group)
+        return out
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def base(tiny_model_dir, tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+
+    def build(tmp: Path) -> BuildResult:
+        for f in tiny_model_dir.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors"):
+                shutil.copy(f, tmp / f.name)
+        return BuildResult(mode="test-base")
+
+    manifest, _ = store.produce("quantize", {"test": 1}, {}, "code", build)
+    from transformers import AutoTokenizer
+
+    return store, manifest, AutoTokenizer.from_pretrained(manifest.dir)
+
+
+def test_evaluate_stage(base, tmp_path):
+    from stages import evaluate
+
+    store, base_manifest, tokenizer = base
+    cfg = apply_overrides(ev.EvalConfig(), ["benchmark.limit=6", "k=3"])
+    problems = load_problems(cfg.benchmark)
+    engine = FakeEngine({p["question"]: p["answer"] for p in problems}, tokenizer)
+    assert isinstance(engine, RolloutEngine)
+    adapter = tmp_path / "adapter"
+    manifest = evaluate.run(cfg, base_manifest, adapter, "digest-a", store, engine, RewardConfig(workers=1))
+
+    assert ("noise", 0.0, 0) in engine.calls and ("adapter", adapter, "digest-a") in engine.calls
+    gen = next(c for c in engine.calls if c[0] == "generate")
+    assert gen[1:3] == (6, 3) and gen[3] == SamplingSpec(temperature=0.6, top_p=0.95, max_new_tokens=256)
+
+    # independent expectation: item i has min(i % 4, 3) of 3 samples correct
+    expected = [min(i % 4, 3) / 3 for i in range(6)]
+    summary = json.loads(manifest.file("summary.json").read_text())
+    assert summary["accuracy"] == pytest.approx(sum(expected) / 6)
+    assert summary["stderr"] == pytest.approx(np.std(expected, ddof=1) / math.sqrt(6))
+    assert summary["n_items"] == 6 and summary["k"] == 3 and summary["adapter_digest"] == "digest-a"
+    assert summary["benchmark"].startswith("arithmetic/test@")
+    assert summary["truncated_fraction"] == pytest.approx(1 / 3)
+    assert manifest.metrics["accuracy"] == summary["accuracy"] and manifest.mode == "fake-test-double"
+
+    rows = pq.read_table(manifest.file("results.parquet")).to_pylist()
+    assert len(rows) == 18
+    by_item = {}
+    for r in rows:
+        by_item.setdefault(r["id"], []).append(r["correct"])
+        assert r["extracted"] == (r["answer"] if r["correct"] else "-12345")
+    assert [sum(v) / 3 for v in by_item.values()] == pytest.approx(expected)
+    assert {r["id"] for r in rows} == {p["id"] for p in problems}
+    items = pq.read_table(manifest.file("items.parquet")).to_pylist()
+    assert [i["rate"] for i in items] == pytest.approx(expected)
+
+    # cached: the engine is not asked again; another adapter is a new evaluation
+    n_calls = len(engine.calls)
+    again = evaluate.run(cfg, base_manifest, adapter, "digest-a", store, engine, RewardConfig(workers=1))
+    assert again.key == manifest.key and len(engine.calls) == n_calls
+    greedy = apply_overrides(cfg, ["greedy=true"])
+    other = evaluate.run(greedy, base_manifest, None, None, store, engine, RewardConfig(workers=1))
+    assert other.key != manifest.key and ("adapter", None, None) in engine.calls
+    assert json.loads(other.file("summary.json").read_text())["k"] == 1
+    assert engine.calls[-1][3].temperature == 0.0
+
+    with pytest.raises(ValueError, match="together"):
+        evaluate.run(cfg, base_manifest, adapter, None, store, engine, RewardConfig(workers=1))
+
+
+def test_evaluate_rejects_short_engine_output(base):
+    from stages import evaluate
+
+    store, base_manifest, tokenizer = base
+    cfg = apply_overrides(ev.EvalConfig(), ["benchmark.limit=2", "k=2"])
+
+    class Short(FakeEngine):
+        def generate(self, prompts, n, sampling, seed):
+            return super().generate(prompts, n, sampling, seed)[:1]
+
+    problems = load_problems(cfg.benchmark)
+    with pytest.raises(RuntimeError, match="1 groups for 2 prompts"):
+        evaluate.run(
+            cfg,
+            base_manifest,
+            None,
+            None,
+            store,
+            Short({p["question"]: p["answer"] for p in problems}, tokenizer),
+            RewardConfig(),
+        )
