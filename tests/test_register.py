@@ -1,0 +1,124 @@
+"""The register stage: MLflow run contents, version + aliases, idempotence, partial runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import registry as reg
+from pipeline.artifacts import ArtifactStore, BuildResult, Manifest
+from stages import register
+
+HISTORY = [
+    {"step": s, "reward_mean": 0.2 + 0.1 * s, "reward_std": 0.3, "entropy": 1.5 - 0.2 * s, "kl": 0.01 * s,
+     "clip_frac_low": 0.0, "sigma": [0.0, 0.01, 0.005][s], "tokens_per_s": 100.0 + s, "time_rollout_s": 1.5}
+    for s in range(3)
+]  # fmt: skip
+
+
+def fake_train(store: ArtifactStore, tag: str) -> Manifest:
+    def build(tmp: Path) -> BuildResult:
+        (tmp / "adapter").mkdir()
+        (tmp / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8, "tag": tag}))
+        (tmp / "adapter" / "adapter_model.safetensors").write_bytes(tag.encode() * 16)
+        return BuildResult(mode="test", metrics={"loss": 0.1})
+
+    return store.produce("train", {"lora": {"r": 8}, "tag": tag}, {}, "code", build)[0]
+
+
+def fake_eval(store: ArtifactStore, accuracy: float, bench: str = "arithmetic/test@abc") -> Manifest:
+    def build(tmp: Path) -> BuildResult:
+        rows = [{"id": "q1", "sample": 0, "correct": True}, {"id": "q2", "sample": 0, "correct": False}]
+        pq.write_table(pa.Table.from_pylist(rows), tmp / "results.parquet")
+        (tmp / "summary.json").write_text(json.dumps({"benchmark": bench, "accuracy": accuracy, "k": 1}))
+        return BuildResult(metrics={"accuracy": accuracy})
+
+    return store.produce("evaluate", {"acc": accuracy, "bench": bench}, {}, "code", build)[0]
+
+
+LINEAGE = {
+    "base_digest": "b" * 16,
+    "quant_recipe": "nvfp4a16",
+    "dataset_digest": "d" * 16,
+    "code_version": "c" * 16,
+    "flow_run_id": "flow-1",
+}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("register-work")
+
+
+@pytest.mark.slow
+def test_register_stage(work):
+    store = ArtifactStore(work / "store")
+    cfg = reg.RegistryConfig(model_name="stage-adapter")
+    train1, eval1 = fake_train(store, "one"), fake_eval(store, 0.5)
+    m1 = register.run(cfg, train1, eval1, LINEAGE, HISTORY, work, True, store)
+    record = json.loads(m1.file("registration.json").read_text())
+    assert record["version"] == "1" and record["created"] and record["promoted"]
+    assert record["aliases"] == ["challenger", "champion"] and m1.mode == "mlflow-sqlite"
+
+    client = reg.MlflowClient()
+    run = client.get_run(record["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["lora.r"] == "8" and run.data.tags["flow_run_id"] == "flow-1"
+    for key in ("reward_mean", "reward_std", "entropy", "kl", "sigma", "tokens_per_s", "time_rollout_s"):
+        assert len(client.get_metric_history(run.info.run_id, key)) == 3, key
+    assert run.data.metrics["eval_accuracy"] == 0.5
+    listed = {a.path for top in ("plots", "adapter", "adapter_manifest", "evaluation")
+              for a in client.list_artifacts(run.info.run_id, top)}  # fmt: skip
+    assert {"plots/reward.png", "plots/entropy.png", "plots/sigma.png", "adapter/adapter_config.json",
+            "adapter/adapter_model.safetensors", "adapter_manifest/manifest.json",
+            "evaluation/results.parquet", "evaluation/summary.json"} <= listed  # fmt: skip
+    info = reg.version_info(cfg, "1")
+    assert info["tags"]["adapter_digest"] == train1.digest and info["tags"]["base_digest"] == "b" * 16
+
+    # same inputs: the cached manifest, no new version
+    assert register.run(cfg, train1, eval1, LINEAGE, HISTORY, work, True, store).key == m1.key
+    # store lost (or a resumed run with a new flow run id): the registry still knows this adapter
+    fresh = ArtifactStore(work / "store2")
+    again = register.run(cfg, train1, eval1, {**LINEAGE, "flow_run_id": "flow-2"}, HISTORY, work, True, fresh)
+    assert json.loads(again.file("registration.json").read_text())["created"] is False
+    assert again.metrics["version"] == 1
+    assert len(client.search_model_versions("name = 'stage-adapter'")) == 1
+
+    # a worse run: registered, challenger, not champion
+    m2 = register.run(
+        cfg, fake_train(store, "two"), fake_eval(store, 0.4), LINEAGE, HISTORY, work, True, store
+    )
+    rec2 = json.loads(m2.file("registration.json").read_text())
+    assert (rec2["version"], rec2["promoted"], rec2["aliases"]) == ("2", False, ["challenger"])
+    # a partial run, however good: registered without aliases, never promoted
+    m3 = register.run(
+        cfg, fake_train(store, "three"), fake_eval(store, 0.99), LINEAGE, HISTORY, work, False, store
+    )
+    rec3 = json.loads(m3.file("registration.json").read_text())
+    assert (rec3["version"], rec3["promoted"], rec3["aliases"]) == ("3", False, [])
+    assert client.get_run(rec3["run_id"]).info.status == "FAILED"
+    assert reg.version_info(cfg, "3")["tags"]["complete"] == "false"
+    assert str(reg.alias_version(cfg, "champion").version) == "1"
+    # a better complete run on the same benchmark takes over
+    m4 = register.run(
+        cfg, fake_train(store, "four"), fake_eval(store, 0.6), LINEAGE, HISTORY, work, True, store
+    )
+    assert m4.metrics["promoted"] and str(reg.alias_version(cfg, "champion").version) == "4"
+
+
+def test_register_rejects_bad_inputs(work):
+    store = ArtifactStore(work / "store")
+    cfg = reg.RegistryConfig(model_name="stage-bad")
+    train, evaluation = fake_train(store, "bad"), fake_eval(store, 0.5)
+    with pytest.raises(ValueError, match="lacks"):
+        register.run(cfg, train, evaluation, {"base_digest": "x"}, HISTORY, work, True, store)
+    with pytest.raises(ValueError, match="not train's digest"):
+        register.run(
+            cfg, train, evaluation, {**LINEAGE, "adapter_digest": "other"}, HISTORY, work, True, store
+        )
+    with pytest.raises(Exception, match="no adapter"):
+        register.run(cfg, evaluation, evaluation, LINEAGE, HISTORY, work, True, store)
