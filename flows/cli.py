@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     _ = sub
     _add_score(sub)
     _add_quantize(sub)
+    _add_promote(sub)
+    _add_eval(sub)
     return parser
 
 
@@ -98,6 +100,101 @@ def _cmd_score(args: argparse.Namespace) -> int:
         f"no_answer {metrics['no_answer_count']}, timeout {metrics['timeout_count']}, error {metrics['error_count']}, "
         f"{metrics['answers_per_s'] or 0:.0f} answers/s -> {args.output}"
     )
+    return 0
+
+
+def _work_dir(args: argparse.Namespace) -> str:
+    return args.work_dir or os.environ.get("QERL_WORK_DIR") or "qerl-work"
+
+
+def _add_promote(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("promote", help="make a registered adapter version the champion (manual promotion)")
+    p.add_argument("name", metavar="NAME", help="registered model name (e.g. qerl-adapter)")
+    p.add_argument("version", metavar="VERSION", help="model version number")
+    p.add_argument("--config", default=None, help="YAML file with registry settings (RegistryConfig)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a registry setting"
+    )
+    _common(p)
+    COMMANDS["promote"] = _cmd_promote
+
+
+def _cmd_promote(args: argparse.Namespace) -> int:
+    from pipeline import registry
+    from pipeline.config import load_config
+
+    cfg = load_config(registry.RegistryConfig, args.config, args.set).model_copy(
+        update={"model_name": args.name}
+    )
+    registry.open_tracking(cfg, _work_dir(args))
+    registry.promote(cfg, args.name, args.version)
+    info = registry.version_info(cfg, args.version)
+    print(f"{args.name} v{args.version} is now @{cfg.champion_alias} (aliases: {', '.join(info['aliases'])})")
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate an adapter (or none) on a benchmark: pass@1 averaged over k")
+    p.add_argument("--adapter", required=True, metavar="DIR|none", help="peft adapter folder, or 'none'")
+    p.add_argument("--benchmark", default=None, metavar="NAME", help="arithmetic|gsm8k|math500|aime|amc|FILE")
+    p.add_argument(
+        "--base",
+        required=True,
+        metavar="DIR",
+        help="checkpoint from 'qerl quantize' (or a HF model dir to quantize)",
+    )
+    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="rollout engine (default vllm)")
+    p.add_argument("--config", default=None, help="YAML file with evaluation settings (EvalConfig)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an eval setting")
+    _common(p)
+    COMMANDS["eval"] = _cmd_eval
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from pipeline.artifacts import ArtifactStore
+    from pipeline.config import apply_overrides, load_config
+    from pipeline.engines import RolloutConfig, build_engine
+    from pipeline.evaluation import EvalConfig
+    from pipeline.rewards import RewardConfig
+    from stages import evaluate
+
+    cfg = load_config(EvalConfig, args.config, args.set)
+    if args.benchmark:
+        cfg = apply_overrides(cfg, {"benchmark": {"dataset": args.benchmark}})
+    store = ArtifactStore(Path(_work_dir(args)) / "store")
+    import torch
+
+    # vLLM on CUDA serves the NVFP4 checkpoint itself; everywhere else the engine needs the twin
+    need_twin = args.engine == "hf" or not torch.cuda.is_available()
+    quantized, twin = evaluate.base_artifacts(args.base, store, need_twin)
+    adapter = None if args.adapter.lower() == "none" else Path(args.adapter)
+    digest = None if adapter is None else store.source_digest(adapter)
+    engine = build_engine(
+        RolloutConfig(
+            engine=args.engine,
+            n_samples=cfg.n_samples,
+            temperature=cfg.sampling_temperature,
+            top_p=cfg.sampling_top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            template=cfg.benchmark.template,
+            enable_lora=adapter is not None,
+        ),
+        quantized,
+        twin,
+    )
+    try:
+        manifest = evaluate.run(cfg, quantized, adapter, digest, store, engine, RewardConfig())
+    finally:
+        engine.close()
+    s = evaluate.load_summary(manifest)
+    print(
+        f"{s['benchmark']}: avg@{s['k']} = {s['accuracy']:.4f} +- {s['stderr']:.4f} over {s['n_items']} items "
+        f"(engine {s['engine_mode']}) -> {manifest.dir}"
+    )
+    print(json.dumps({k: s[k] for k in ("benchmark", "accuracy", "stderr", "n_items", "k")}))
     return 0
 
 

@@ -30,16 +30,19 @@ from pipeline.config import StrictModel
 from pipeline.data import DataConfig
 
 
-def _default_benchmark() -> DataConfig:
+class BenchmarkConfig(DataConfig):
+    """A ``DataConfig`` whose defaults suit evaluation (so ``--set benchmark.limit=9`` keeps them)."""
+
+    split: str = "test"
     # level 1 has only ~112 distinct test-split problems, fewer than DataConfig's default size
-    return DataConfig(split="test", arithmetic_size=100)
+    arithmetic_size: int = Field(100, ge=1, description="problems generated for the arithmetic split")
 
 
 class EvalConfig(StrictModel):
     """Which benchmark to evaluate (a ``DataConfig``, test split) and how to sample it."""
 
-    benchmark: DataConfig = Field(
-        default_factory=_default_benchmark, description="dataset, split, limit and prompt template"
+    benchmark: BenchmarkConfig = Field(
+        default_factory=BenchmarkConfig, description="dataset, split, limit and prompt template"
     )
     k: int = Field(4, ge=1, description="samples per item (avg@k)")
     temperature: float = Field(0.6, ge=0.0)

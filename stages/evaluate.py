@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pipeline import evaluation as ev
 from pipeline import prompts, rewards
-from pipeline.artifacts import ArtifactStore, BuildResult, Manifest, code_version
+from pipeline.artifacts import MANIFEST, ArtifactError, ArtifactStore, BuildResult, Manifest, code_version
 from pipeline.data import load_problems, problems_digest
 from pipeline.engines import RolloutEngine, SamplingSpec
 from pipeline.rewards import RewardConfig, score_batch
@@ -152,6 +152,38 @@ def run(
     if cached:
         log.info("evaluate %s: cached (%s)", bench, manifest.dir)
     return manifest
+
+
+def base_artifacts(
+    base: str | Path, store: ArtifactStore, need_twin: bool = True
+) -> tuple[Manifest, Manifest | None]:
+    """(quantized, twin) for a base given as a ``qerl quantize`` export or as a plain HF model dir.
+
+    An export carries its manifest: it is checked against its files and used as is. A plain model
+    directory is quantized with the default recipe (a cached stage, so a repeat is a lookup). The
+    twin (what CPU serving needs) is derived through the dequantize stage, also cached.
+    """
+    from pipeline.nvfp4 import QuantizeConfig
+    from stages import quantize
+
+    base = Path(base)
+    if not base.is_dir():
+        raise ArtifactError(f"--base {base} is not a directory")
+    if (base / MANIFEST).is_file():
+        quantized = Manifest.load(base)
+        if quantized.stage != quantize.STAGE:
+            raise ArtifactError(
+                f"{base} holds a '{quantized.stage}' artifact, not a '{quantize.STAGE}' checkpoint"
+            )
+        bad = store.problems(quantized)
+        if bad:
+            raise ArtifactError(f"{base} does not match its manifest: {'; '.join(bad)}")
+        qcfg = QuantizeConfig.model_validate(quantized.config)
+    else:
+        qcfg = QuantizeConfig()
+        quantized = quantize.run(qcfg, base, store)
+    twin = quantize.run_twin(qcfg, quantized, store) if need_twin else None
+    return quantized, twin
 
 
 def load_summary(manifest: Manifest) -> dict:

@@ -74,6 +74,15 @@ def test_eval_config():
     greedy = apply_overrides(cfg, ["greedy=true", "benchmark.dataset=gsm8k"])
     assert (greedy.n_samples, greedy.sampling_temperature, greedy.sampling_top_p) == (1, 0.0, 1.0)
     assert greedy.benchmark.dataset == "gsm8k"
+    # a nested override keeps the evaluation defaults of the other benchmark fields
+    from pipeline.config import load_config
+
+    loaded = load_config(ev.EvalConfig, None, ["benchmark.limit=3"])
+    assert (loaded.benchmark.split, loaded.benchmark.limit, loaded.benchmark.arithmetic_size) == (
+        "test",
+        3,
+        100,
+    )
     with pytest.raises(ConfigError, match="valid keys here"):
         apply_overrides(cfg, ["benchmark.nope=1"])
     with pytest.raises(ConfigError, match="greedy"):
@@ -204,3 +213,25 @@ def test_evaluate_rejects_short_engine_output(base):
             Short({p["question"]: p["answer"] for p in problems}, tokenizer),
             RewardConfig(),
         )
+
+
+@pytest.mark.slow
+def test_cli_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
+    """``qerl quantize`` then ``qerl eval`` on the tiny model with the transformers engine."""
+    from flows.cli import main
+
+    work, ckpt = tmp_path / "work", tmp_path / "ckpt"
+    assert main(["quantize", str(tiny_model_dir), "--out", str(ckpt), "--work-dir", str(work)]) == 0
+    argv = ["eval", "--base", str(ckpt), "--adapter", "none", "--benchmark", "arithmetic", "--engine", "hf",
+            "--work-dir", str(work), "--set", "greedy=true", "--set", "benchmark.limit=3",
+            "--set", "max_new_tokens=8"]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (
+        summary["n_items"] == 3 and summary["k"] == 1 and summary["benchmark"].startswith("arithmetic/test@")
+    )
+    assert 0.0 <= summary["accuracy"] <= 1.0
+    [manifest_dir] = (work / "store" / "objects" / "evaluate").iterdir()
+    rows = pq.read_table(manifest_dir / "results.parquet").to_pylist()
+    assert len(rows) == 3 and all(r["completion_tokens"] <= 8 for r in rows)
+    assert json.loads((manifest_dir / "manifest.json").read_text())["mode"] == "hf-nvfp4-emulated"

@@ -355,3 +355,16 @@ def test_postgresql_backend(pg_uri, tmp_path):
     race_cfg = reg.RegistryConfig(tracking_uri=pg_uri, model_name="pg-race")
     reg.open_tracking(race_cfg, tmp_path)
     check_race(race_cfg, tmp_path, env={"QERL_TEST_URI": pg_uri})
+
+
+def test_cli_promote(cfg, sqlite_work, tmp_path, capsys):
+    from flows.cli import main
+
+    v1 = register(cfg, tmp_path, "c1", 0.9)
+    v2 = register(cfg, tmp_path, "c2", 0.1)
+    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.9, True)
+    assert main(["promote", cfg.model_name, v2, "--work-dir", str(sqlite_work)]) == 0
+    assert champion(cfg) == v2
+    assert f"{cfg.model_name} v{v2} is now @champion" in capsys.readouterr().out
+    with pytest.raises(reg.RegistryError, match="does not exist"):
+        main(["promote", cfg.model_name, "7", "--work-dir", str(sqlite_work)])
