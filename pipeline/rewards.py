@@ -30,8 +30,8 @@ How the pool departs from the usual ``math_verify.verify`` loop, and why:
   ``simplify(a - b) == 0``, all of which reduce to integer equality. ``tests/test_rewards.py`` checks
   the claim against the pool on random and edge-case integers.
 
-Caveat of a wall-clock deadline: on a heavily overloaded machine an ordinary answer can miss it (seen
-once in 10,000 at load average 9 on 2 cores with a 2 s deadline). It then scores 0 with status
+Caveat of a wall-clock deadline: on a heavily overloaded machine an ordinary answer can miss it (seen for
+1 of 8,343 integer pairs at load average 9 on 2 cores with a 5 s deadline). It then scores 0 with status
 ``timeout``, counted in the stage metrics, never silently; raise ``timeout_s`` on such machines.
 
 Gold answers are parsed as LaTeX (wrapped in ``$...$``, ``LatexExtractionConfig`` only); predictions
