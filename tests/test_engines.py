@@ -57,7 +57,7 @@ def adapter_dir(model_dir, tmp_path_factory):
 def cfg():
     return RolloutConfig(
         dtype="float32", enforce_eager=True, max_new_tokens=12, max_model_len=256, kv_cache_gib=0.25,
-        template="terse", max_lora_rank=8, hf_batch_size=8,
+        template="terse", max_lora_rank=8, in_process=True, hf_batch_size=8,
     )  # fmt: skip
 
 

@@ -80,6 +80,9 @@ class RolloutConfig(StrictModel):
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     max_num_seqs: int = Field(64, ge=1)
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation (fast startup)")
+    in_process: bool = Field(
+        False, description="vLLM engine core and worker in this process (fast CPU startup; one GPU only)"
+    )
     hf_batch_size: int = Field(16, ge=1, description="sequences per transformers generate call")
 
     @model_validator(mode="after")

@@ -78,6 +78,14 @@ class VLLMEngine:
             "worker_extension_cls": EXTENSION,
             "enforce_eager": cfg.enforce_eager,
         }
+        if cfg.in_process:
+            # Engine core and worker in this process: no subprocess re-importing torch and vLLM,
+            # which is most of a CPU startup. vLLM reads this switch from the environment only.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # Pinning OpenMP threads would pin the caller's own threads too (tests, the trainer).
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            kwargs["distributed_executor_backend"] = "uni"
+            log.info("vLLM engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor)")
         if cfg.enable_lora:
             kwargs.update(max_loras=1, max_lora_rank=cfg.max_lora_rank)
         if cfg.enforce_eager:

@@ -1,0 +1,139 @@
+"""Stage rollout on a tiny fp32 model whose EOS is likely, so rows both stop and hit the length limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.artifacts import ArtifactStore, sha256_file
+from pipeline.engines import RolloutConfig, SamplingSpec, build_engine
+from pipeline.prompts import Problem, render_prompt
+from stages import rollout
+from tests.test_engines import fake_manifest, make_adapter
+
+PROBLEMS = [
+    Problem("p0", "What is 2 + 3?", "5", source="test"),
+    Problem("p1", "Tom has 5 apples and buys 7 more.", "12", source="test"),
+    Problem("p2", "12 * 4 = ?", "48", source="test"),
+]
+
+
+@pytest.fixture(scope="module")
+def eos_model_dir(tiny_model_factory):
+    """A tiny model whose EOS logit has a large spread, so some completions end early."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_model_factory(dtype=torch.float32, norm_jitter=0.05, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    eos = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        model.lm_head.weight[eos] *= 8.0
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return RolloutConfig(
+        dtype="float32", enforce_eager=True, n_samples=3, temperature=1.0, max_new_tokens=16,
+        max_model_len=256, kv_cache_gib=0.25, template="terse", max_lora_rank=8, in_process=True, seed=7,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(cfg, eos_model_dir):
+    engine = build_engine(cfg, None, fake_manifest(eos_model_dir))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def base(eos_model_dir):
+    return fake_manifest(eos_model_dir)
+
+
+def test_rollout_table(cfg, engine, base, tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    manifest = rollout.run(cfg, PROBLEMS, base, None, None, 0.0, 0, store, engine)
+    assert manifest.stage == "rollout" and manifest.mode == "vllm-nvfp4-emulated"
+    table = rollout.read_rollouts(manifest)
+    assert table.schema == rollout.SCHEMA
+    rows = table.to_pylist()
+    assert len(rows) == 9
+    assert [(r["group_id"], r["sample_idx"]) for r in rows] == [(g, s) for g in range(3) for s in range(3)]
+    eos = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for r in rows:
+        problem = PROBLEMS[r["group_id"]]
+        assert r["prompt_id"] == problem["id"] and r["answer"] == problem["answer"]
+        assert r["prompt_text"] == render_prompt(engine.tokenizer, problem["question"], "terse")
+        assert len(r["logprobs"]) == len(r["completion_ids"]) > 0
+        assert all(lp <= 0.0 for lp in r["logprobs"])
+        assert (r["engine_mode"], r["sigma"], r["step"], r["temperature"]) == (
+            "vllm-nvfp4-emulated",
+            0.0,
+            0,
+            1.0,
+        )
+        if r["finish_reason"] == "stop":
+            assert r["completion_ids"][-1] == eos  # the EOS is kept, with its logprob
+        else:
+            assert r["finish_reason"] == "length" and len(r["completion_ids"]) == 16
+    reasons = {r["finish_reason"] for r in rows}
+    assert reasons == {"stop", "length"}
+    m = manifest.metrics
+    assert m["tokens_generated"] == sum(len(r["completion_ids"]) for r in rows)
+    assert m["truncation_rate"] == pytest.approx(sum(r["finish_reason"] == "length" for r in rows) / 9)
+    assert m["tokens_per_s"] > 0
+    assert manifest.extra["engine"]["logprobs_mode"] == "processed_logprobs"
+
+
+def test_seeded_cached_and_keyed(cfg, engine, base, tmp_path, eos_model_dir):
+    store_a, store_b = ArtifactStore(tmp_path / "a"), ArtifactStore(tmp_path / "b")
+    first = rollout.run(cfg, PROBLEMS, base, None, None, 0.0, 1, store_a, engine)
+    # The same inputs in a fresh store: the same bytes (seeded sampling on CPU).
+    second = rollout.run(cfg, PROBLEMS, base, None, None, 0.0, 1, store_b, engine)
+    assert sha256_file(first.file("rollouts.parquet")) == sha256_file(second.file("rollouts.parquet"))
+    again = rollout.run(cfg, PROBLEMS, base, None, None, 0.0, 1, store_a, engine)
+    assert again.key == first.key and again.created_at == first.created_at  # cache hit
+
+    rows = lambda m: rollout.read_rollouts(m).to_pylist()  # noqa: E731
+    other_step = rollout.run(cfg, PROBLEMS, base, None, None, 0.0, 2, store_a, engine)
+    assert other_step.key != first.key
+    assert [r["completion_ids"] for r in rows(other_step)] != [r["completion_ids"] for r in rows(first)]
+
+    noisy = rollout.run(cfg, PROBLEMS, base, None, None, 0.02, 1, store_a, engine)
+    assert noisy.key != first.key and rows(noisy)[0]["sigma"] == 0.02
+
+    adapter = make_adapter(eos_model_dir, tmp_path / "adapter")
+    digest = store_a.source_digest(adapter)
+    with_lora = rollout.run(cfg, PROBLEMS, base, adapter, digest, 0.0, 1, store_a, engine)
+    assert with_lora.key != first.key and with_lora.inputs["adapter"] == digest
+    assert rows(with_lora)[0]["adapter_digest"] == digest
+    # Same sampling seed, different policy: the first token's logprob differs.
+    assert rows(with_lora)[0]["logprobs"][0] != rows(first)[0]["logprobs"][0]
+    engine.set_adapter(None, None)
+    engine.set_noise(0.0, 0)
+
+
+def test_eos_semantics_match_transformers(cfg, engine, eos_model_dir):
+    """Greedy on the EOS-prone model: completions that stop agree token for token with generate."""
+    hf = build_engine(cfg.model_copy(update={"engine": "hf"}), None, fake_manifest(eos_model_dir))
+    prompts = [render_prompt(hf.tokenizer, p["question"], "terse") for p in PROBLEMS]
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=16)
+    a, b = engine.generate(prompts, 1, greedy, 0), hf.generate(prompts, 1, greedy, 0)
+    for x, y in zip(a, b, strict=True):
+        assert (x[0].completion_ids, x[0].finish_reason) == (y[0].completion_ids, y[0].finish_reason)
+        assert max(abs(p - q) for p, q in zip(x[0].logprobs, y[0].logprobs, strict=True)) < 1e-4
+
+
+def test_bad_problems_are_named(cfg, engine, base, tmp_path):
+    store = ArtifactStore(tmp_path / "s")
+    bad = [PROBLEMS[0], {"id": "x", "question": "q"}]
+    with pytest.raises(ValueError, match=r"problem row 1 \(id 'x'\) lacks \['answer'\]"):
+        rollout.run(cfg, bad, fake_manifest(tmp_path), None, None, 0.0, 0, store, engine)
+    with pytest.raises(ValueError, match="appears more than once"):
+        rollout.run(
+            cfg, [PROBLEMS[0], PROBLEMS[0]], fake_manifest(tmp_path), None, None, 0.0, 0, store, engine
+        )
+    with pytest.raises(ValueError, match="together"):
+        rollout.run(cfg, PROBLEMS, fake_manifest(tmp_path), tmp_path, None, 0.0, 0, store, engine)
