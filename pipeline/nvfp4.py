@@ -93,7 +93,7 @@ class QuantizeConfig(StrictModel):
     )
     ignore: list[str] = Field(default=["lm_head"], description="modules kept in full precision")
     architectures: list[str] = Field(default=list(SUPPORTED_ARCHITECTURES))
-    max_shard_mb: int = Field(default=4096, gt=0, description="largest output shard, MiB")
+    max_shard_mb: float = Field(default=4096, gt=0, description="largest output shard, MiB")
     twin_dtype: str = Field(default="bfloat16", description="dtype of the dequantized twin's linears")
 
 

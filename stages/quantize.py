@@ -153,7 +153,9 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
         n_tensors = sum(len(g.sources) for g in plan)
         with tqdm(total=n_tensors, desc=f"quantize {src_dir.name}", unit="tensor", disable=None) as bar:
             sizes = iter([len(g.sources) for g in plan])
-            fmt.write_sharded(tmp, groups, cfg.max_shard_mb << 20, progress=lambda _: bar.update(next(sizes)))
+            fmt.write_sharded(
+                tmp, groups, int(cfg.max_shard_mb * 2**20), progress=lambda _: bar.update(next(sizes))
+            )
         seconds = time.perf_counter() - t0
         n_quant = sum(len(g.sources) for g in plan if g.quantize)
         bytes_in = sum(s.nbytes for s in specs.values())
@@ -218,7 +220,7 @@ def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> 
             else:
                 groups.append(([TensorSpec(name, spec.dtype, spec.shape)], _copy_producer(spec)))
         with tqdm(total=len(groups), desc="dequantize twin", unit="tensor", disable=None) as bar:
-            fmt.write_sharded(tmp, groups, cfg.max_shard_mb << 20, progress=bar.update)
+            fmt.write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
         return BuildResult(
             mode=TWIN_MODE,
             metrics={"seconds": time.perf_counter() - t0},

@@ -1,0 +1,267 @@
+"""The quantize stage end to end on tiny Qwen2/Qwen3/Llama models, the dequantized twin, export, CLI.
+
+vLLM on CPU, exactly how far it gets with our checkpoint (``test_vllm_parses_the_scheme``):
+``CompressedTensorsConfig.from_config`` parses our ``quantization_config``; its target map sends every
+``Linear`` to our weight args, which it recognises as NVFP4 (``_is_nvfp4_format``) with no input
+quantization, so ``get_scheme`` constructs ``CompressedTensorsW4A4Fp4(use_a16=True)`` -- vLLM's
+NVFP4A16 scheme, the one served on an H100 by the FP4 Marlin kernel. The constructor then picks its
+kernel and fails on CPU with "Forced NVFP4 kernel MarlinNvFp4LinearKernel is not supported: Marlin FP4
+not available", so no weights are created or loaded. The CPU rollout path serves the dequantized twin.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from kernels.nvfp4 import dequantize_nvfp4, global_scale
+from pipeline.artifacts import ArtifactError, ArtifactStore
+from pipeline.nvfp4 import QuantizeConfig, UnsupportedModelError, iter_quantized_linears
+from stages import quantize as stage
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _src_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _logits(model_dir: Path, model=None) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = model or AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        return model(torch.tensor([[3, 17, 42, 99, 7, 250, 11, 5]])).logits.float()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> ArtifactStore:
+    return ArtifactStore(tmp_path_factory.mktemp("store"))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_checkpoint_loads_in_transformers_and_matches_our_dequantization(arch, tiny_model_factory, store):
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model_factory(arch=arch, norm_jitter=0.05)
+    manifest = stage.run(QuantizeConfig(), src, store)
+    dst = manifest.dir
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    assert {"tokenizer.json", "generation_config.json", "model.safetensors.index.json"} <= {
+        p.name for p in dst.iterdir()
+    }
+    assert manifest.extra["architecture"] == cfg["architectures"][0]
+    assert manifest.extra["quantized_tensors"] == 2 * len(PROJ)
+    assert manifest.mode in ("nvfp4/numba", "nvfp4/torch")
+
+    # reference: the source model with every projection replaced by our dequantization
+    ref = AutoModelForCausalLM.from_pretrained(src)
+    ours = dict(iter_quantized_linears(dst))
+    assert len(ours) == 2 * len(PROJ)
+    with torch.no_grad():
+        for name, (p, s, g) in ours.items():
+            ref.get_submodule(name).weight.copy_(dequantize_nvfp4(p, s, g, dtype=torch.bfloat16))
+    loaded = AutoModelForCausalLM.from_pretrained(dst)  # compressed-tensors integration
+    got = _logits(dst, loaded)
+    assert torch.equal(got, _logits(src, ref))
+    assert not torch.equal(got, _logits(src))  # quantization did change the model
+    # compressed-tensors decompressed every linear to exactly our dequantization
+    for name, (p, s, g) in ours.items():
+        w = loaded.get_submodule(name).weight
+        assert torch.equal(w.view(torch.int16), dequantize_nvfp4(p, s, g, dtype=w.dtype).view(torch.int16)), (
+            name
+        )
+
+
+def test_layout_fused_scales_and_pass_through(tiny_model_dir, store):
+    manifest = stage.run(QuantizeConfig(), tiny_model_dir, store)
+    src = _src_tensors(tiny_model_dir)
+    out = _src_tensors(manifest.dir)
+    for name, t in src.items():
+        if any(f".{p}.weight" in name for p in PROJ):
+            base = name[: -len(".weight")]
+            assert f"{base}.weight" not in out
+            assert out[f"{base}.weight_packed"].shape == (t.shape[0], t.shape[1] // 2)
+            assert out[f"{base}.weight_scale"].dtype == torch.float8_e4m3fn
+        else:  # embeddings, norms, biases, lm_head: byte for byte
+            assert torch.equal(out[name].view(torch.uint8), t.view(torch.uint8)), name
+    for layer in range(2):
+        for group in (("self_attn", "q_proj", "k_proj", "v_proj"), ("mlp", "gate_proj", "up_proj")):
+            parent, *projs = group
+            names = [f"model.layers.{layer}.{parent}.{p}" for p in projs]
+            gss = [out[f"{n}.weight_global_scale"] for n in names]
+            expected = global_scale(max(src[f"{n}.weight"].float().abs().amax().item() for n in names))
+            assert all(torch.equal(g, expected) for g in gss)
+    with safe_open(manifest.dir / "model-00001-of-00001.safetensors", "pt") as fh:
+        assert fh.metadata() == {"format": "pt"}
+
+
+def test_small_shards_and_index(tiny_model_dir, tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    manifest = stage.run(QuantizeConfig(max_shard_mb=0.1), tiny_model_dir, store)
+    index = json.loads((manifest.dir / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0].startswith("model-00001-of-")
+    assert sum(len(load_file(manifest.dir / f)) for f in files) == len(index["weight_map"])
+
+
+def test_cache_hit_is_fast_and_corruption_recomputes(tiny_model_dir, tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    first, cached = stage.run_with_status(QuantizeConfig(), tiny_model_dir, store)
+    assert not cached
+    t0 = time.perf_counter()
+    again, cached = stage.run_with_status(QuantizeConfig(), tiny_model_dir, store)
+    assert cached and time.perf_counter() - t0 < 1.0 and again.key == first.key
+    shard = again.dir / "model-00001-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    redone, cached = stage.run_with_status(QuantizeConfig(), tiny_model_dir, store)
+    assert not cached and redone.digest == first.digest  # same content, rebuilt
+
+
+def _rewrite(src: Path, dst: Path, config_edit=None, tensor_edit=None) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    if config_edit:
+        cfg = json.loads((dst / "config.json").read_text())
+        config_edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tensor_edit:
+        f = next(dst.glob("*.safetensors"))
+        tensors = load_file(f)
+        tensor_edit(tensors)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda c: c.update(architectures=["MixtralForCausalLM"], num_local_experts=8), "mixture-of-experts"),
+        (lambda c: c.update(architectures=["GPT2LMHeadModel"]), "unsupported architecture 'GPT2LMHeadModel'"),
+        (lambda c: c.update(quantization_config={"quant_method": "gptq"}), "already quantized"),
+    ],
+)
+def test_unsupported_models_fail_before_writing(edit, match, tiny_model_dir, tmp_path):
+    src = _rewrite(tiny_model_dir, tmp_path / "bad", config_edit=edit)
+    store = ArtifactStore(tmp_path / "store")
+    with pytest.raises(UnsupportedModelError, match=match):
+        stage.run(QuantizeConfig(), src, store)
+    assert not any((store.root / "objects").iterdir()) and not any((store.root / "tmp").iterdir())
+
+
+def test_unknown_linear_in_a_layer_fails_naming_it(tiny_model_dir, tmp_path):
+    def add(t):
+        t["model.layers.0.mlp.shared_proj.weight"] = torch.zeros(8, 128, dtype=torch.bfloat16)
+
+    src = _rewrite(tiny_model_dir, tmp_path / "odd", tensor_edit=add)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp\.shared_proj\.weight"):
+        stage.run(QuantizeConfig(), src, ArtifactStore(tmp_path / "store"))
+
+
+def test_nan_weight_fails_naming_the_tensor(tiny_model_dir, tmp_path):
+    def poison(t):
+        t["model.layers.1.mlp.down_proj.weight"][3, 7] = float("nan")
+
+    src = _rewrite(tiny_model_dir, tmp_path / "nan", tensor_edit=poison)
+    store = ArtifactStore(tmp_path / "store")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*row 3, column 7"):
+        stage.run(QuantizeConfig(), src, store)
+    assert not any((store.root / "objects").iterdir())
+
+
+def test_hub_id_without_network_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UnsupportedModelError, match="not a local directory and could not be fetched"):
+        stage.run(QuantizeConfig(), "qerl-test/definitely-not-local", ArtifactStore(tmp_path / "store"))
+
+
+def test_dequantized_twin(tiny_model_dir, store):
+    from transformers import AutoModelForCausalLM
+
+    quant = stage.run(QuantizeConfig(), tiny_model_dir, store)
+    twin = stage.run_twin(QuantizeConfig(), quant, store)
+    assert twin.stage == "dequantize" and twin.mode == "nvfp4-dequantized-twin"
+    assert twin.extra["derived_from"]["digest"] == quant.digest
+    assert "quantization_config" not in json.loads((twin.dir / "config.json").read_text())
+    tensors = _src_tensors(twin.dir)
+    for name, (p, s, g) in iter_quantized_linears(quant.dir):
+        assert torch.equal(
+            tensors[f"{name}.weight"].view(torch.int16), dequantize_nvfp4(p, s, g).view(torch.int16)
+        )
+    twin_model = AutoModelForCausalLM.from_pretrained(twin.dir)
+    assert torch.equal(_logits(twin.dir, twin_model), _logits(quant.dir))
+
+
+def test_export_is_atomic_and_refuses_foreign_dirs(tiny_model_dir, store, tmp_path):
+    manifest = stage.run(QuantizeConfig(), tiny_model_dir, store)
+    dst = stage.export(manifest, tmp_path / "out")
+    assert (dst / "config.json").is_file() and (dst / stage.EXPORT_MARKER).is_file()
+    stage.export(manifest, dst)  # a previous export may be replaced
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(ArtifactError, match="refusing to overwrite .*mine"):
+        stage.export(manifest, foreign)
+    assert (foreign / "notes.txt").read_text() == "keep"
+
+
+def test_cli_quantize(tiny_model_dir, tmp_path, capsys):
+    from flows.cli import main
+
+    args = [
+        "quantize",
+        str(tiny_model_dir),
+        "--out",
+        str(tmp_path / "dst"),
+        "--work-dir",
+        str(tmp_path / "w"),
+    ]
+    assert main(args) == 0
+    assert "quantized (nvfp4/" in capsys.readouterr().out
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "cache hit" in out and str(tmp_path / "dst") in out
+    assert (tmp_path / "w" / "store" / "objects" / "quantize").is_dir()
+
+
+def test_vllm_parses_the_scheme(monkeypatch):
+    """How far vLLM's compressed-tensors loader gets on CPU: see the module docstring."""
+    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
+
+    from pipeline.nvfp4 import quantization_config
+
+    config = ct.CompressedTensorsConfig.from_config(quantization_config())
+    assert config.ignore == ["lm_head"]
+    weights = config.target_scheme_map["Linear"]["weights"]
+    assert config._is_nvfp4_format(weights) and weights.group_size == 16
+    assert config.target_scheme_map["Linear"]["input_activations"] is None
+    layer = torch.nn.Linear(128, 256)
+    built = {}
+
+    class Recorder:
+        def __init__(self, use_a16: bool = False):
+            built["use_a16"] = use_a16
+
+        get_min_capability = ct.CompressedTensorsW4A4Fp4.get_min_capability  # the real scheme's (75)
+
+    real = ct.CompressedTensorsW4A4Fp4
+    monkeypatch.setattr(ct, "CompressedTensorsW4A4Fp4", Recorder)
+    assert isinstance(config.get_scheme(layer, layer_name="model.layers.0.mlp.up_proj"), Recorder)
+    assert built == {"use_a16": True}  # the NVFP4A16 (weight-only) scheme
+    monkeypatch.setattr(ct, "CompressedTensorsW4A4Fp4", real)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="Marlin FP4 not available"):
+            config.get_scheme(layer, layer_name="model.layers.0.mlp.up_proj")
