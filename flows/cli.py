@@ -33,7 +33,101 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize(sub)
     _add_promote(sub)
     _add_eval(sub)
+    _add_run(sub)
+    _add_bench(sub)
     return parser
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run the RL flow (no --config: the embedded demo)")
+    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/presets)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    _common(p)
+    COMMANDS["run"] = _cmd_run
+    p = sub.add_parser("resume", help="continue a recorded run: completed stages are reused")
+    p.add_argument("run_id", metavar="RUN", help="run id (see <work>/runs)")
+    _common(p)
+    COMMANDS["resume"] = _cmd_resume
+    p = sub.add_parser("schedule", help="serve the nightly deployment on a Prefect server")
+    p.add_argument("--cron", required=True, help="cron expression, e.g. '0 2 * * *'")
+    p.add_argument("--config", default=None, help="YAML file or preset name")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    _common(p)
+    COMMANDS["schedule"] = _cmd_schedule
+
+
+def _print_run(record: dict, work: str) -> None:
+    from pathlib import Path
+
+    reg = record.get("registration") or {}
+    print(f"run {record['run_id']}: {record['status']} (engine mode {record.get('engine_mode')})")
+    for e in record.get("evaluations", []):
+        who = "base (no adapter)" if e["adapter"] is None else f"adapter after step {e['step']}"
+        print(f"  accuracy {e['accuracy']:.3f}  {who}")
+    if reg:
+        print(f"  registered {reg.get('model_name')} v{reg.get('version')}; champion: {reg.get('promoted')}")
+    print(f"  run record: {Path(work) / 'runs' / record['run_id'] / 'run.json'}")
+    print(f"  adapter:    {record.get('final_adapter')}")
+    print(f"  MLflow UI:  mlflow ui --backend-store-uri sqlite:///{Path(work) / 'mlflow.db'}")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flows import runner
+    from pipeline.runconfig import load_run_config
+
+    cfg = load_run_config(args.config, args.set)
+    work = Path(_work_dir(args)).resolve()
+    record = runner.run(cfg, work)
+    _print_run(record, str(work))
+    return 0
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flows import runner
+
+    work = Path(_work_dir(args)).resolve()
+    record = runner.resume(args.run_id, work)
+    _print_run(record, str(work))
+    return 0
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flows import runner
+    from pipeline.runconfig import load_run_config
+
+    cfg = load_run_config(args.config, args.set)
+    runner.schedule(cfg, Path(_work_dir(args)).resolve(), args.cron)
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run benchmarks (all, or one by name) and rewrite BENCHMARKS.md")
+    p.add_argument("name", nargs="?", default=None, help="quantize, score, rollout or train")
+    _common(p)
+    COMMANDS["bench"] = _cmd_bench
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    names = [args.name] if args.name else ["quantize", "score", "rollout", "train"]
+    for name in names:
+        script = root / "benchmarks" / f"bench_{name}.py"
+        if not script.is_file():
+            print(f"no benchmark '{name}' ({script} not found)", file=sys.stderr)
+            return 2
+        subprocess.run([sys.executable, str(script)], check=True, cwd=root)
+    importlib.import_module("benchmarks.collect").main()
+    return 0
 
 
 def _add_quantize(sub: argparse._SubParsersAction) -> None:
@@ -172,6 +266,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     quantized, twin = evaluate.base_artifacts(args.base, store, need_twin)
     adapter = None if args.adapter.lower() == "none" else Path(args.adapter)
     digest = None if adapter is None else store.source_digest(adapter)
+    # the engine's context: the rollout default, capped by what the model supports
+    model_cfg = json.loads((quantized.dir / "config.json").read_text())
+    max_model_len = min(2048, int(model_cfg.get("max_position_embeddings") or 2048))
     engine = build_engine(
         RolloutConfig(
             engine=args.engine,
@@ -181,6 +278,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             max_new_tokens=cfg.max_new_tokens,
             template=cfg.benchmark.template,
             enable_lora=adapter is not None,
+            max_model_len=max_model_len,
         ),
         quantized,
         twin,
@@ -205,7 +303,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return COMMANDS[args.command](args)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        # ConfigError, ArtifactError, EngineError and friends: a clear message, not a traceback.
+        if getattr(args, "verbose", False):
+            raise
+        print(f"qerl {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
