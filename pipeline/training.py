@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.artifacts import atomic_write_json
 from pipeline.config import StrictModel
-from pipeline.grpo import GRPOConfig, entropy_from_logits, group_advantages, grpo_token_objective
+from pipeline.grpo import GRPOConfig, group_advantages, grpo_token_objective
 
 log = logging.getLogger("qerl.training")
 
@@ -185,15 +185,13 @@ def completion_logprobs(
         use_cache=False,
     )
     logits = out.logits[:, :C].float() / temperature
-    logp = (
-        torch.log_softmax(logits, dim=-1)
-        .gather(-1, mb["completion_ids"].to(device).unsqueeze(-1))
-        .squeeze(-1)
-    )
+    logsm = torch.log_softmax(logits, dim=-1)
+    logp = logsm.gather(-1, mb["completion_ids"].to(device).unsqueeze(-1)).squeeze(-1)
     entropy = None
-    if with_entropy:
+    if with_entropy:  # from the same log-softmax: one pass over the vocabulary, not two
         with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach())
+            detached = logsm.detach()
+            entropy = -(detached.exp() * detached).sum(-1)
     return logp, entropy
 
 

@@ -1,0 +1,319 @@
+"""Train-step benchmarks: one GRPO update on an NVFP4 base vs a bf16 base, and vs TRL's GRPOTrainer.
+
+Model: a random Qwen2-architecture model shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads,
+2 KV heads, intermediate 4864, tied embeddings) with the vocabulary shrunk (default 32768 instead of
+151936) so that the lm_head/logits do not dominate a CPU run; the embedding stays bf16 in both arms,
+so the real vocabulary would make the NVFP4 memory ratio worse, not better. The NVFP4 base is made by
+the real quantize stage from that bf16 model.
+
+Batch: 8 sequences = 2 prompts x 4 samples, 64 prompt + 64 completion tokens, random ids, mixed
+rewards per group, sampler logprobs taken from the base model (ratio ~ 1). Settings: LoRA r 16 /
+alpha 32 on all seven projections, AdamW, max grad norm 0.2, dapo loss, gradient checkpointing on
+(the QeRL recipe), bf16 compute, one optimizer update per step.
+
+Arms, each in its own subprocess (so peak RSS is per arm, ``getrusage(RUSAGE_SELF).ru_maxrss``):
+  nvfp4  pipeline.training.train_step on the packed NVFP4 base (dequantize in forward and backward)
+  bf16   the same code on the bf16 base (plain nn.Linear)
+  trl    trl.GRPOTrainer (use_vllm=False) on the bf16 base: the update only, i.e. its compute_loss +
+         backward + clip + AdamW step on the same batch, since its generation is not what we compare.
+Each arm runs one warm-up update and then ``--steps`` timed updates (mean reported). "RSS above
+baseline" subtracts the process's RSS after imports, before the model is loaded.
+
+Run: ``.venv/bin/python benchmarks/bench_train.py [--layers N --vocab V --steps S]``; writes
+benchmarks/results/train.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPE = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
+N_PROMPTS, GROUP, PROMPT_LEN, COMP_LEN = 2, 4, 64, 64
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _current_rss_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def make_models(work: Path, layers: int, vocab: int) -> tuple[Path, Path]:
+    """bf16 random model dir + its NVFP4 checkpoint (quantize stage)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.artifacts import ArtifactStore
+    from pipeline.nvfp4 import QuantizeConfig
+    from pipeline.tiny import tiny_config, train_tokenizer
+    from stages.quantize import run as quantize
+
+    bf16 = work / "bf16"
+    shape = {**SHAPE, "num_layers": layers}
+    tok = train_tokenizer(vocab_size=512)
+    config = tiny_config(
+        "qwen2",
+        vocab_size=vocab,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        **shape,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(bf16)
+    tok.save_pretrained(bf16)
+    del model
+    manifest = quantize(QuantizeConfig(), str(bf16), ArtifactStore(work / "store"))
+    return bf16, manifest.dir
+
+
+def make_batch(model_dir: Path, vocab: int):  # noqa: ANN201
+    """The shared batch; sampler logprobs from the bf16 base so that the ratio starts near 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.training import RolloutBatch, _collate, completion_logprobs
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(N_PROMPTS)]
+    comps = [torch.randint(0, vocab, (COMP_LEN,), generator=gen).tolist() for _ in range(N_PROMPTS * GROUP)]
+    batch = RolloutBatch(
+        prompt_ids=[prompts[i // GROUP] for i in range(N_PROMPTS * GROUP)],
+        completion_ids=comps,
+        sampler_logprobs=[[0.0] * COMP_LEN for _ in comps],
+        truncated=[False] * len(comps),
+        rewards=[float(i % 2) for i in range(len(comps))],
+        group_ids=[i // GROUP for i in range(len(comps))],
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(
+            model, _collate(batch, list(range(len(comps))), torch.ones(len(comps)), 0), 1.0
+        )
+    batch.sampler_logprobs = lp.tolist()
+    return batch
+
+
+def _train_config():  # noqa: ANN202
+    from pipeline.training import TrainConfig
+
+    return TrainConfig(dtype="bfloat16", minibatch_size=8, gradient_checkpointing=True, lr=1e-5, seed=0)
+
+
+def arm_ours(base_dir: Path, batch, steps: int) -> dict:  # noqa: ANN001
+    from pipeline.training import init_state, train_step
+
+    baseline = _current_rss_mb()
+    cfg = _train_config()
+    state = init_state(base_dir, cfg)
+    loaded = _current_rss_mb()
+    train_step(state, batch, cfg)  # warm-up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        metrics = train_step(state, batch, cfg)
+        times.append(time.perf_counter() - t0)
+    return {"baseline_mb": baseline, "loaded_mb": loaded, "times": times, "loss": metrics["loss"]}
+
+
+def arm_trl(base_dir: Path, batch, steps: int, work: Path) -> dict:  # noqa: ANN001
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    baseline = _current_rss_mb()
+    cfg = _train_config()
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
+    args = GRPOConfig(
+        output_dir=str(work / "trl"),
+        per_device_train_batch_size=len(batch),
+        num_generations=GROUP,
+        max_completion_length=COMP_LEN,
+        learning_rate=cfg.lr,
+        max_grad_norm=cfg.max_grad_norm,
+        loss_type="dapo",
+        beta=0.0,
+        epsilon=cfg.grpo.eps_low,
+        epsilon_high=cfg.grpo.eps_high,
+        gradient_checkpointing=True,
+        use_vllm=False,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["x"] * 8}),
+        processing_class=AutoTokenizer.from_pretrained(base_dir),
+        peft_config=LoraConfig(
+            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.target_modules)
+        ),
+    )
+    loaded = _current_rss_mb()
+    model = trainer.model
+    model.train()
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1
+    n = len(batch)
+    prompt_ids = torch.tensor(batch.prompt_ids)
+    completion_ids = torch.tensor(batch.completion_ids)
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": torch.ones_like(completion_ids),
+        "advantages": torch.tensor([1.0 if i % 2 else -1.0 for i in range(n)]),
+        "old_per_token_logps": torch.tensor(batch.sampler_logprobs),
+        "num_items_in_batch": torch.tensor(float(completion_ids.numel())),
+    }
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def update() -> float:
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    update()  # warm-up
+    times, loss = [], 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = update()
+        times.append(time.perf_counter() - t0)
+    return {"baseline_mb": baseline, "loaded_mb": loaded, "times": times, "loss": loss}
+
+
+def _child(args: argparse.Namespace) -> None:
+    # every arm imports the libraries it runs on before its baseline RSS is taken
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    if args.child == "trl":
+        import trl  # noqa: F401
+
+    from pipeline.training import RolloutBatch
+
+    batch = RolloutBatch(**json.loads(Path(args.batch).read_text()))
+    work = Path(args.work)
+    if args.child == "nvfp4":
+        out = arm_ours(work / "nvfp4", batch, args.steps)
+    elif args.child == "bf16":
+        out = arm_ours(work / "bf16", batch, args.steps)
+    else:
+        out = arm_trl(work / "bf16", batch, args.steps, work)
+    out["peak_rss_mb"] = _rss_mb()
+    Path(args.result).write_text(json.dumps(out))
+
+
+def _run_arm(arm: str, work: Path, batch_path: Path, steps: int) -> dict:
+    result = work / f"{arm}.json"
+    cmd = [sys.executable, __file__, "--child", arm, "--work", str(work), "--batch", str(batch_path)]
+    cmd += ["--steps", str(steps), "--result", str(result)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    )
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    return json.loads(result.read_text())
+
+
+def _fmt(arm: dict) -> tuple[str, str, str]:
+    if "error" in arm:
+        return "error", "error", "error"
+    t = sum(arm["times"]) / len(arm["times"])
+    return f"{t:.2f}", f"{arm['peak_rss_mb']:.0f}", f"{arm['peak_rss_mb'] - arm['baseline_mb']:.0f}"
+
+
+def main(layers: int = 24, vocab: int = 32768, steps: int = 2) -> str:
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="qerl-bench-train-") as tmp:
+        work = Path(tmp)
+        bf16, nvfp4 = make_models(work, layers, vocab)
+        (work / "nvfp4").symlink_to(nvfp4)
+        batch = make_batch(bf16, vocab)
+        batch_path = work / "batch.json"
+        batch_path.write_text(json.dumps({k: getattr(batch, k) for k in batch.__dataclass_fields__}))
+        arms = {arm: _run_arm(arm, work, batch_path, steps) for arm in ("nvfp4", "bf16", "trl")}
+    rows = {arm: _fmt(r) for arm, r in arms.items()}
+
+    def ratio(a: str, b: str, idx: int) -> str:
+        try:
+            return f"{float(rows[a][idx]) / float(rows[b][idx]):.2f}x"
+        except ValueError:
+            return "n/a"
+
+    lines = [
+        "## Train step (one GRPO update)",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"device {'cuda' if torch.cuda.is_available() else 'cpu'}. Model: Qwen2.5-0.5B shape, {layers} layers, "
+        f"vocab {vocab} (shrunk from 151936). Batch {N_PROMPTS * GROUP} x ({PROMPT_LEN} prompt + {COMP_LEN} "
+        f"completion) tokens, LoRA r16 all 7 projections, gradient checkpointing, bf16; mean of {steps} timed "
+        "updates after one warm-up, each arm in its own process.",
+        "",
+        "| arm | s / update | peak RSS MB | RSS above baseline MB |",
+        "|---|---|---|---|",
+    ]
+    for arm, (t, rss, above) in rows.items():
+        lines.append(f"| {arm} | {t} | {rss} | {above} |")
+    lines += [
+        "",
+        f"- NVFP4 vs bf16 base: time {ratio('nvfp4', 'bf16', 0)} (goal <= 1.3x), peak RSS {ratio('nvfp4', 'bf16', 1)}, "
+        f"RSS above baseline {ratio('nvfp4', 'bf16', 2)} (goal <= 0.5x).",
+        f"- Ours (bf16 base) vs TRL GRPOTrainer on the same bf16 model: time {ratio('bf16', 'trl', 0)} (goal <= 1.0x).",
+    ]
+    for arm, r in arms.items():
+        if "error" in r:
+            lines.append(
+                f"- {arm} failed: `{r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}`"
+            )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--child", choices=["nvfp4", "bf16", "trl"])
+    parser.add_argument("--work")
+    parser.add_argument("--batch")
+    parser.add_argument("--result")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train.md"))
+    cli = parser.parse_args()
+    if cli.child:
+        _child(cli)
+    else:
+        from pipeline.artifacts import atomic_write_text
+
+        atomic_write_text(cli.out, main(cli.layers, cli.vocab, cli.steps))
