@@ -299,6 +299,7 @@ class VerifierPool:
         # Preload math-verify (sympy, antlr) in the fork server once; every worker is then a cheap fork.
         self._ctx.set_forkserver_preload(["math_verify", "pipeline.rewards", "pipeline._reward_warmup"])
         self.restarts = 0
+        self._dying: list[Any] = []
         self._workers: list[_Worker] = [self._launch() for _ in range(self.cfg.workers)]
 
     def _launch(self) -> _Worker:
@@ -317,8 +318,11 @@ class VerifierPool:
         old = self._workers[i]
         if old.proc.is_alive():
             old.proc.kill()
-        old.proc.join(5)
         old.conn.close()
+        # Reaped later: the kernel can take seconds to free a killed worker's gigabytes, and waiting
+        # here would delay the other workers' deadline checks.
+        self._dying.append(old.proc)
+        self._dying = [p for p in self._dying if p.is_alive()]
         self.restarts += 1
         self._workers[i] = self._launch()
 
@@ -332,7 +336,9 @@ class VerifierPool:
                 w.proc.kill()
                 w.proc.join(1)
             w.conn.close()
-        self._workers = []
+        for proc in self._dying:
+            proc.join(5)
+        self._workers, self._dying = [], []
 
     def __enter__(self) -> VerifierPool:
         return self
