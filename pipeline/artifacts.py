@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -126,6 +127,24 @@ def code_version(*modules: ModuleType | str | Path) -> str:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+_FAULT_COUNTS: dict[str, int] = {}
+
+
+def _fault_point(stage: str) -> None:
+    """Crash-test hook: ``QERL_FAULT=stage:n`` SIGKILLs this process inside the n-th build of
+    ``stage`` (its outputs written, its manifest not yet), as a power cut or OOM kill would."""
+    spec = os.environ.get("QERL_FAULT")
+    if not spec:
+        return
+    target, _, nth = spec.partition(":")
+    if target != stage:
+        return
+    _FAULT_COUNTS[stage] = _FAULT_COUNTS.get(stage, 0) + 1
+    if _FAULT_COUNTS[stage] == int(nth or 1):
+        log.error("QERL_FAULT=%s: killing this process inside stage %s", spec, stage)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class FileRecord(BaseModel):
@@ -303,6 +322,7 @@ class ArtifactStore:
                     metrics=result.metrics,
                     extra=result.extra,
                 )
+                _fault_point(stage)
                 atomic_write_text(tmp / MANIFEST, manifest.model_dump_json(indent=2))
                 final = self.path_for(stage, key)
                 final.parent.mkdir(parents=True, exist_ok=True)
@@ -313,8 +333,19 @@ class ArtifactStore:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
             manifest.path = str(final)
+            self._journal({"stage": stage, "key": key, "event": "built", "pid": os.getpid()})
             log.info("stage %s wrote %s (%d files)", stage, final, len(files))
             return manifest, False
+
+    def _journal(self, entry: dict[str, Any]) -> None:
+        """Append to builds.jsonl: the audit trail that proves no finished stage ran twice."""
+        entry = {"at": _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds"), **entry}
+        with self.lock("journal"), open(self.root / "builds.jsonl", "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+
+    def builds(self) -> list[dict[str, Any]]:
+        path = self.root / "builds.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
     # source digests ---------------------------------------------------------------------------
     def source_digest(self, path: str | Path) -> str:

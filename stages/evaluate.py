@@ -69,7 +69,10 @@ def run(
     }
     code = code_version(sys.modules[__name__], ev, rewards, prompts)
     sampling = SamplingSpec(
-        temperature=cfg.sampling_temperature, top_p=cfg.sampling_top_p, max_new_tokens=cfg.max_new_tokens
+        temperature=cfg.sampling_temperature,
+        top_p=cfg.sampling_top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        logprobs=False,
     )
     n = cfg.n_samples
 

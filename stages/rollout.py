@@ -18,6 +18,7 @@ into the table, so the table's bytes depend only on the inputs.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import sys
 import time
@@ -87,7 +88,8 @@ def _check_problems(problems: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def _engine_module(engine: RolloutEngine) -> Any:
-    return sys.modules[type(engine).__module__]
+    name = getattr(engine, "implementation_module", None) or type(engine).__module__
+    return importlib.import_module(name)
 
 
 def run(

@@ -110,6 +110,8 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 256
+    # Evaluation needs no logprobs; without them any temperature/top-p combination is allowed.
+    logprobs: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -249,3 +251,47 @@ def build_engine(cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest 
     model_dir, mode = _checkpoint_dir(twin, "twin"), "hf-nvfp4-emulated"
     log.warning("rollout engine mode %s: transformers generate on the dequantized twin %s", mode, model_dir)
     return HFEngine(cfg, model_dir, mode)
+
+
+def planned_mode(cfg: RolloutConfig) -> tuple[str, str]:
+    """(mode, implementation module) that ``build_engine`` will choose on this machine."""
+    if cfg.engine == "vllm":
+        mode = "vllm-nvfp4-marlin" if _cuda_available() else "vllm-nvfp4-emulated"
+        return mode, "pipeline.engines.vllm_engine"
+    return "hf-nvfp4-emulated", "pipeline.engines.hf_engine"
+
+
+class LazyEngine:
+    """An engine built on first use, so a re-run whose stages are all cached starts no vLLM.
+
+    ``mode`` (part of every rollout/evaluate cache key) is known up front from the machine and the
+    config; the real engine is checked to run in exactly that mode when it comes up.
+    """
+
+    def __init__(self, cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest | None):
+        self._args = (cfg, quantized, twin)
+        self.mode, self.implementation_module = planned_mode(cfg)
+        self._engine: RolloutEngine | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._engine is not None
+
+    def _real(self) -> RolloutEngine:
+        if self._engine is None:
+            engine = build_engine(*self._args)
+            if engine.mode != self.mode:
+                engine.close()
+                raise EngineError(f"engine came up in mode {engine.mode}, planned {self.mode}")
+            self._engine = engine
+        return self._engine
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._real(), name)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None

@@ -154,7 +154,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if not _compatible(self.logprobs_mode, sampling):
+        if sampling.logprobs and not _compatible(self.logprobs_mode, sampling):
             raise EngineError(
                 f"engine built with logprobs_mode={self.logprobs_mode} cannot record log_softmax(logits/T) "
                 f"for {sampling}; build the engine with this sampling"
@@ -178,7 +178,7 @@ class VLLMEngine:
                         top_k=max(sampling.top_k, 0),
                         max_tokens=sampling.max_new_tokens,
                         seed=sample_seed(seed, i, j),
-                        logprobs=0,
+                        logprobs=0 if sampling.logprobs else None,
                         detokenize=False,
                     )
                 )
@@ -186,18 +186,23 @@ class VLLMEngine:
         results: list[list[Completion]] = [[] for _ in prompts]
         for k, out in enumerate(outputs):
             i = k // n
-            results[i].append(self._completion(encoded[i], out.outputs[0], k))
+            results[i].append(self._completion(encoded[i], out.outputs[0], k, sampling.logprobs))
         return results
 
-    def _completion(self, prompt_ids: list[int], output: Any, k: int) -> Completion:
+    def _completion(
+        self, prompt_ids: list[int], output: Any, k: int, want_logprobs: bool = True
+    ) -> Completion:
         tokens = list(output.token_ids)
         if output.finish_reason not in ("stop", "length"):
             raise EngineError(f"request {k} finished with {output.finish_reason!r}")
-        if output.logprobs is None or len(output.logprobs) != len(tokens):
+        if not want_logprobs:  # evaluation: not requested, recorded as NaN so nothing can use them
+            logprobs = [float("nan")] * len(tokens)
+        elif output.logprobs is None or len(output.logprobs) != len(tokens):
             raise EngineError(
                 f"request {k}: vLLM returned logprobs for {len(output.logprobs or [])} of {len(tokens)} tokens"
             )
-        logprobs = [float(step[tok].logprob) for step, tok in zip(output.logprobs, tokens, strict=True)]
+        else:
+            logprobs = [float(step[tok].logprob) for step, tok in zip(output.logprobs, tokens, strict=True)]
         return Completion(
             prompt_ids=list(prompt_ids),
             completion_ids=tokens,

@@ -1,0 +1,28 @@
+"""Stage ``demo-base``: build (once, cached) the embedded demo's warmed-up tiny base model.
+
+The output directory is an ordinary Hugging Face model directory, so the quantize stage treats it
+like any downloaded checkpoint. Keyed by the demo config and this stage's code (plus the data and
+tokenizer code it depends on), so it is built once per machine and reused by every demo run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pipeline import data, demo, tiny
+from pipeline.artifacts import ArtifactStore, BuildResult, Manifest, code_version
+
+STAGE = "demo-base"
+
+
+def run(cfg: demo.DemoBaseConfig, store: ArtifactStore) -> Manifest:
+    """The cached demo base model's manifest (its directory is the HF model)."""
+
+    def build(tmp: Path) -> BuildResult:
+        metrics = demo.build_demo_base(tmp, cfg)
+        return BuildResult(mode="demo", metrics=metrics, extra={"architecture": "Qwen2ForCausalLM"})
+
+    code = code_version(sys.modules[__name__], demo, data, tiny)
+    manifest, _ = store.produce(STAGE, cfg, inputs={}, code=code, build=build)
+    return manifest
