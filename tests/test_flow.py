@@ -1,0 +1,178 @@
+"""The RL flow end to end on a tiny model: real Prefect (ephemeral), real vLLM, real MLflow.
+
+The crash test SIGKILLs real ``qerl run`` processes inside rollout, score and train (the
+``QERL_FAULT`` hook kills the process after a stage wrote its outputs but before its manifest, the
+worst moment), re-runs the same command, and requires (a) a final adapter bit-identical to an
+uninterrupted run's in another work directory and (b) no (stage, key) built twice, from the
+store's build journal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError
+from pipeline.runconfig import PRESET_DIR, load_run_config, preset_names
+
+
+def tiny_run_config(model_dir: Path) -> dict:
+    return {
+        "model": {"source": str(model_dir)},
+        "data": {"dataset": "arithmetic", "levels": [1], "template": "terse", "arithmetic_size": 32},
+        "rollout": {
+            "engine": "vllm",
+            "n_samples": 4,
+            "max_new_tokens": 6,
+            "max_model_len": 96,
+            "template": "terse",
+            "dtype": "float32",
+            "kv_cache_gib": 0.25,
+            "enforce_eager": True,
+            "max_lora_rank": 8,
+            "in_process": True,
+            "max_num_seqs": 16,
+        },  # fmt: skip
+        "reward": {"answer_format": "answer_tags", "workers": 1},
+        "train": {
+            "lora_r": 8,
+            "lora_alpha": 16,
+            "lr": 1e-3,
+            "total_steps": 3,
+            "minibatch_size": 8,
+            "dtype": "float32",
+        },
+        "eval": {
+            "benchmark": {"dataset": "arithmetic", "levels": [1], "template": "terse", "arithmetic_size": 4},
+            "k": 1,
+            "max_new_tokens": 6,
+        },  # fmt: skip
+        "aqn": {"num_stages": 3},
+        "loop": {"name": "tiny", "steps": 3, "prompts_per_step": 2, "eval_every": 0, "eval_base": False},
+    }
+
+
+def _qerl(args: list[str], work: Path, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "QERL_WORK_DIR": str(work)}
+    env.pop("QERL_FAULT", None)
+    if fault:
+        env["QERL_FAULT"] = fault
+    cmd = [sys.executable, "-m", "flows.cli", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _final_adapter(work: Path) -> bytes:
+    (record_path,) = (work / "runs").glob("*/run.json")
+    record = json.loads(record_path.read_text())
+    assert record["status"] == "completed", record.get("error")
+    return (Path(record["final_adapter"]) / "adapter_model.safetensors").read_bytes()
+
+
+def _journal(work: Path) -> list[dict]:
+    path = work / "store" / "builds.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+@pytest.mark.slow
+def test_killed_runs_resume_to_the_identical_adapter(tiny_model_factory, tmp_path):
+    model = tiny_model_factory(arch="qwen2", dtype=__import__("torch").float32)
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_run_config(model)))
+    args = ["run", "--config", str(cfg_path)]
+
+    clean = _qerl(args, tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    reference = _final_adapter(tmp_path / "clean")
+
+    crashed = tmp_path / "crashed"
+    for fault in ("rollout:2", "score:2", "train:2"):
+        proc = _qerl(args, crashed, fault)
+        assert proc.returncode == -signal.SIGKILL, (fault, proc.returncode, proc.stderr[-3000:])
+    done = _qerl(args, crashed)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _final_adapter(crashed) == reference
+
+    built = Counter((e["stage"], e["key"]) for e in _journal(crashed))
+    assert built and max(built.values()) == 1, [k for k, n in built.items() if n > 1]
+    # every stage kind really ran in the crashed directory, and resuming needed no stage twice
+    assert {s for s, _ in built} >= {
+        "quantize",
+        "dequantize",
+        "rollout",
+        "score",
+        "train",
+        "evaluate",
+        "register",
+    }
+    assert Counter(s for s, _ in built)["train"] == 3
+
+    again = _qerl(args, crashed)  # a completed run re-run: nothing is built
+    assert again.returncode == 0
+    assert len(_journal(crashed)) == sum(built.values())
+    (record_path,) = (crashed / "runs").glob("*/run.json")
+    record = json.loads(record_path.read_text())
+    assert record["engine_mode"] == "vllm-nvfp4-emulated"
+    assert len(record["steps"]) == 3 and record["registration"]["version"]
+
+
+def test_every_preset_loads():
+    names = preset_names()
+    assert {"demo", "qwen2.5-7b-gsm8k"} <= set(names)
+    for name in names:
+        cfg = load_run_config(PRESET_DIR / f"{name}.yaml")
+        assert cfg.loop.steps >= 1
+    assert load_run_config().model.source == "demo"  # no config: the embedded demo
+
+
+def test_run_config_rejects_bad_keys_and_mismatches(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout\.n_sample.*valid keys here:.*n_samples"):
+        load_run_config(None, ["rollout.n_sample=3"])
+    with pytest.raises(ConfigError, match="temperature"):
+        load_run_config(None, ["train.temperature=0.7"])
+
+
+def test_step_prompts_cover_the_dataset_in_turn():
+    from flows.rl import step_prompts
+
+    items = list(range(10))
+    first_epoch = [x for step in range(5) for x in step_prompts(items, step, 2, seed=0)]
+    assert sorted(first_epoch) == items
+    assert step_prompts(items, 7, 2, seed=0) == step_prompts(items, 7, 2, seed=0)
+
+
+def test_cli_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True)
+    for command in ("quantize", "score", "run", "resume", "eval", "promote", "schedule", "bench"):
+        assert command in out.stdout
+
+
+def test_resume_unknown_run_names_known_runs(tmp_path):
+    proc = _qerl(["resume", "nope"], tmp_path)
+    assert proc.returncode == 2 and "no run 'nope'" in proc.stderr
+
+
+def test_schedule_needs_a_server(tmp_path):
+    env_has_api = bool(os.environ.get("PREFECT_API_URL"))
+    proc = _qerl(["schedule", "--cron", "0 2 * * *"], tmp_path)
+    if not env_has_api:
+        assert proc.returncode == 2 and "prefect server start" in proc.stderr
+
+
+def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
+    from flows.runner import nightly_deployment, prepare_environment
+
+    prepare_environment(tmp_path)
+    deployment = nightly_deployment(load_run_config(), tmp_path, "0 2 * * *")
+    assert deployment.name == "nightly"
+    assert deployment.schedules[0].schedule.cron == "0 2 * * *"
+    assert deployment.concurrency_limit == 1
+    assert deployment.parameters["work_dir"] == str(tmp_path)
+    assert deployment.entrypoint == "flows.rl.rl_flow"
