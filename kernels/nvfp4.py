@@ -33,6 +33,7 @@ interpreter's cast is wrong when rounding carries into the exponent and both pat
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -156,8 +157,11 @@ def tensor_amax(w: torch.Tensor, name: str = "weight", chunk_elements: int = CHU
     step = max(1, chunk_elements // max(1, w.shape[1]))
     for r0 in range(0, w.shape[0], step):
         chunk = w[r0 : r0 + step]
-        m = chunk.abs().amax().float().item() if chunk.numel() else 0.0
-        if not torch.isfinite(torch.tensor(m)):
+        if not chunk.numel():
+            continue
+        lo, hi = torch.aminmax(chunk)  # one pass, no |w| temporary; NaN propagates into both
+        m = max(-lo.float().item(), hi.float().item())
+        if not math.isfinite(m) or math.isnan(lo.float().item()) or math.isnan(hi.float().item()):
             _raise_non_finite(chunk, r0, name)
         amax = max(amax, m)
     return amax
@@ -247,15 +251,22 @@ def _quantize_numba(
     from kernels import nvfp4_numba
 
     check_weight(w, name)
-    gs_t = _resolve_gs(w, gs, name)
+    if gs is None:
+        gs_t = _resolve_gs(w, gs, name)  # the amax pass also rejects NaN/Inf
+    else:  # a shared global scale: skip the amax pass, the kernel counts non-finite inputs instead
+        gs_t = torch.as_tensor(gs, dtype=torch.float32).reshape(1).cpu()
+        if not (math.isfinite(gs_t.item()) and gs_t.item() > 0):
+            raise NVFP4Error(f"tensor '{name}': global scale must be finite and positive, got {gs_t.item()}")
     out_f, in_f = w.shape
     packed = torch.empty(out_f, in_f // 2, dtype=torch.uint8)
     scale32 = torch.empty(out_f, in_f // GROUP_SIZE, dtype=torch.float32)
     step = max(1, chunk_elements // max(1, in_f))
+    bad = 0
     for r0 in range(0, out_f, step):
-        nvfp4_numba.quantize_rows(
-            w[r0 : r0 + step].float(), gs_t.item(), packed[r0 : r0 + step], scale32[r0 : r0 + step]
-        )
+        rows = slice(r0, r0 + step)
+        bad += nvfp4_numba.quantize_rows(w[rows].float(), gs_t.item(), packed[rows], scale32[rows])
+    if bad:
+        tensor_amax(w, name)  # raises with the row and column
     return packed, scale32.to(torch.float8_e4m3fn), gs_t
 
 

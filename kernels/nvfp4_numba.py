@@ -36,12 +36,15 @@ def available() -> bool:
 def _kernel(x, gs, packed, scale):  # noqa: ANN001, ANN202 - numba-typed arrays
     rows, cols = x.shape
     groups = cols // 16
+    bad = 0  # non-finite inputs: NaN would otherwise slip through the "v > amax" test unnoticed
     for r in nb.prange(rows):
         for g in range(groups):
             base = g * 16
             amax = _F(0.0)
             for k in range(16):
                 v = abs(x[r, base + k])
+                if not np.isfinite(v):
+                    bad += 1
                 if v > amax:
                     amax = v
             s = gs * (amax / _F(6.0))
@@ -75,14 +78,16 @@ def _kernel(x, gs, packed, scale):  # noqa: ANN001, ANN202 - numba-typed arrays
                         code += 8
                     byte |= np.uint8(code << (4 * h))
                 packed[r, (base + k) // 2] = byte
+    return bad
 
 
 _compiled = nb.njit(cache=True, parallel=True, fastmath=False)(_kernel) if nb is not None else None
 
 
-def quantize_rows(x: torch.Tensor, gs: float, packed: torch.Tensor, scale: torch.Tensor) -> None:
+def quantize_rows(x: torch.Tensor, gs: float, packed: torch.Tensor, scale: torch.Tensor) -> int:
     """Quantize float32 rows ``x [R, in]`` into ``packed [R, in/2]`` (uint8) and ``scale [R, in/16]``
-    (float32 holding E4M3 values), in place. The caller has checked shape and finiteness."""
+    (float32 holding E4M3 values), in place. Returns the number of non-finite inputs (the caller
+    raises, naming the tensor); the caller has checked the shape."""
     if _compiled is None:
         raise RuntimeError("numba is not installed; use kernels.nvfp4.quantize_nvfp4")
-    _compiled(x.contiguous().numpy(), np.float32(gs), packed.numpy(), scale.numpy())
+    return int(_compiled(x.contiguous().numpy(), np.float32(gs), packed.numpy(), scale.numpy()))

@@ -137,7 +137,8 @@ def check_architecture(config: dict, cfg: QuantizeConfig | None = None) -> str:
 
 def quantization_config(cfg: QuantizeConfig | None = None) -> dict:
     """The config.json ``quantization_config`` of an NVFP4A16 checkpoint, as compressed-tensors writes it."""
-    import compressed_tensors
+    # the version from metadata: importing compressed_tensors costs seconds (it pulls in torch.compile)
+    from importlib.metadata import version
 
     cfg = cfg or QuantizeConfig()
     weights = {
@@ -172,7 +173,7 @@ def quantization_config(cfg: QuantizeConfig | None = None) -> dict:
         "quantization_status": "compressed",
         "sparsity_config": {},
         "transform_config": {},
-        "version": compressed_tensors.__version__,
+        "version": version("compressed-tensors"),
     }
 
 

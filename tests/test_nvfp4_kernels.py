@@ -209,3 +209,10 @@ def test_triton_dequantize_bit_exact(dtype):
     assert _same(
         dequantize_nvfp4(packed, scale, gs, dtype), dequantize_nvfp4_triton(packed, scale, gs, dtype)
     )
+
+
+def test_non_finite_weight_with_shared_global_scale_still_fails():
+    w = torch.randn(8, 64)
+    w[6, 40] = float("nan")
+    with pytest.raises(NVFP4Error, match=r"'gate_proj'.*row 6, column 40"):
+        nvfp4.quantize(w, torch.tensor([100.0]), name="gate_proj")
