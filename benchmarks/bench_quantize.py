@@ -72,7 +72,12 @@ def write_random_checkpoint(out: Path, shape: dict, seed: int = 0) -> int:
         def make() -> dict[str, torch.Tensor]:
             if "norm" in spec.name:
                 return {spec.name: torch.ones(spec.shape, dtype=torch.bfloat16)}
-            return {spec.name: (torch.randn(spec.shape, generator=gen) * 0.02).to(torch.bfloat16)}
+            out = torch.empty(spec.shape, dtype=torch.bfloat16)
+            rows = max(1, (1 << 22) // spec.shape[-1])  # fill in slices: no float32 copy of a 1 GB tensor
+            for r0 in range(0, spec.shape[0], rows):
+                chunk = out[r0 : r0 + rows]
+                chunk.copy_(torch.randn(chunk.shape, generator=gen) * 0.02)
+            return {spec.name: out}
 
         return make
 
@@ -187,18 +192,34 @@ print(json.dumps({{"seconds": time.perf_counter() - t0, "mode": m.mode, "bytes_o
 """
 
 
-def bench_memory(tmp: Path) -> dict:
-    src = tmp / "qwen7b"
-    t0 = time.perf_counter()
-    total = write_random_checkpoint(src, QWEN_7B)
-    write_s = time.perf_counter() - t0
-    code = _CHILD.format(root=str(ROOT), src=str(src), store=str(tmp / "store7b"))
+_WRITER = """
+import sys, time, json
+sys.path.insert(0, {root!r})
+from benchmarks.bench_quantize import QWEN_7B, write_random_checkpoint
+t0 = time.perf_counter()
+print(json.dumps({{"bytes": write_random_checkpoint(__import__("pathlib").Path({src!r}), QWEN_7B),
+                  "write_s": time.perf_counter() - t0}}))
+"""
+
+
+def _run_child(code: str) -> tuple[dict, int]:
+    """Run ``code`` in a fresh interpreter; return its last JSON line and RUSAGE_CHILDREN ru_maxrss (bytes)."""
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if proc.returncode:
-        raise RuntimeError(f"quantize subprocess failed:\n{proc.stderr[-4000:]}")
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    child = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"bytes": total, "write_s": write_s, "peak_rss": peak_kib * 1024, **child}
+        raise RuntimeError(f"benchmark subprocess failed:\n{proc.stderr[-4000:]}")
+    maxrss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # max over the children so far
+    return json.loads(proc.stdout.strip().splitlines()[-1]), maxrss * 1024
+
+
+def bench_memory(tmp: Path) -> dict:
+    # The random 7B source is written by its own child so this process stays small: Linux carries a
+    # parent's RSS high-water mark into a child's ru_maxrss at fork/exec. RUSAGE_CHILDREN after both
+    # children is the max of the two, so it is reported next to the quantize child's own VmHWM.
+    src = tmp / "qwen7b"
+    written, writer_rss = _run_child(_WRITER.format(root=str(ROOT), src=str(src)))
+    child, _ = _run_child(_CHILD.format(root=str(ROOT), src=str(src), store=str(tmp / "store7b")))
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {**written, **child, "peak_rss": peak, "writer_rss": writer_rss}
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -245,11 +266,12 @@ def main(argv: list[str] | None = None) -> str:
                 "| what | GiB |",
                 "|---|---|",
                 f"| checkpoint size, i.e. what loading it whole holds | {m['bytes'] / gib:.2f} |",
-                f"| peak RSS of the quantize stage (subprocess, ru_maxrss) | {m['peak_rss'] / gib:.2f} |",
-                f"| same, the child's own VmHWM (excludes the parent's pages at spawn) | {m['vmhwm'] / gib:.2f} |",
+                f"| peak RSS of the children, getrusage(RUSAGE_CHILDREN).ru_maxrss | {m['peak_rss'] / gib:.2f} |",
+                f"| the quantize child's own VmHWM (its peak resident set after exec) | {m['vmhwm'] / gib:.2f} |",
+                f"| (the child that wrote the random source, ru_maxrss, for reference) | {m['writer_rss'] / gib:.2f} |",
                 f"| NVFP4 checkpoint written | {m['bytes_out'] / gib:.2f} |",
                 "",
-                f"Goal <= 2 GiB: **{'met' if m['peak_rss'] <= 2 * gib else 'missed'}**. Stage wall time "
+                f"Goal <= 2 GiB (quantize child's VmHWM): **{'met' if m['vmhwm'] <= 2 * gib else 'missed'}**. Stage wall time "
                 f"{m['seconds']:.0f} s ({m['mode']}, includes hashing the source and the output); writing the "
                 f"random source took {m['write_s']:.0f} s.",
                 "",
