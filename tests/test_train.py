@@ -318,3 +318,23 @@ def test_train_stage_chains_and_caches(nvfp4_base, tmp_path):
     a = load_file(m1.file("adapter/adapter_model.safetensors"))
     b = load_file(tmp_path / "direct" / "adapter" / "adapter_model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunked_token_logprobs_equal_plain_log_softmax(dtype):
+    """The slab-wise logprob/entropy Function gives the plain expression's values and gradients."""
+    from pipeline.training import _TokenLogprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 12, 300, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, 300, (3, 11), generator=g)
+    weights = torch.randn(3, 11, generator=g)
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    lsm = torch.log_softmax(a[:, :11].float() / 0.7, dim=-1)
+    lp_ref = lsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent_ref = -(lsm.detach().exp() * lsm.detach()).sum(-1)
+    (lp_ref * weights).sum().backward()
+    lp, ent = _TokenLogprobs.apply(b, targets, 0.7, True, 3 * 300 * 4)  # slabs of 4 positions
+    (lp * weights).sum().backward()
+    assert torch.equal(lp, lp_ref) and torch.equal(ent, ent_ref) and torch.equal(a.grad, b.grad)
+    assert not ent.requires_grad
