@@ -12,6 +12,7 @@ temperature must equal the rollout engine's, and the group size must allow a sta
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -85,3 +86,36 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
     elif not Path(path).exists() and str(path) in preset_names():
         path = PRESET_DIR / f"{path}.yaml"
     return load_config(RunConfig, path, overrides)
+
+
+def _type_name(annotation: object) -> str:
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    return text.replace("typing.", "").replace("NoneType", "None")
+
+
+def reference_rows(model: type[StrictModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every leaf setting, in declaration order."""
+    rows: list[tuple[str, str, str, str]] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, StrictModel):
+            rows.extend(reference_rows(annotation, f"{key}."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        default_text = json.dumps(
+            default.model_dump(mode="json") if hasattr(default, "model_dump") else default
+        )
+        rows.append((key, _type_name(annotation), default_text, (field.description or "").replace("|", "/")))
+    return rows
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference, generated so it cannot drift from the code."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{k}` | `{t}` | `{d}` | {m} |" for k, t, d, m in reference_rows()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

@@ -9,6 +9,7 @@ store's build journal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,12 +25,12 @@ from pipeline.config import ConfigError
 from pipeline.runconfig import PRESET_DIR, load_run_config, preset_names
 
 
-def tiny_run_config(model_dir: Path) -> dict:
+def tiny_run_config(model_dir: Path, engine: str = "hf") -> dict:
     return {
         "model": {"source": str(model_dir)},
         "data": {"dataset": "arithmetic", "levels": [1], "template": "terse", "arithmetic_size": 32},
         "rollout": {
-            "engine": "vllm",
+            "engine": engine,
             "n_samples": 4,
             "max_new_tokens": 6,
             "max_model_len": 96,
@@ -38,7 +39,7 @@ def tiny_run_config(model_dir: Path) -> dict:
             "kv_cache_gib": 0.25,
             "enforce_eager": True,
             "max_lora_rank": 8,
-            "in_process": True,
+            "in_process": False,
             "max_num_seqs": 16,
         },  # fmt: skip
         "reward": {"answer_format": "answer_tags", "workers": 1},
@@ -61,12 +62,26 @@ def tiny_run_config(model_dir: Path) -> dict:
 
 
 def _qerl(args: list[str], work: Path, fault: str | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI in its own session; output goes to files, not pipes, because a SIGKILLed run
+    leaves children (Prefect's temporary server, verifier workers) that would hold pipes open.
+    The whole process group is killed afterwards, as a supervisor would after a crash."""
     env = {**os.environ, "QERL_WORK_DIR": str(work)}
     env.pop("QERL_FAULT", None)
+    # the kernel tests' interpreter mode would leak into vLLM's in-process Triton kernel rebinding
+    env.pop("TRITON_INTERPRET", None)
     if fault:
         env["QERL_FAULT"] = fault
+    work.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "flows.cli", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    out_path, err_path = work / f"cli-{os.getpid()}.out", work / f"cli-{os.getpid()}.err"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
+        try:
+            code = proc.wait(timeout=900)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, code, out_path.read_text(), err_path.read_text())
 
 
 def _final_adapter(work: Path) -> bytes:
@@ -81,11 +96,38 @@ def _journal(work: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+@pytest.fixture(scope="module")
+def flow_model(tiny_model_factory) -> Path:
+    import torch
+
+    return tiny_model_factory(arch="qwen2", dtype=torch.float32)
+
+
 @pytest.mark.slow
-def test_killed_runs_resume_to_the_identical_adapter(tiny_model_factory, tmp_path):
-    model = tiny_model_factory(arch="qwen2", dtype=__import__("torch").float32)
+def test_vllm_run_end_to_end(flow_model, tmp_path):
+    """One whole run on the default engine: vLLM on the CPU serving the dequantized twin."""
     cfg_path = tmp_path / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(tiny_run_config(model)))
+    cfg = tiny_run_config(flow_model, engine="vllm")
+    cfg["loop"].update(steps=2, eval_base=True)
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    proc = _qerl(["run", "--config", str(cfg_path)], tmp_path / "work")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "vllm-nvfp4-emulated" in proc.stdout and "MLflow UI" in proc.stdout
+    (record_path,) = (tmp_path / "work" / "runs").glob("*/run.json")
+    record = json.loads(record_path.read_text())
+    assert record["engine_mode"] == "vllm-nvfp4-emulated"
+    assert [e["adapter"] is None for e in record["evaluations"]] == [False, True]
+    assert str(record["registration"]["version"]) == "1"
+    rollouts = [e for e in _journal(tmp_path / "work") if e["stage"] == "rollout"]
+    assert len(rollouts) == 2
+
+
+@pytest.mark.slow
+def test_killed_runs_resume_to_the_identical_adapter(flow_model, tmp_path):
+    """Crash-and-resume on the transformers engine (the resume logic does not depend on the engine;
+    vLLM's start-up, five times over, would cost minutes on two cores)."""
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_run_config(flow_model)))
     args = ["run", "--config", str(cfg_path)]
 
     clean = _qerl(args, tmp_path / "clean")
@@ -93,7 +135,7 @@ def test_killed_runs_resume_to_the_identical_adapter(tiny_model_factory, tmp_pat
     reference = _final_adapter(tmp_path / "clean")
 
     crashed = tmp_path / "crashed"
-    for fault in ("rollout:2", "score:2", "train:2"):
+    for fault in ("rollout:2", "score:2", "train:1"):
         proc = _qerl(args, crashed, fault)
         assert proc.returncode == -signal.SIGKILL, (fault, proc.returncode, proc.stderr[-3000:])
     done = _qerl(args, crashed)
@@ -119,7 +161,7 @@ def test_killed_runs_resume_to_the_identical_adapter(tiny_model_factory, tmp_pat
     assert len(_journal(crashed)) == sum(built.values())
     (record_path,) = (crashed / "runs").glob("*/run.json")
     record = json.loads(record_path.read_text())
-    assert record["engine_mode"] == "vllm-nvfp4-emulated"
+    assert record["engine_mode"] == "hf-nvfp4-emulated"
     assert len(record["steps"]) == 3 and record["registration"]["version"]
 
 

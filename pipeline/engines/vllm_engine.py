@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,13 @@ class VLLMEngine:
             "enforce_eager": cfg.enforce_eager,
         }
         if cfg.in_process:
+            if "llvmlite.binding.ffi" in sys.modules:
+                # vLLM 0.32's CPU kernel-override scan (triton_utils.dispatcher._rebind_kernels) calls
+                # vars(x).get on every module global and crashes on llvmlite's slotted wrappers.
+                raise EngineError(
+                    "rollout.in_process=true cannot start vLLM in a process that has loaded numba/"
+                    "llvmlite (the numba NVFP4 quantizer ran here): set rollout.in_process=false"
+                )
             # Engine core and worker in this process: no subprocess re-importing torch and vLLM,
             # which is most of a CPU startup. vLLM reads this switch from the environment only.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
