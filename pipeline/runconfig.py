@@ -117,5 +117,21 @@ def reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+README_START, README_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def readme_with_reference(text: str) -> str:
+    """``text`` (the README) with its generated configuration reference block replaced."""
+    head, _, rest = text.partition(README_START)
+    _, _, tail = rest.partition(README_END)
+    return f"{head}{README_START}\n{reference_markdown()}{README_END}{tail}"
+
+
 if __name__ == "__main__":
-    print(reference_markdown(), end="")
+    import sys
+
+    if sys.argv[1:2] == ["--readme"]:
+        readme = Path(sys.argv[2])
+        readme.write_text(readme_with_reference(readme.read_text()))
+    else:
+        print(reference_markdown(), end="")

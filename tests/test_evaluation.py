@@ -155,7 +155,9 @@ def test_evaluate_stage(base, tmp_path):
 
     assert ("noise", 0.0, 0) in engine.calls and ("adapter", adapter, "digest-a") in engine.calls
     gen = next(c for c in engine.calls if c[0] == "generate")
-    assert gen[1:3] == (6, 3) and gen[3] == SamplingSpec(temperature=0.6, top_p=0.95, max_new_tokens=256)
+    assert gen[1:3] == (6, 3) and gen[3] == SamplingSpec(
+        temperature=0.6, top_p=0.95, max_new_tokens=256, logprobs=False
+    )
 
     # independent expectation: item i has min(i % 4, 3) of 3 samples correct
     expected = [min(i % 4, 3) / 3 for i in range(6)]

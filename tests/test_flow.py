@@ -218,3 +218,10 @@ def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
     assert deployment.concurrency_limit == 1
     assert deployment.parameters["work_dir"] == str(tmp_path)
     assert deployment.entrypoint == "flows.rl.rl_flow"
+
+
+def test_readme_configuration_reference_is_current():
+    from pipeline.runconfig import readme_with_reference
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert readme_with_reference(readme) == readme, "run: python -m pipeline.runconfig --readme README.md"

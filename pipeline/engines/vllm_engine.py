@@ -55,6 +55,33 @@ def _compatible(mode: str, sampling: SamplingSpec) -> bool:
     return sampling.greedy or sampling.temperature == 1.0
 
 
+def _shield_llvmlite_from_vllm_scan() -> None:
+    """Let an in-process vLLM start in a process that has loaded numba (our NVFP4 CPU kernels).
+
+    vLLM 0.32's CPU start-up rebinds Triton kernels by scanning every module global and calling
+    ``vars(value).get(...)`` on anything with a ``__dict__``. llvmlite's ``ffi.lib`` resolves every
+    unknown attribute to an LLVM C function, ``__dict__`` included, so the scan crashes. LLVM's C
+    API has no dunder names (its functions are ``LLVMPY_*``), so answering AttributeError for
+    dunders is exact; everything else still resolves as before.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is None:
+        return
+    cls = type(ffi.lib)
+    original = cls.__getattr__
+    if getattr(original, "_qerl_shielded", False):
+        return
+
+    def __getattr__(self: Any, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return original(self, name)
+
+    __getattr__._qerl_shielded = True  # type: ignore[attr-defined]
+    cls.__getattr__ = __getattr__
+    log.info("in-process vLLM: llvmlite's ffi.lib no longer resolves dunder names (vLLM scan)")
+
+
 class VLLMEngine:
     """``vllm.LLM`` + LoRARequest per adapter version + AQN via the worker extension."""
 
@@ -80,13 +107,7 @@ class VLLMEngine:
             "enforce_eager": cfg.enforce_eager,
         }
         if cfg.in_process:
-            if "llvmlite.binding.ffi" in sys.modules:
-                # vLLM 0.32's CPU kernel-override scan (triton_utils.dispatcher._rebind_kernels) calls
-                # vars(x).get on every module global and crashes on llvmlite's slotted wrappers.
-                raise EngineError(
-                    "rollout.in_process=true cannot start vLLM in a process that has loaded numba/"
-                    "llvmlite (the numba NVFP4 quantizer ran here): set rollout.in_process=false"
-                )
+            _shield_llvmlite_from_vllm_scan()
             # Engine core and worker in this process: no subprocess re-importing torch and vLLM,
             # which is most of a CPU startup. vLLM reads this switch from the environment only.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
