@@ -137,7 +137,10 @@ def register_task(
 def _step_record(step: int, sigma: float, r: Manifest, s: Manifest, t: Manifest) -> dict[str, Any]:
     metrics: dict[str, Any] = {"step": step, "sigma": sigma}
     metrics.update({f"rollout_{k}": v for k, v in r.metrics.items() if isinstance(v, int | float)})
-    metrics.update({k: v for k, v in s.metrics.items() if isinstance(v, int | float)})
+    keep = ("reward_mean", "reward_std", "accuracy")  # the headline names; the rest are score_*
+    metrics.update(
+        {k if k in keep else f"score_{k}": v for k, v in s.metrics.items() if isinstance(v, int | float)}
+    )
     metrics.update({f"train_{k}": v for k, v in t.metrics.items() if isinstance(v, int | float | bool)})
     metrics["manifests"] = {"rollout": r.key, "score": s.key, "train": t.key}
     return metrics

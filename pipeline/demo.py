@@ -40,7 +40,7 @@ class DemoBaseConfig(StrictModel):
     hidden_size: int = 128
     num_layers: int = 4
     intermediate_size: int = 384
-    sft_steps: int = 120
+    sft_steps: int = 300
     sft_batch: int = 32
     sft_lr: float = 3e-3
     seed: int = 0

@@ -62,7 +62,7 @@ LINEAGE_KEYS = ("base_digest", "quant_recipe", "dataset_digest", "code_version",
 PLOTS: dict[str, tuple[str, ...]] = {
     "reward": ("reward_mean", "reward/mean", "reward"),
     "accuracy": ("accuracy", "eval_accuracy", "train_accuracy"),
-    "entropy": ("entropy", "entropy_mean"),
+    "entropy": ("entropy", "entropy_mean", "train_entropy"),
     "sigma": ("sigma", "aqn_sigma"),
 }
 
