@@ -217,6 +217,12 @@ def _child(args: argparse.Namespace) -> None:
 
     if args.child == "trl":
         import trl  # noqa: F401
+    if args.child == "nvfp4":  # numba and its cached dequantize kernel are a library import too
+        import torch
+
+        from kernels.nvfp4 import dequantize, quantize_nvfp4
+
+        dequantize(*quantize_nvfp4(torch.ones(16, 16)), dtype=torch.bfloat16)
 
     from pipeline.training import RolloutBatch
 
