@@ -108,10 +108,15 @@ def plain_loop(completions, golds, timeout_s: int, memory_mb: int = 4096):
 
 
 def main(
-    n: int = 10_000, adversarial: float = 0.01, timeout_s: int = 2, loop_subset: int | None = 2_000
+    n: int = 10_000,
+    adversarial: float = 0.01,
+    timeout_s: int = 2,
+    loop_subset: int | None = 2_000,
+    workers: int = 4,
 ) -> str:
     completions, golds, is_adv = make_set(n, adversarial)
-    cfg = RewardConfig(timeout_s=timeout_s, workers=2)
+    # Deadline waits need no CPU: more workers than cores overlap the adversarial answers' timeouts.
+    cfg = RewardConfig(timeout_s=timeout_s, workers=workers)
     rows = []
 
     t = time.perf_counter()
@@ -138,7 +143,7 @@ def main(
         "## Rewards: scorer throughput (`benchmarks/bench_score.py`)",
         "",
         f"{n:,} GSM8K-style completions, {sum(is_adv):,} adversarial ({adversarial:.0%}: power towers, "
-        f"2,000-4,000 nested braces, factorials of k*10^7..k*10^9), per-answer timeout {timeout_s} s, "
+        f"2,000-4,000 nested braces, factorials of k*10^7..k*10^9), per-answer timeout {timeout_s} s, {workers} verifier workers, "
         f"{os.cpu_count()} CPU cores shared with other work (load average {os.getloadavg()[0]:.1f} at the end), "
         f"Python {platform.python_version()}.",
         "",
@@ -176,4 +181,8 @@ def main(
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workers", type=int, default=4, help="verifier processes (reward.workers)")
+    main(workers=parser.parse_args().workers)

@@ -69,6 +69,7 @@ def _qerl(args: list[str], work: Path, fault: str | None = None) -> subprocess.C
     env.pop("QERL_FAULT", None)
     # the kernel tests' interpreter mode would leak into vLLM's in-process Triton kernel rebinding
     env.pop("TRITON_INTERPRET", None)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by in-process engines of earlier tests
     if fault:
         env["QERL_FAULT"] = fault
     work.mkdir(parents=True, exist_ok=True)

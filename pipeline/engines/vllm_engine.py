@@ -106,11 +106,13 @@ class VLLMEngine:
             "worker_extension_cls": EXTENSION,
             "enforce_eager": cfg.enforce_eager,
         }
+        # vLLM reads this switch from the environment only; set it both ways so one in-process
+        # engine does not silently turn every later engine in this process in-process too.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.in_process else "1"
         if cfg.in_process:
             _shield_llvmlite_from_vllm_scan()
             # Engine core and worker in this process: no subprocess re-importing torch and vLLM,
-            # which is most of a CPU startup. vLLM reads this switch from the environment only.
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # which is most of a CPU startup.
             # Pinning OpenMP threads would pin the caller's own threads too (tests, the trainer).
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             kwargs["distributed_executor_backend"] = "uni"
