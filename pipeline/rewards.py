@@ -71,7 +71,9 @@ class RewardConfig(StrictModel):
     correct_reward: float = 1.0
     format_reward: float = Field(0.0, description="added when the answer is in the requested format")
     timeout_s: float = Field(5.0, gt=0, description="wall-clock deadline per answer")
-    workers: int = Field(2, ge=1)
+    workers: int = Field(
+        4, ge=1, description="verifier processes; deadline waits need no CPU, so more than cores"
+    )
     chunk_size: int = Field(8, ge=1, description="answers sent to a worker at a time")
     worker_memory_mb: int = Field(3072, ge=256, description="address-space limit of a worker")
     startup_timeout_s: float = Field(120.0, gt=0)
