@@ -114,7 +114,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
     import subprocess
     from pathlib import Path
 
@@ -126,7 +125,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"no benchmark '{name}' ({script} not found)", file=sys.stderr)
             return 2
         subprocess.run([sys.executable, str(script)], check=True, cwd=root)
-    importlib.import_module("benchmarks.collect").main()
+    subprocess.run([sys.executable, str(root / "benchmarks" / "collect.py")], check=True, cwd=root)
     return 0
 
 
@@ -151,7 +150,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     cfg = load_config(QuantizeConfig, args.config, args.set)
-    work = Path(args.work_dir or os.environ.get("QERL_WORK_DIR") or "qerl-work")
+    work = Path(_work_dir(args))
     manifest, cached = run_with_status(cfg, args.src, ArtifactStore(work / "store"))
     dst = export(manifest, args.out)
     status = "cache hit" if cached else f"quantized ({manifest.mode})"
@@ -198,7 +197,9 @@ def _cmd_score(args: argparse.Namespace) -> int:
 
 
 def _work_dir(args: argparse.Namespace) -> str:
-    return args.work_dir or os.environ.get("QERL_WORK_DIR") or "qerl-work"
+    from pipeline.artifacts import default_work_dir
+
+    return str(default_work_dir(args.work_dir))
 
 
 def _add_promote(sub: argparse._SubParsersAction) -> None:

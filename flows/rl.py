@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from pipeline.aqn import sigma_schedule
-from pipeline.artifacts import ArtifactStore, Manifest, atomic_write_json, package_version
+from pipeline.artifacts import ArtifactStore, Manifest, atomic_write_json, default_work_dir, package_version
 from pipeline.config import config_hash
 from pipeline.data import load_problems, problems_digest
 from pipeline.engines import LazyEngine, RolloutEngine
@@ -42,10 +41,6 @@ log = logging.getLogger("qerl.flow")
 
 TASK_OPTS: dict[str, Any] = {"cache_policy": NO_CACHE, "persist_result": False}
 RETRY_OPTS: dict[str, Any] = {**TASK_OPTS, "retries": 2, "retry_delay_seconds": 2}
-
-
-def default_work_dir(work_dir: str | Path | None = None) -> Path:
-    return Path(work_dir or os.environ.get("QERL_WORK_DIR") or "qerl-work").resolve()
 
 
 def run_id_for(cfg: RunConfig) -> str:

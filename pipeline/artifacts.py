@@ -102,6 +102,11 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def default_work_dir(work_dir: str | Path | None = None) -> Path:
+    """The one work directory (store, run records, MLflow db): argument, $QERL_WORK_DIR, ./qerl-work."""
+    return Path(work_dir or os.environ.get("QERL_WORK_DIR") or "qerl-work").resolve()
+
+
 def package_version() -> str:
     try:
         return importlib.metadata.version("qerl")

@@ -132,6 +132,8 @@ if __name__ == "__main__":
 
     if sys.argv[1:2] == ["--readme"]:
         readme = Path(sys.argv[2])
-        readme.write_text(readme_with_reference(readme.read_text()))
+        from pipeline.artifacts import atomic_write_text
+
+        atomic_write_text(readme, readme_with_reference(readme.read_text()))
     else:
         print(reference_markdown(), end="")

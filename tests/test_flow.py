@@ -202,11 +202,10 @@ def test_resume_unknown_run_names_known_runs(tmp_path):
     assert proc.returncode == 2 and "no run 'nope'" in proc.stderr
 
 
-def test_schedule_needs_a_server(tmp_path):
-    env_has_api = bool(os.environ.get("PREFECT_API_URL"))
+def test_schedule_needs_a_server(tmp_path, monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
     proc = _qerl(["schedule", "--cron", "0 2 * * *"], tmp_path)
-    if not env_has_api:
-        assert proc.returncode == 2 and "prefect server start" in proc.stderr
+    assert proc.returncode == 2 and "prefect server start" in proc.stderr
 
 
 def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
