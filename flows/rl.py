@@ -241,8 +241,10 @@ def _eval_entry(step: int, adapter: Manifest | None, ev: Manifest) -> dict[str, 
 
 
 def _publish(record: dict[str, Any]) -> None:
-    """Prefect artifacts: a markdown summary and the evaluation table (best effort is not allowed
-    to hide the run's own error, so failures here are logged, not raised)."""
+    """Prefect artifacts: a markdown summary and the evaluation table.
+
+    Called from the flow's ``finally``: raising here would replace the run's own error, so a
+    failure to publish is logged as a warning (the run record on disk holds the same facts)."""
     try:
         key = record["run_id"].lower().replace("_", "-").replace(".", "-")
         create_markdown_artifact(_summary_markdown(record), key=f"{key}-summary", description="qerl run")
