@@ -208,3 +208,21 @@ def test_vllm_engine_rejects_incompatible_sampling_and_long_prompts(vllm_engine,
         vllm_engine.generate(prompts, 1, SamplingSpec(temperature=0.0, max_new_tokens=250), seed=0)
     with pytest.raises(EngineError, match="adapter_config.json"):
         vllm_engine.set_adapter(tmp_path, "ab" * 32)
+
+
+def test_vllm_seeded_batch_larger_than_one_step_budget(vllm_engine, prompts):
+    # 32 seeded requests of ~180 prompt tokens exceed the 4096-token step budget, so vLLM must spread
+    # the prompts over steps. On CPU the engine turns chunked prefill off for this (a 128-request
+    # batch of the rollout benchmark crashed in vLLM's generator rewind with it on); whole prompts
+    # wait for the next step, and the result stays seeded.
+    long_prompts = [
+        p + " " + " ".join(str(k % 10) for k in range(80 + i)) for i, p in enumerate((prompts * 2)[:4])
+    ]
+    assert len(vllm_engine.tokenizer(long_prompts[0]).input_ids) > 4096 // 32
+    scheduler = vllm_engine.llm.llm_engine.vllm_config.scheduler_config
+    assert scheduler.enable_chunked_prefill is False and scheduler.max_num_batched_tokens == 4096
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=4)
+    a = vllm_engine.generate(long_prompts, 8, spec, seed=3)
+    b = vllm_engine.generate(long_prompts, 8, spec, seed=3)
+    assert [len(row) for row in a] == [8] * 4
+    assert [c.completion_ids for row in a for c in row] == [c.completion_ids for row in b for c in row]

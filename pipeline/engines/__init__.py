@@ -79,6 +79,11 @@ class RolloutConfig(StrictModel):
     kv_cache_gib: float = Field(1.0, gt=0.0, description="vLLM KV cache size on CPU")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="vLLM tokens per engine step (None: vLLM's default; at least max_model_len on CPU)",
+    )
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation (fast startup)")
     in_process: bool = Field(
         False, description="vLLM engine core and worker in this process (fast CPU startup; one GPU only)"

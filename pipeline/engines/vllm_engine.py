@@ -123,8 +123,22 @@ class VLLMEngine:
             kwargs["compilation_config"] = {"mode": 0}  # no torch.compile: ~2 s startup on CPU
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            if cfg.max_num_batched_tokens:
+                kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
         else:
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * (1 << 30))
+            # Every request is seeded. When chunked prefill splits a prompt, vLLM discards that
+            # step's sample and rewinds the request's generator by its offset, which only CUDA
+            # (Philox) generators have: on CPU the engine dies with "CPU Generator does not use
+            # offset" as soon as a batch's prompts exceed one step's token budget. So prompts are
+            # never split on CPU; a step takes whole prompts up to the budget.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, cfg.max_num_batched_tokens or 4096)
+            log.info(
+                "vLLM on CPU: chunked prefill off (seeded CPU generators cannot rewind), "
+                "max_num_batched_tokens=%d",
+                kwargs["max_num_batched_tokens"],
+            )
             if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 log.info(
                     "VLLM_CPU_KVCACHE_SPACE=%s GiB overrides kv_cache_gib",
