@@ -234,11 +234,16 @@ def completion_logprobs(
     """
     C = mb["completion_ids"].shape[1]
     device = next(model.parameters()).device
+    L = mb["input_ids"].shape[1]
+    # The kept positions as an index tensor, not the int ``C + 1``: transformers slices
+    # ``hidden[:, -k:]`` for an int, a non-contiguous view that ``F.linear`` cannot fold to 2-D, so on
+    # the CPU it runs a bmm against the lm_head weight expanded to B copies (B x 56 MB at a 32k vocab
+    # and hidden 896: the largest transient of the whole update). Indexing gathers a contiguous copy.
     out = model(
         input_ids=mb["input_ids"].to(device),
         attention_mask=mb["attention_mask"].to(device),
         position_ids=mb["position_ids"].to(device),
-        logits_to_keep=C + 1,
+        logits_to_keep=torch.arange(L - C - 1, L, device=device),
         use_cache=False,
     )
     targets = mb["completion_ids"].to(device)

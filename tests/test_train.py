@@ -338,3 +338,35 @@ def test_chunked_token_logprobs_equal_plain_log_softmax(dtype):
     (lp * weights).sum().backward()
     assert torch.equal(lp, lp_ref) and torch.equal(ent, ent_ref) and torch.equal(a.grad, b.grad)
     assert not ent.requires_grad
+
+
+def test_completion_logprobs_feed_lm_head_a_contiguous_slice(tiny_model_dir):
+    """Only the completion positions reach the lm_head, as one contiguous [B, C+1, H] tensor.
+
+    A strided ``hidden[:, -k:]`` made ``F.linear`` fall back to a bmm against the lm_head weight
+    expanded B times on the CPU (the update's largest transient); the values must not change.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.training import _collate, completion_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = RolloutBatch(
+        prompt_ids=[[5, 6, 7], [8, 9]],
+        completion_ids=[[10, 11, 12, 13], [14, 15]],
+        sampler_logprobs=[[0.0] * 4, [0.0] * 2],
+        truncated=[False, False],
+        rewards=[1.0, 0.0],
+        group_ids=[0, 0],
+    )
+    mb = _collate(batch, [0, 1], torch.ones(2), 0)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    logp, _ = completion_logprobs(model, mb, 0.7)
+    hook.remove()
+    assert len(seen) == 1 and seen[0].is_contiguous() and seen[0].shape[1] == 4 + 1
+    full = model(
+        input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"]
+    ).logits
+    ref = torch.log_softmax(full[:, -5:-1].float() / 0.7, -1).gather(-1, mb["completion_ids"].unsqueeze(-1))
+    assert torch.allclose(logp, ref.squeeze(-1), atol=1e-6)
