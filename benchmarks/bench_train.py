@@ -11,13 +11,13 @@ rewards per group, sampler logprobs taken from the base model (ratio ~ 1). Setti
 alpha 32 on all seven projections, AdamW, max grad norm 0.2, dapo loss, gradient checkpointing on
 (the QeRL recipe), bf16 compute, one optimizer update per step.
 
-Arms, each in its own subprocess (so peak RSS is per arm, ``getrusage(RUSAGE_SELF).ru_maxrss``):
+Arms, each in its own subprocess (so peak RSS is per arm: the child's VmHWM):
   nvfp4  pipeline.training.train_step on the packed NVFP4 base (dequantize in forward and backward)
   bf16   the same code on the bf16 base (plain nn.Linear)
   trl    trl.GRPOTrainer (use_vllm=False) on the bf16 base: the update only, i.e. its compute_loss +
          backward + clip + AdamW step on the same batch, since its generation is not what we compare.
          Gradient checkpointing is switched on as Trainer.train() would (see arm_trl).
-Each arm runs one warm-up update and then ``--steps`` timed updates (mean reported). "RSS above
+Each arm runs one warm-up update and then ``--steps`` timed updates (median reported). "RSS above
 baseline" subtracts the process's RSS after imports, before the model is loaded. Every arm runs a
 second time, for memory only, with glibc told to return freed blocks (see RETURNING_MALLOC).
 
@@ -31,7 +31,7 @@ import argparse
 import json
 import os
 import platform
-import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +46,14 @@ N_PROMPTS, GROUP, PROMPT_LEN, COMP_LEN = 2, 4, 64, 64
 
 
 def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """This process's peak RSS since exec (VmHWM).
+
+    Not ``getrusage(RUSAGE_SELF).ru_maxrss``: Linux folds the forked parent's RSS into it at exec,
+    so a child started by a parent holding a model reported the parent's size, not its own peak.
+    """
+    with open("/proc/self/status") as fh:
+        line = next(row for row in fh if row.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024.0
 
 
 def _current_rss_mb() -> float:
@@ -267,7 +274,7 @@ def _run_arm(arm: str, work: Path, batch_path: Path, steps: int, env: dict[str, 
 
 
 def _seconds(arm: dict) -> float | None:
-    return None if "error" in arm else sum(arm["times"]) / len(arm["times"])
+    return None if "error" in arm else statistics.median(arm["times"])
 
 
 def _above(arm: dict) -> float | None:
@@ -282,7 +289,7 @@ def _cell(value: float | None, fmt: str) -> str:
     return "error" if value is None else format(value, fmt)
 
 
-def main(layers: int = 24, vocab: int = 32768, steps: int = 2) -> str:
+def main(layers: int = 24, vocab: int = 32768, steps: int = 4) -> str:
     import torch
 
     names = ("nvfp4", "bf16", "trl")
@@ -305,7 +312,7 @@ def main(layers: int = 24, vocab: int = 32768, steps: int = 2) -> str:
         f"device {'cuda' if torch.cuda.is_available() else 'cpu'}. Model: Qwen2.5-0.5B shape, {layers} layers, "
         f"vocab {vocab} (shrunk from 151936). Batch {N_PROMPTS * GROUP} x ({PROMPT_LEN} prompt + {COMP_LEN} "
         f"completion) tokens, LoRA r16 all 7 projections, gradient checkpointing in every arm, bf16; "
-        f"time is the mean of {steps} timed updates after one warm-up, each arm in its own process.",
+        f"time is the median of {steps} timed updates after one warm-up, each arm in its own process.",
         "",
         "Peak RSS is measured above the process's RSS after its imports, twice: in the timed run (glibc "
         "defaults, where freed memory stays in the heap) and in a separate run with "
@@ -341,7 +348,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--child", choices=["nvfp4", "bf16", "trl"])
     parser.add_argument("--work")
     parser.add_argument("--batch")
