@@ -82,6 +82,10 @@ def _shield_llvmlite_from_vllm_scan() -> None:
     log.info("in-process vLLM: llvmlite's ffi.lib no longer resolves dunder names (vLLM scan)")
 
 
+# vLLM 0.32's own default step budget for LLM() on CPU (EngineArgs); kept when chunked prefill is off
+VLLM_CPU_DEFAULT_BATCHED_TOKENS = 4096
+
+
 class VLLMEngine:
     """``vllm.LLM`` + LoRARequest per adapter version + AQN via the worker extension."""
 
@@ -133,7 +137,9 @@ class VLLMEngine:
             # offset" as soon as a batch's prompts exceed one step's token budget. So prompts are
             # never split on CPU; a step takes whole prompts up to the budget.
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, cfg.max_num_batched_tokens or 4096)
+            kwargs["max_num_batched_tokens"] = max(
+                cfg.max_model_len, cfg.max_num_batched_tokens or VLLM_CPU_DEFAULT_BATCHED_TOKENS
+            )
             log.info(
                 "vLLM on CPU: chunked prefill off (seeded CPU generators cannot rewind), "
                 "max_num_batched_tokens=%d",
