@@ -9,7 +9,8 @@ the real quantize stage from that bf16 model.
 Batch: 8 sequences = 2 prompts x 4 samples, 64 prompt + 64 completion tokens, random ids, mixed
 rewards per group, sampler logprobs taken from the base model (ratio ~ 1). Settings: LoRA r 16 /
 alpha 32 on all seven projections, AdamW, max grad norm 0.2, dapo loss, gradient checkpointing on
-(the QeRL recipe), bf16 compute, one optimizer update per step.
+(the QeRL recipe), bf16 compute with the fp32 LoRA weights cast to bf16 for their matmuls
+(``lora_autocast``; TRL with ``bf16=True``, i.e. accelerate's autocast), one optimizer update per step.
 
 Arms, each in its own subprocess (so peak RSS is per arm: the child's VmHWM):
   nvfp4  pipeline.training.train_step on the packed NVFP4 base (dequantize in forward and backward)
@@ -169,7 +170,7 @@ def arm_trl(base_dir: Path, batch, steps: int, work: Path) -> dict:  # noqa: ANN
         gradient_checkpointing=True,
         use_vllm=False,
         use_cpu=True,
-        bf16=False,
+        bf16=True,  # autocast LoRA in bf16, the precision of our arms' default ``lora_autocast``
         report_to="none",
         logging_steps=1,
     )
@@ -209,7 +210,8 @@ def arm_trl(base_dir: Path, batch, steps: int, work: Path) -> dict:  # noqa: ANN
     params = [p for p in model.parameters() if p.requires_grad]
 
     def update() -> float:
-        loss = trainer.compute_loss(model, inputs)
+        with trainer.compute_loss_context_manager():  # Trainer.training_step's autocast
+            loss = trainer.compute_loss(model, inputs)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         trainer.optimizer.step()
@@ -311,7 +313,9 @@ def main(layers: int = 24, vocab: int = 32768, steps: int = 4) -> str:
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"device {'cuda' if torch.cuda.is_available() else 'cpu'}. Model: Qwen2.5-0.5B shape, {layers} layers, "
         f"vocab {vocab} (shrunk from 151936). Batch {N_PROMPTS * GROUP} x ({PROMPT_LEN} prompt + {COMP_LEN} "
-        f"completion) tokens, LoRA r16 all 7 projections, gradient checkpointing in every arm, bf16; "
+        f"completion) tokens, LoRA r16 all 7 projections, gradient checkpointing in every arm, bf16 "
+        "compute with fp32 LoRA master weights cast to bf16 for their matmuls (ours: `lora_autocast`, TRL: "
+        "`bf16=True` autocast); "
         f"time is the median of {steps} timed updates after one warm-up, each arm in its own process.",
         "",
         "Peak RSS is measured above the process's RSS after its imports, twice: in the timed run (glibc "

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from safetensors.torch import load_file, save_file
 
 from pipeline.artifacts import atomic_write_json
@@ -82,10 +82,24 @@ class TrainConfig(StrictModel):
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     gradient_checkpointing: bool = False
+    lora_autocast: bool = Field(
+        True,
+        description="LoRA matmuls in the base dtype (bf16), fp32 master weights/grads/AdamW; false: all fp32",
+    )
     seed: int = 0
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     temperature: float = Field(1.0, gt=0.0, description="must equal the rollout temperature")
     grpo: GRPOConfig = GRPOConfig()
+
+    @field_validator("target_modules")
+    @classmethod
+    def _frozen_head_and_embeddings(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        # The fused logprob head (``_TokenLogprobs``) takes no gradient for the lm_head weight, and the
+        # NVFP4 base keeps the (tied) embedding frozen in bf16: neither may carry a LoRA.
+        bad = [m for m in value if m in ("lm_head", "embed_tokens")]
+        if bad:
+            raise ValueError(f"target_modules may not include {bad}: only projections inside the layers")
+        return value
 
 
 # -- data ------------------------------------------------------------------------------------------
@@ -171,37 +185,45 @@ def _collate(
     }
 
 
-# Logit elements (positions x vocabulary) turned into float32 at a time by the per-token log-softmax.
+# Logit elements (positions x vocabulary) computed at a time by the fused lm_head + log-softmax.
 LOGPROB_CHUNK_ELEMENTS = 1 << 21
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """Per-token ``log_softmax(logits / T)[target]`` (fp32) and entropy, a few positions at a time.
+    """Per-token ``log_softmax(lm_head(hidden) / T)[target]`` (fp32) and entropy, a slab at a time.
 
-    Why: written as ``log_softmax(logits[:, :C].float() / T).gather(...)`` the step holds several
-    float32 ``[B, C, V]`` tensors at once (the upcast, the scaled copy, the log-softmax that autograd
-    saves, and in backward its gradient and the scatter buffer): with a large vocabulary that is the
-    biggest transient of the update. Here only the model's own logits (``B x (C+1) x V`` in the
-    model dtype) are saved; forward and backward recompute the float32 log-softmax one slab of
-    positions at a time. Each slab runs the very ops of the plain expression (log-softmax is row-wise;
-    backward is ``torch._log_softmax_backward_data`` on the one-hot gradient, ``/ T`` and the cast to
-    the logits' dtype, as autograd would), so values and gradients are unchanged.
+    Why: the update's largest transients were over the vocabulary: the ``[B, C, V]`` logits that
+    autograd keeps for the log-softmax, their gradient, and the float32 copies of both (several
+    hundred MB at Qwen's 152k vocabulary, 130 MB even at 32k). Here the lm_head is applied inside the
+    Function, one slab of positions at a time, and only the hidden states (``[B, C, H]``) are saved;
+    backward recomputes each slab's logits and sends ``grad_logits @ W`` straight to the hidden
+    states, so nothing over the vocabulary outlives one slab. Each slab runs the ops of the plain
+    expression (linear in the model dtype, ``.float() / T``, log-softmax; backward
+    ``torch._log_softmax_backward_data`` on the one-hot gradient, ``/ T``, one rounding to the model
+    dtype, then the linear's backward), so values and gradients match it up to the matmul's blocking.
+    In training the lm_head is frozen (LoRA may not target it, see ``TrainConfig``); a head that
+    requires grad (a plain model) gets its gradient accumulated in float32 over the slabs.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, with_entropy, chunk_elements):  # noqa: ANN001, ANN205
-        B, C = targets.shape
-        step = max(1, chunk_elements // max(1, B * logits.shape[-1]))
-        logp = torch.empty(B, C, dtype=torch.float32, device=logits.device)
-        entropy = torch.empty(B, C, dtype=torch.float32, device=logits.device) if with_entropy else None
-        for c0 in range(0, C, step):
-            c1 = min(C, c0 + step)
-            lsm = torch.log_softmax(logits[:, c0:c1].float() / temperature, dim=-1)
-            logp[:, c0:c1] = lsm.gather(-1, targets[:, c0:c1].unsqueeze(-1)).squeeze(-1)
-            if entropy is not None:
-                entropy[:, c0:c1] = -(lsm.exp() * lsm).sum(-1)
-        ctx.save_for_backward(logits, targets)
-        ctx.temperature, ctx.step = temperature, step
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, chunk_elements):  # noqa: ANN001, ANN205
+        # Slabs are row ranges of the flattened [B*C, H] states, so every slab F.linear sees is
+        # contiguous (a strided one makes the CPU fall back to a bmm against an expanded weight).
+        shape, flat, flat_targets = targets.shape, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        step = max(1, chunk_elements // weight.shape[0])
+        logp = torch.empty(shape, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp) if with_entropy else None
+        flat_logp, flat_entropy = logp.view(-1), entropy.view(-1) if entropy is not None else None
+        for r0 in range(0, flat.shape[0], step):
+            r1 = min(flat.shape[0], r0 + step)
+            lsm = torch.log_softmax(
+                torch.nn.functional.linear(flat[r0:r1], weight, bias).float() / temperature, -1
+            )
+            flat_logp[r0:r1] = lsm.gather(-1, flat_targets[r0:r1].unsqueeze(-1)).squeeze(-1)
+            if flat_entropy is not None:
+                flat_entropy[r0:r1] = -(lsm.exp() * lsm).sum(-1)
+        ctx.save_for_backward(flat, weight, bias, flat_targets)
+        ctx.temperature, ctx.step, ctx.hidden_shape = temperature, step, hidden.shape
         if entropy is None:
             return logp, None
         ctx.mark_non_differentiable(entropy)
@@ -209,48 +231,96 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):  # noqa: ANN001, ANN205
-        logits, targets = ctx.saved_tensors
-        C = targets.shape[1]
-        grad = torch.zeros_like(logits)  # positions past the completion (the kept +1) get no gradient
-        for c0 in range(0, C, ctx.step):
-            c1 = min(C, c0 + ctx.step)
-            lsm = torch.log_softmax(logits[:, c0:c1].float() / ctx.temperature, dim=-1)
-            onehot = torch.zeros_like(lsm).scatter_(
-                -1, targets[:, c0:c1].unsqueeze(-1), grad_logp[:, c0:c1].unsqueeze(-1)
+        flat, weight, bias, flat_targets = ctx.saved_tensors
+        grad_logp = grad_logp.reshape(-1)
+        grad_hidden = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
+        # A trainable head (a plain model outside training, never the LoRA policy) accumulates in fp32.
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if ctx.needs_input_grad[2] else None
+        for r0 in range(0, flat.shape[0], ctx.step):
+            r1 = min(flat.shape[0], r0 + ctx.step)
+            logits = torch.nn.functional.linear(flat[r0:r1], weight, bias)
+            lsm = torch.log_softmax(logits.float() / ctx.temperature, dim=-1)
+            onehot = torch.zeros_like(lsm).scatter_(-1, flat_targets[r0:r1, None], grad_logp[r0:r1, None])
+            g = (torch._log_softmax_backward_data(onehot, lsm, -1, lsm.dtype) / ctx.temperature).to(
+                logits.dtype
             )
-            g = torch._log_softmax_backward_data(onehot, lsm, -1, lsm.dtype) / ctx.temperature
-            grad[:, c0:c1] = g  # one rounding to the logits' dtype, as the .float() cast's backward
-        return grad, None, None, None, None
+            if grad_hidden is not None:
+                grad_hidden[r0:r1] = g @ weight
+            if grad_weight is not None:
+                grad_weight += (g.t() @ flat[r0:r1]).float()
+            if grad_bias is not None:
+                grad_bias += g.float().sum(0)
+        return (
+            grad_hidden.view(ctx.hidden_shape) if grad_hidden is not None else None,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear]:
+    """The decoder stack and the lm_head of an HF causal LM, or of the one a peft model wraps."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(
+            f"the logprob head needs a plain nn.Linear lm_head, got {type(head).__name__}"
+            " ('lm_head' cannot be a LoRA target)"
+        )
+    if getattr(base.config, "final_logit_softcapping", None) or getattr(base.config, "logit_scale", None):
+        raise ValueError(f"{type(base).__name__} rescales its logits; the fused logprob head does not")
+    return base.get_decoder(), head
 
 
 def completion_logprobs(
-    model: torch.nn.Module, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
+    model: torch.nn.Module,
+    mb: dict[str, torch.Tensor],
+    temperature: float,
+    with_entropy: bool = False,
+    lora_autocast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``log_softmax(logits / T)`` of the completion tokens (fp32), and optionally entropy.
 
-    Computed by ``_TokenLogprobs`` in slabs of positions, so no float32 tensor over the whole
-    vocabulary for all positions exists in forward or backward; entropy comes from the same
-    log-softmax (one pass over the vocabulary, not two) and carries no gradient.
+    The decoder runs to its last hidden states; ``_TokenLogprobs`` applies the lm_head and the
+    log-softmax slab by slab, so no tensor over the whole vocabulary for all positions exists in
+    forward or backward. Entropy comes from the same log-softmax and carries no gradient.
+
+    ``lora_autocast`` (on a bf16/fp16 base): the fp32 LoRA weights are cast to the base dtype for
+    their matmuls (autocast) and peft's cast of each input to fp32 is off, so activations stay in
+    the base dtype; master weights, gradients and AdamW state stay fp32. This is mixed precision as
+    TRL/accelerate run it on GPU and the precision vLLM's LoRA kernels serve the adapter in. peft's
+    default (False here) keeps an fp32 copy of every LoRA input alive for backward and adds fp32
+    ``[tokens, out]`` temporaries per projection: 75 MB more peak in the 0.5B train benchmark.
     """
+    from peft.helpers import disable_input_dtype_casting
+
+    decoder, head = _decoder_and_head(model)
     C = mb["completion_ids"].shape[1]
-    device = next(model.parameters()).device
+    device = head.weight.device
     L = mb["input_ids"].shape[1]
-    # The kept positions as an index tensor, not the int ``C + 1``: transformers slices
-    # ``hidden[:, -k:]`` for an int, a non-contiguous view that ``F.linear`` cannot fold to 2-D, so on
-    # the CPU it runs a bmm against the lm_head weight expanded to B copies (B x 56 MB at a 32k vocab
-    # and hidden 896: the largest transient of the whole update). Indexing gathers a contiguous copy.
-    out = model(
-        input_ids=mb["input_ids"].to(device),
-        attention_mask=mb["attention_mask"].to(device),
-        position_ids=mb["position_ids"].to(device),
-        logits_to_keep=torch.arange(L - C - 1, L, device=device),
-        use_cache=False,
-    )
+    autocast = lora_autocast and head.weight.dtype in (torch.bfloat16, torch.float16)
+    with (
+        torch.autocast(device.type, dtype=head.weight.dtype, enabled=autocast),
+        disable_input_dtype_casting(model, active=autocast),
+    ):
+        hidden = decoder(
+            input_ids=mb["input_ids"].to(device),
+            attention_mask=mb["attention_mask"].to(device),
+            position_ids=mb["position_ids"].to(device),
+            use_cache=False,
+        ).last_hidden_state
+    # Positions L-C-1 .. L-2 predict the completion tokens. Slicing copies them into one contiguous
+    # [B, C, H] tensor: a strided view makes F.linear on the CPU run a bmm against the lm_head weight
+    # expanded B times (B x 56 MB at a 32k vocabulary and hidden 896).
+    hidden = hidden[:, L - C - 1 : L - 1].contiguous()
     targets = mb["completion_ids"].to(device)
-    logp, entropy = _TokenLogprobs.apply(
-        out.logits, targets, temperature, with_entropy, LOGPROB_CHUNK_ELEMENTS
+    return _TokenLogprobs.apply(
+        hidden, head.weight, head.bias, targets, temperature, with_entropy, LOGPROB_CHUNK_ELEMENTS
     )
-    return logp, entropy
 
 
 # -- model, optimizer, schedule ----------------------------------------------------------------------
@@ -383,9 +453,8 @@ def step_context(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_i
         with torch.no_grad():
             for i in range(0, n, cfg.minibatch_size):
                 rows = list(range(i, min(n, i + cfg.minibatch_size)))
-                lp, _ = completion_logprobs(
-                    state.model, _collate(batch, rows, row_mask, pad_id), cfg.temperature
-                )
+                mb = _collate(batch, rows, row_mask, pad_id)
+                lp, _ = completion_logprobs(state.model, mb, cfg.temperature, lora_autocast=cfg.lora_autocast)
                 for b, r in enumerate(rows):
                     old_logp[r] = lp[b].cpu()
     return _StepContext(batch, rewards, adv, row_mask, lengths, max_len, old_logp, pad_id)
@@ -406,12 +475,14 @@ def accumulate_gradients(
     update_loss, finite = 0.0, True
     for rows in update:
         mb = _collate(ctx.batch, rows, ctx.row_mask, ctx.pad_id)
-        logp, entropy = completion_logprobs(model, mb, cfg.temperature, with_entropy=True)
+        logp, entropy = completion_logprobs(
+            model, mb, cfg.temperature, with_entropy=True, lora_autocast=cfg.lora_autocast
+        )
         device = logp.device
         ref = None
         if g.beta > 0.0:
             with torch.no_grad(), model.disable_adapter():
-                ref, _ = completion_logprobs(model, mb, cfg.temperature)
+                ref, _ = completion_logprobs(model, mb, cfg.temperature, lora_autocast=cfg.lora_autocast)
         old = None
         if ctx.old_logp:
             old = torch.zeros_like(logp)

@@ -320,32 +320,36 @@ def test_train_stage_chains_and_caches(nvfp4_base, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_chunked_token_logprobs_equal_plain_log_softmax(dtype):
-    """The slab-wise logprob/entropy Function gives the plain expression's values and gradients."""
+def test_fused_token_logprobs_equal_plain_log_softmax(dtype, bias):
+    """The slab-wise lm_head + logprob/entropy Function gives the plain expression's values and gradients."""
     from pipeline.training import _TokenLogprobs
 
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(3, 12, 300, generator=g) * 3).to(dtype)
+    hidden = torch.randn(3, 11, 16, generator=g).to(dtype)
+    weight = (torch.randn(300, 16, generator=g) * 0.8).to(dtype)
+    b_ = (torch.randn(300, generator=g) * 0.1).to(dtype) if bias else None
     targets = torch.randint(0, 300, (3, 11), generator=g)
     weights = torch.randn(3, 11, generator=g)
-    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    lsm = torch.log_softmax(a[:, :11].float() / 0.7, dim=-1)
+    a, b = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    lsm = torch.log_softmax(torch.nn.functional.linear(a, weight, b_).float() / 0.7, dim=-1)
     lp_ref = lsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     ent_ref = -(lsm.detach().exp() * lsm.detach()).sum(-1)
     (lp_ref * weights).sum().backward()
-    lp, ent = _TokenLogprobs.apply(b, targets, 0.7, True, 3 * 300 * 4)  # slabs of 4 positions
+    lp, ent = _TokenLogprobs.apply(b, weight, b_, targets, 0.7, True, 300 * 4)  # slabs of 4 positions
     (lp * weights).sum().backward()
-    assert torch.equal(lp, lp_ref) and torch.equal(ent, ent_ref) and torch.equal(a.grad, b.grad)
-    assert not ent.requires_grad
+    assert torch.equal(lp, lp_ref)
+    if dtype == torch.bfloat16:  # the gradient's rounding to bf16 absorbs the matmul's blocking
+        assert torch.equal(a.grad, b.grad)
+    else:
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    # entropy is a metric: the float32 reduction over a slab may differ from the whole tensor's in the last bit
+    assert torch.allclose(ent, ent_ref, rtol=1e-6, atol=0) and not ent.requires_grad
 
 
-def test_completion_logprobs_feed_lm_head_a_contiguous_slice(tiny_model_dir):
-    """Only the completion positions reach the lm_head, as one contiguous [B, C+1, H] tensor.
-
-    A strided ``hidden[:, -k:]`` made ``F.linear`` fall back to a bmm against the lm_head weight
-    expanded B times on the CPU (the update's largest transient); the values must not change.
-    """
+def test_completion_logprobs_equal_the_full_logits_path(tiny_model_dir):
+    """Decoder + fused head give what ``model(...).logits`` gives: values and every gradient."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.training import _collate, completion_logprobs
@@ -360,13 +364,61 @@ def test_completion_logprobs_feed_lm_head_a_contiguous_slice(tiny_model_dir):
         group_ids=[0, 0],
     )
     mb = _collate(batch, [0, 1], torch.ones(2), 0)
-    seen = []
-    hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     logp, _ = completion_logprobs(model, mb, 0.7)
-    hook.remove()
-    assert len(seen) == 1 and seen[0].is_contiguous() and seen[0].shape[1] == 4 + 1
+    (logp * torch.linspace(-1, 1, logp.numel()).view(logp.shape)).sum().backward()
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     full = model(
         input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"]
     ).logits
     ref = torch.log_softmax(full[:, -5:-1].float() / 0.7, -1).gather(-1, mb["completion_ids"].unsqueeze(-1))
+    (ref.squeeze(-1) * torch.linspace(-1, 1, logp.numel()).view(logp.shape)).sum().backward()
     assert torch.allclose(logp, ref.squeeze(-1), atol=1e-6)
+    # every parameter, the (trainable, here) lm_head and the layers below it alike
+    for name, p in model.named_parameters():
+        assert torch.allclose(ours[name], p.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_lora_on_lm_head_or_embeddings_is_rejected():
+    for module in ("lm_head", "embed_tokens"):
+        with pytest.raises(ValueError, match=module):
+            TrainConfig(target_modules=("q_proj", module))
+
+
+def test_lora_autocast_computes_the_adapter_in_the_base_dtype(tiny_model_dir):
+    """Autocast LoRA gives exactly what the same adapter stored in bf16 gives (vLLM's precision), and
+    its fp32 master weights still receive fp32 gradients; ``lora_autocast=False`` is peft's fp32 path."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.training import _collate, completion_logprobs
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).requires_grad_(False)
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    model = get_peft_model(base, lora)  # LoRA weights in fp32 (peft upcasts adapters)
+    stored_bf16 = copy.deepcopy(model)
+    for name, p in stored_bf16.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(torch.bfloat16)
+    batch = RolloutBatch(
+        prompt_ids=[[5, 6, 7], [8, 9]],
+        completion_ids=[[10, 11, 12, 13], [14, 15]],
+        sampler_logprobs=[[0.0] * 4, [0.0] * 2],
+        truncated=[False, False],
+        rewards=[1.0, 0.0],
+        group_ids=[0, 0],
+    )
+    mb = _collate(batch, [0, 1], torch.ones(2), 0)
+    mixed, _ = completion_logprobs(model, mb, 0.7)
+    mixed.sum().backward()
+    with torch.no_grad():
+        reference, _ = completion_logprobs(stored_bf16, mb, 0.7, lora_autocast=False)
+        full_fp32, _ = completion_logprobs(model, mb, 0.7, lora_autocast=False)
+    assert torch.equal(mixed, reference)
+    assert not torch.equal(mixed, full_fp32)
+    assert torch.allclose(mixed, full_fp32, atol=0.1)
+    grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
