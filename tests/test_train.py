@@ -348,13 +348,10 @@ def test_fused_token_logprobs_equal_plain_log_softmax(dtype, bias):
     assert torch.allclose(ent, ent_ref, rtol=1e-6, atol=0) and not ent.requires_grad
 
 
-def test_completion_logprobs_equal_the_full_logits_path(tiny_model_dir):
-    """Decoder + fused head give what ``model(...).logits`` gives: values and every gradient."""
-    from transformers import AutoModelForCausalLM
+def _two_sample_minibatch() -> dict[str, torch.Tensor]:
+    """Two samples with prompts and completions of different lengths, collated with padding."""
+    from pipeline.training import _collate
 
-    from pipeline.training import _collate, completion_logprobs
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     batch = RolloutBatch(
         prompt_ids=[[5, 6, 7], [8, 9]],
         completion_ids=[[10, 11, 12, 13], [14, 15]],
@@ -363,7 +360,17 @@ def test_completion_logprobs_equal_the_full_logits_path(tiny_model_dir):
         rewards=[1.0, 0.0],
         group_ids=[0, 0],
     )
-    mb = _collate(batch, [0, 1], torch.ones(2), 0)
+    return _collate(batch, [0, 1], torch.ones(2), 0)
+
+
+def test_completion_logprobs_equal_the_full_logits_path(tiny_model_dir):
+    """Decoder + fused head give what ``model(...).logits`` gives: values and every gradient."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.training import completion_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    mb = _two_sample_minibatch()
     logp, _ = completion_logprobs(model, mb, 0.7)
     (logp * torch.linspace(-1, 1, logp.numel()).view(logp.shape)).sum().backward()
     ours = {n: p.grad for n, p in model.named_parameters()}
@@ -393,7 +400,7 @@ def test_lora_autocast_computes_the_adapter_in_the_base_dtype(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pipeline.training import _collate, completion_logprobs
+    from pipeline.training import completion_logprobs
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).requires_grad_(False)
     torch.manual_seed(0)
@@ -403,15 +410,7 @@ def test_lora_autocast_computes_the_adapter_in_the_base_dtype(tiny_model_dir):
     for name, p in stored_bf16.named_parameters():
         if "lora_" in name:
             p.data = p.data.to(torch.bfloat16)
-    batch = RolloutBatch(
-        prompt_ids=[[5, 6, 7], [8, 9]],
-        completion_ids=[[10, 11, 12, 13], [14, 15]],
-        sampler_logprobs=[[0.0] * 4, [0.0] * 2],
-        truncated=[False, False],
-        rewards=[1.0, 0.0],
-        group_ids=[0, 0],
-    )
-    mb = _collate(batch, [0, 1], torch.ones(2), 0)
+    mb = _two_sample_minibatch()
     mixed, _ = completion_logprobs(model, mb, 0.7)
     mixed.sum().backward()
     with torch.no_grad():
