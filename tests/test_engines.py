@@ -226,3 +226,25 @@ def test_vllm_seeded_batch_larger_than_one_step_budget(vllm_engine, prompts):
     b = vllm_engine.generate(long_prompts, 8, spec, seed=3)
     assert [len(row) for row in a] == [8] * 4
     assert [c.completion_ids for row in a for c in row] == [c.completion_ids for row in b for c in row]
+
+
+def test_group_reuses_its_prompt_prefill(vllm_engine, hf_engine, prompts):
+    # Each distinct prompt is prefilled once before its group, so the group's n requests find the
+    # prompt's full KV blocks (32 tokens on CPU) in the prefix cache; greedy results still agree
+    # with transformers, which prefills every sample itself.
+    long_prompts = [p + " " + " ".join(str(k % 10) for k in range(40)) for p in prompts]
+    block = vllm_engine.block_size
+    assert block == 32
+    lengths = [len(vllm_engine.tokenizer(p).input_ids) for p in long_prompts]
+    assert min(lengths) >= 2 * block
+    vllm_engine.llm.reset_prefix_cache()
+    result = vllm_engine.generate(long_prompts, 3, GREEDY, seed=0)
+    stats = vllm_engine.last_prefix_stats
+    # all full blocks but one holding the prompt's last token, which vLLM always computes (its logits)
+    expected = sum(3 * ((length - 1) // block) * block for length in lengths)
+    assert stats == {"prompt_tokens": 3 * sum(lengths), "cached_prompt_tokens": expected}
+    assert_agree(result, hf_engine.generate(long_prompts, 3, GREEDY, seed=0))
+    vllm_engine.llm.reset_prefix_cache()
+    single = vllm_engine.generate(long_prompts, 1, GREEDY, seed=0)
+    assert vllm_engine.last_prefix_stats["cached_prompt_tokens"] == 0  # nothing to share, nothing primed
+    assert_agree(single, [row[:1] for row in result])

@@ -84,6 +84,12 @@ class RolloutConfig(StrictModel):
         ge=16,
         description="vLLM tokens per engine step (None: vLLM's default; at least max_model_len on CPU)",
     )
+    kv_block_size: int | None = Field(
+        None,
+        ge=16,
+        description="vLLM KV-cache block (tokens). A group shares its prompt's full blocks only "
+        "(None: vLLM's default on GPU, 32 on CPU, where vLLM's 128 is longer than most prompts)",
+    )
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation (fast startup)")
     in_process: bool = Field(
         False, description="vLLM engine core and worker in this process (fast CPU startup; one GPU only)"

@@ -8,6 +8,13 @@
 - Requests: one request per (prompt, sample) with its own seed (``sample_seed``), prompts passed as
   token ids encoded exactly as the HF engine encodes them, detokenisation done here with the same
   tokenizer call, so the two engines are comparable token for token and string for string.
+- Group prefill: vLLM's prefix cache only serves blocks computed in an earlier engine step, and the
+  n requests of a GRPO group are scheduled in the same step, so each would prefill the whole prompt.
+  With n > 1 every distinct prompt is first prefilled once (a 1-token greedy request, output
+  dropped); the group's requests then reuse its full KV blocks and prefill only the partial last
+  block. In the rollout benchmark (16 prompts x 8 samples, ~90-token prompts, CPU) prefill was 37 s
+  of a 61 s batch. On CPU the KV block is 32 tokens (``kv_block_size``) instead of vLLM's 128, which
+  is longer than most prompts and so would share nothing.
 - Logprobs: ``logprobs_mode`` chosen as described in ``pipeline.engines`` (processed_logprobs when
   top-k/top-p are off, raw_logprobs at T = 1, otherwise an error).
 - Mode: on CUDA it reads back the quantization scheme the workers built and refuses to call itself
@@ -84,6 +91,9 @@ def _shield_llvmlite_from_vllm_scan() -> None:
 
 # vLLM 0.32's own default step budget for LLM() on CPU (EngineArgs); kept when chunked prefill is off
 VLLM_CPU_DEFAULT_BATCHED_TOKENS = 4096
+# KV block on CPU: the smallest multiple of 32 (vLLM's CPU attention kernel block) so that prompts of
+# a few dozen tokens have full blocks for their group to share (vLLM's CPU default is 128)
+CPU_KV_BLOCK = 32
 
 
 class VLLMEngine:
@@ -121,6 +131,8 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             kwargs["distributed_executor_backend"] = "uni"
             log.info("vLLM engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor)")
+        if cfg.kv_block_size or not torch.cuda.is_available():
+            kwargs["block_size"] = cfg.kv_block_size or CPU_KV_BLOCK
         if cfg.enable_lora:
             kwargs.update(max_loras=1, max_lora_rank=cfg.max_lora_rank)
         if cfg.enforce_eager:
@@ -151,6 +163,8 @@ class VLLMEngine:
                     os.environ["VLLM_CPU_KVCACHE_SPACE"],
                 )
         self.llm = LLM(**kwargs)
+        self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
+        self.last_prefix_stats: dict[str, int] = {}
         self._lora_ids: dict[str, int] = {}
         self._lora: Any = None
         self.sigma, self.noise_seed = 0.0, 0
@@ -233,12 +247,33 @@ class VLLMEngine:
                         detokenize=False,
                     )
                 )
+        if n > 1:
+            self._prefill_prompts_once(encoded)
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
+        self.last_prefix_stats = {
+            "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
+            "cached_prompt_tokens": sum(out.num_cached_tokens or 0 for out in outputs),
+        }
+        log.info("vLLM generate: %d requests, prefix cache %s", len(requests), self.last_prefix_stats)
         results: list[list[Completion]] = [[] for _ in prompts]
         for k, out in enumerate(outputs):
             i = k // n
             results[i].append(self._completion(encoded[i], out.outputs[0], k, sampling.logprobs))
         return results
+
+    def _prefill_prompts_once(self, encoded: list[list[int]]) -> None:
+        """Prefill each distinct prompt with a full KV block once, so its group's requests reuse it."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        distinct = list(dict.fromkeys(tuple(ids) for ids in encoded if len(ids) >= self.block_size))
+        if distinct:
+            self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(ids)) for ids in distinct],
+                SamplingParams(max_tokens=1, temperature=0.0, detokenize=False),
+                use_tqdm=False,
+                lora_request=self._lora,
+            )
 
     def _completion(
         self, prompt_ids: list[int], output: Any, k: int, want_logprobs: bool = True
