@@ -12,9 +12,9 @@
   n requests of a GRPO group are scheduled in the same step, so each would prefill the whole prompt.
   With n > 1 every distinct prompt is first prefilled once (a 1-token greedy request, output
   dropped); the group's requests then reuse its full KV blocks and prefill only the partial last
-  block. In the rollout benchmark (16 prompts x 8 samples, ~90-token prompts, CPU) prefill was 37 s
-  of a 61 s batch. On CPU the KV block is 32 tokens (``kv_block_size``) instead of vLLM's 128, which
-  is longer than most prompts and so would share nothing.
+  block. At the rollout benchmark's shape (16 prompts x 8 samples, ~90-token prompts, CPU) prefill
+  took 37 s of a ~60 s batch. On CPU the KV block is 32 tokens (``kv_block_size``) instead of vLLM's
+  128, which is longer than most prompts and so would share nothing.
 - Logprobs: ``logprobs_mode`` chosen as described in ``pipeline.engines`` (processed_logprobs when
   top-k/top-p are off, raw_logprobs at T = 1, otherwise an error).
 - Mode: on CUDA it reads back the quantization scheme the workers built and refuses to call itself
