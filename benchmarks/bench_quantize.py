@@ -279,7 +279,9 @@ def main(argv: list[str] | None = None) -> str:
     text = "\n".join(lines)
     out = ROOT / "benchmarks" / "results" / "quantize.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    from pipeline.artifacts import atomic_write_text
+
+    atomic_write_text(out, text + "\n")
     print(text)
     return text
 

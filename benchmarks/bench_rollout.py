@@ -184,8 +184,10 @@ def main(argv: list[str] | None = None) -> str:
         "",
     ]
     text = "\n".join(lines)
+    from pipeline.artifacts import atomic_write_text
+
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    atomic_write_text(RESULTS, text)
     print(text)
     return text
 

@@ -175,8 +175,10 @@ def main(
     ]
     text = "\n".join(lines)
     print(text)
+    from pipeline.artifacts import atomic_write_text
+
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    atomic_write_text(RESULTS, text)
     return text
 
 
