@@ -32,7 +32,6 @@ Departures from the paper / reference code, and why.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Iterable
 
@@ -40,6 +39,7 @@ import torch
 from pydantic import Field, model_validator
 
 from pipeline.config import StrictModel
+from pipeline.seeds import derive_seed
 
 __all__ = [
     "NORM_KINDS",
@@ -101,8 +101,7 @@ def sigma_schedule(step: int, total_steps: int, cfg: AQNConfig) -> float:
 
 def layer_generator(seed: int, layer: int) -> torch.Generator:
     """A CPU generator seeded from (seed, layer) through sha256, so nearby seeds are unrelated."""
-    raw = hashlib.sha256(f"qerl-aqn:{int(seed)}:{int(layer)}".encode()).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(raw[:8], "little") & ((1 << 63) - 1))
+    return torch.Generator(device="cpu").manual_seed(derive_seed("qerl-aqn", seed, layer))
 
 
 def norm_noise(hidden_size: int, sigma: float, generator: torch.Generator) -> torch.Tensor:

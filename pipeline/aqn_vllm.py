@@ -11,8 +11,8 @@ vLLM's norms are its own ``RMSNorm`` modules named ``model.layers.N.input_layern
 vector, and under pipeline parallelism each rank only holds (and noises) its own layers, whose
 global index is in the name. ``param.data`` is edited in place, so captured graphs and compiled
 code see the new values. The caller must reset the prefix cache afterwards (KV computed under
-the old weights is stale). If the engine reloads its weights, ``qerl_forget_clean_norms`` must
-be called so the next clean copy is taken from the new weights.
+the old weights is stale). The clean copy is taken once per worker: the engine never reloads its
+base weights (a new adapter is a LoRARequest, not a weight reload), so it cannot go stale.
 """
 
 from __future__ import annotations
@@ -56,6 +56,3 @@ class AQNWorkerExtension:
                 scheme = getattr(module, "scheme", None)
                 names.add(type(method).__name__ + (f"/{type(scheme).__name__}" if scheme is not None else ""))
         return sorted(names)
-
-    def qerl_forget_clean_norms(self) -> None:
-        self.__dict__.pop("_qerl_clean_norms", None)

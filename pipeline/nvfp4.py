@@ -40,6 +40,7 @@ log = logging.getLogger("qerl.nvfp4")
 __all__ = [
     "QUANT_SUFFIXES",
     "SUPPORTED_ARCHITECTURES",
+    "TWIN_MODE",
     "QuantizeConfig",
     "RawSlice",
     "TensorSpec",
@@ -54,6 +55,8 @@ __all__ = [
     "write_sharded",
 ]
 
+# The manifest mode of the dequantize stage's output (stages/quantize.py builds it, the engines check it)
+TWIN_MODE = "nvfp4-dequantized-twin"
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
 _MOE_KEYS = (

@@ -44,7 +44,8 @@ from pipeline.artifacts import (
     atomic_write_json,
     code_version,
 )
-from pipeline.nvfp4 import QuantizeConfig, RawSlice, TensorSpec, UnsupportedModelError
+from pipeline.device import default_device
+from pipeline.nvfp4 import TWIN_MODE, QuantizeConfig, RawSlice, TensorSpec, UnsupportedModelError
 
 __all__ = ["QuantizeConfig", "export", "resolve_source", "run", "run_twin", "run_with_status"]
 
@@ -52,7 +53,6 @@ log = logging.getLogger("qerl.stages.quantize")
 
 STAGE = "quantize"
 TWIN_STAGE = "dequantize"
-TWIN_MODE = "nvfp4-dequantized-twin"
 EXPORT_MARKER = ".qerl-export.json"
 # Files never copied from a source model: weights are rewritten, pickles are not read.
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".msgpack", ".h5", ".onnx")
@@ -97,7 +97,7 @@ def _copy_aux_files(src: Path, dst: Path) -> list[str]:
 
 
 def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(default_device())
 
 
 def _quant_producer(group: fmt.Group, device: torch.device) -> Callable[[], dict[str, torch.Tensor]]:

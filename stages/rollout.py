@@ -17,7 +17,6 @@ into the table, so the table's bytes depend only on the inputs.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import logging
 import sys
@@ -34,6 +33,7 @@ import pipeline.engines
 from pipeline.artifacts import ArtifactStore, BuildResult, Manifest, code_version, sha256_json
 from pipeline.engines import RolloutConfig, RolloutEngine
 from pipeline.prompts import render_prompt
+from pipeline.seeds import derive_seed
 
 STAGE = "rollout"
 TABLE = "rollouts.parquet"
@@ -63,8 +63,7 @@ SCHEMA = pa.schema(
 
 def step_seed(seed: int, step: int, purpose: str) -> int:
     """A 63-bit seed for one RL step and purpose ("sample" or "aqn"): independent streams."""
-    raw = hashlib.sha256(f"qerl-rollout:{int(seed)}:{int(step)}:{purpose}".encode()).digest()
-    return int.from_bytes(raw[:8], "little") & ((1 << 63) - 1)
+    return derive_seed("qerl-rollout", seed, step, purpose)
 
 
 def _check_problems(problems: Sequence[Any]) -> list[dict[str, Any]]:

@@ -137,3 +137,30 @@ def test_bad_problems_are_named(cfg, engine, base, tmp_path):
         )
     with pytest.raises(ValueError, match="together"):
         rollout.run(cfg, PROBLEMS, fake_manifest(tmp_path), tmp_path, None, 0.0, 0, store, engine)
+
+
+def test_derived_seeds_are_unchanged_by_the_shared_helper():
+    """The three seed derivations (request, RL step, AQN layer) now share ``derive_seed``; their values
+    are pinned to what the earlier per-module copies returned, so cached rollouts stay valid."""
+    import hashlib
+
+    from pipeline.aqn import layer_generator
+    from pipeline.engines import sample_seed
+    from pipeline.seeds import derive_seed
+
+    assert [sample_seed(0, 0, 0), sample_seed(7, 3, -1), sample_seed(123456789, 15, 7)] == [
+        325866218452587183, 6032442204645994562, 4083698714882082309,
+    ]  # fmt: skip
+    assert [rollout.step_seed(0, 0, "sample"), rollout.step_seed(0, 0, "aqn"), rollout.step_seed(5, 41, "aqn")] == [
+        7658977552007426748, 3730921702872399293, 4582322104590523621,
+    ]  # fmt: skip
+    assert [layer_generator(s, layer).initial_seed() for s, layer in ((0, 0), (7, 3), (2**40, 27))] == [
+        2153666824003493438, 512293655783918615, 2353801540498084249,
+    ]  # fmt: skip
+
+    def by_hand(text: str) -> int:  # the construction the copies spelled out
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+    assert derive_seed("qerl-sample", 3, 1, 2) == by_hand("qerl-sample:3:1:2")
+    assert derive_seed("qerl-rollout", 9, 4, "aqn") == by_hand("qerl-rollout:9:4:aqn")
+    assert 0 <= derive_seed("x", 2**70) < 2**63

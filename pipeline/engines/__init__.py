@@ -29,7 +29,6 @@ untouched), which is reproducible for the same inputs but samples different toke
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -38,9 +37,12 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import Field, model_validator
 
+from pipeline import device
 from pipeline.artifacts import Manifest
 from pipeline.config import StrictModel
+from pipeline.nvfp4 import TWIN_MODE
 from pipeline.prompts import template_names
+from pipeline.seeds import derive_seed
 
 __all__ = [
     "Completion",
@@ -53,8 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("qerl.engines")
-
-TWIN_MODE = "nvfp4-dequantized-twin"
 
 
 class EngineError(RuntimeError):
@@ -163,8 +163,7 @@ class RolloutEngine(Protocol):
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """A 63-bit seed for one (prompt, sample) pair, independent of batching."""
-    raw = hashlib.sha256(f"qerl-sample:{int(seed)}:{prompt_index}:{sample_index}".encode()).digest()
-    return int.from_bytes(raw[:8], "little") & ((1 << 63) - 1)
+    return derive_seed("qerl-sample", seed, prompt_index, sample_index)
 
 
 def check_adapter_dir(path: Path) -> Path:
@@ -213,12 +212,6 @@ def _checkpoint_dir(manifest: Manifest, what: str) -> Path:
     return directory
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def build_engine(cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest | None) -> RolloutEngine:
     """Build the configured engine on this machine and log the mode it runs in.
 
@@ -234,7 +227,7 @@ def build_engine(cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest 
     if cfg.engine == "vllm":
         from pipeline.engines.vllm_engine import VLLMEngine
 
-        if _cuda_available():
+        if device.cuda_available():
             if quantized is None:
                 raise EngineError(
                     "vLLM on CUDA serves the NVFP4 checkpoint: pass the quantize stage's manifest"
@@ -267,7 +260,7 @@ def build_engine(cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest 
 def planned_mode(cfg: RolloutConfig) -> tuple[str, str]:
     """(mode, implementation module) that ``build_engine`` will choose on this machine."""
     if cfg.engine == "vllm":
-        mode = "vllm-nvfp4-marlin" if _cuda_available() else "vllm-nvfp4-emulated"
+        mode = "vllm-nvfp4-marlin" if device.cuda_available() else "vllm-nvfp4-emulated"
         return mode, "pipeline.engines.vllm_engine"
     return "hf-nvfp4-emulated", "pipeline.engines.hf_engine"
 

@@ -1,0 +1,22 @@
+"""Where tensors run: the one CUDA check every module asks.
+
+The engine mode (``vllm-nvfp4-marlin`` on CUDA, the dequantized twin elsewhere), the quantize and
+train stages' device and the flow's choice to build a twin all follow this single answer, so they
+cannot disagree.
+"""
+
+from __future__ import annotations
+
+__all__ = ["cuda_available", "default_device"]
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device is usable here (torch imported lazily: ``qerl --help`` stays fast)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def default_device() -> str:
+    """``"cuda"`` where a CUDA device is usable, else ``"cpu"``."""
+    return "cuda" if cuda_available() else "cpu"
