@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_run(sub)
     _add_bench(sub)
+    _add_gc(sub)
     return parser
 
 
@@ -294,6 +295,49 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         f"(engine {s['engine_mode']}) -> {manifest.dir}"
     )
     print(json.dumps({k: s[k] for k in ("benchmark", "accuracy", "stderr", "n_items", "k")}))
+    return 0
+
+
+def _add_gc(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "gc",
+        help="free store space: old optimizer states, thinned adapters, trash (live runs are never touched)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="list what would be deleted and the bytes; delete nothing"
+    )
+    p.add_argument("--keep-optimizer-last", type=int, default=None, metavar="K",
+                   help="override every run's store.keep_optimizer_last")  # fmt: skip
+    p.add_argument("--keep-adapters-every", type=int, default=None, metavar="E",
+                   help="override every run's store.keep_adapters_every (0: keep all adapters)")  # fmt: skip
+    p.add_argument("--live-window-h", type=float, default=None, metavar="H",
+                   help="override store.live_window_h: a running run updated within H hours is live")  # fmt: skip
+    _common(p)
+    COMMANDS["gc"] = _cmd_gc
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from pipeline import retention
+    from pipeline.artifacts import default_work_dir
+
+    work = default_work_dir(args.work_dir)
+    names = ("keep_optimizer_last", "keep_adapters_every", "live_window_h")
+    overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    gc_plan = retention.plan(work, overrides=overrides)
+    for note in gc_plan.notes:
+        print(f"  {note}")
+    for d in gc_plan.deletions:
+        what = ", ".join(d.files) if d.files else "(leftovers)" if d.kind == "prune" else "whole folder"
+        print(f"  {retention.human_bytes(d.nbytes):>10}  {d.kind:5} {d.path}: {what}  [{d.reason}]")
+    if not gc_plan.deletions:
+        print(f"gc {work / 'store'}: nothing to delete")
+    elif args.dry_run:
+        print(
+            f"gc --dry-run: would free {retention.human_bytes(gc_plan.nbytes)} in {len(gc_plan.deletions)} deletions"
+        )
+    else:
+        freed = retention.apply(work, gc_plan)
+        print(f"gc: freed {retention.human_bytes(freed)} in {len(gc_plan.deletions)} deletions")
     return 0
 
 

@@ -4,7 +4,9 @@ Layout under the store root::
 
     objects/<stage>/<key>/            finished outputs, manifest.json inside (the completion marker)
     tmp/<stage>-<key>-<nonce>/        work in progress; renamed into objects/ when complete
-    locks/<stage>-<key>.lock          flock held while a key is being produced
+    locks/<stage>-<key>.lock          flock held while a key is being produced (or pruned)
+    trash/                            corrupt artifacts moved aside, files on their way to deletion
+    builds.jsonl, gc.jsonl            audit logs: one line per build; one per retention prune
     digests.json                      memo of source-directory digests keyed by (path, size, mtime)
 
 The key is sha256 over (stage, canonical config JSON, input digests, code version). A stage's output
@@ -17,6 +19,10 @@ cache hit well under a second on a 7B checkpoint) and ``verify="full"`` re-hashe
 manifest whose files are missing or changed is reported, moved aside, and the stage recomputes.
 Departure from a pure content hash: size+mtime is the default check because re-hashing 6 GB on every
 cache hit would cost tens of seconds; ``QERL_VERIFY=full`` makes every lookup re-hash.
+
+Retention (``pipeline.retention``, ``qerl gc``) deletes files on purpose with ``prune``: the
+manifest keeps their records (the digest, and every downstream key, is unchanged) and names them in
+``pruned``; lookups skip them and a consumer asking for one gets an ArtifactError saying why.
 """
 
 from __future__ import annotations
@@ -173,6 +179,10 @@ class Manifest(BaseModel):
     mode: str | None = None
     metrics: dict[str, Any] = Field(default_factory=dict)
     extra: dict[str, Any] = Field(default_factory=dict)
+    pruned: dict[str, str] = Field(
+        default_factory=dict,
+        description="file name -> why it was deleted by retention (qerl gc); its record stays in files",
+    )
     path: str = Field(default="", exclude=True)
 
     @property
@@ -184,7 +194,19 @@ class Manifest(BaseModel):
             raise ArtifactError(
                 f"artifact {self.stage}/{self.key} has no file '{name}' (has: {sorted(self.files)})"
             )
+        if name in self.pruned:
+            raise ArtifactError(
+                f"artifact {self.stage}/{self.key} no longer holds '{name}': {self.pruned[name]}"
+            )
         return self.dir / name
+
+    def require(self, *names: str) -> None:
+        """Raise a clear ArtifactError unless every file of ``names`` (a file, or a folder: the files
+        under it) is present in the manifest and not pruned; a consumer calls this before reading."""
+        for name in names:
+            under = [n for n in self.files if n.startswith(name.rstrip("/") + "/")]
+            for have in under or [name]:
+                self.file(have)
 
     @property
     def digest(self) -> str:
@@ -249,6 +271,8 @@ class ArtifactStore:
         """Files of ``manifest`` that are missing or no longer match their recorded digest."""
         bad = []
         for name, rec in manifest.files.items():
+            if name in manifest.pruned:  # deleted on purpose by retention: not a corruption
+                continue
             path = manifest.dir / name
             if not path.is_file():
                 bad.append(f"{name}: missing")
@@ -260,24 +284,75 @@ class ArtifactStore:
                 bad.append(f"{name}: sha256 mismatch")
         return bad
 
-    def get(self, stage: str, key: str, verify: str | None = None) -> Manifest | None:
-        """The finished artifact for (stage, key), or None; a corrupt one is moved aside."""
+    def get(self, stage: str, key: str, verify: str | None = None, _locked: bool = False) -> Manifest | None:
+        """The finished artifact for (stage, key), or None; a corrupt one is moved aside.
+
+        A problem is confirmed under the key's lock before anything is discarded: retention
+        (``prune``) rewrites the manifest and then removes files under that lock, so a reader that
+        loaded the old manifest just before a prune must not mistake the pruned file for corruption.
+        """
         directory = self.path_for(stage, key)
         if not (directory / MANIFEST).is_file():
             return None
+        full = (verify or os.environ.get("QERL_VERIFY", "fast")) == "full"
+        manifest, bad = self._check(directory, full)
+        if not bad:
+            return manifest
+        with contextlib.nullcontext() if _locked else self.lock(f"{stage}-{key}"):
+            if not (directory / MANIFEST).is_file():
+                return None
+            manifest, bad = self._check(directory, full)
+            if bad:
+                log.warning("artifact %s/%s is corrupt (%s): recomputing", stage, key, "; ".join(bad))
+                self._discard(directory)
+                return None
+        return manifest
+
+    def _check(self, directory: Path, full: bool) -> tuple[Manifest | None, list[str]]:
         try:
             manifest = Manifest.load(directory)
         except (ValueError, ArtifactError) as err:
-            log.warning("unreadable manifest in %s (%s): recomputing", directory, err)
-            self._discard(directory)
-            return None
-        full = (verify or os.environ.get("QERL_VERIFY", "fast")) == "full"
-        bad = self.problems(manifest, full=full)
-        if bad:
-            log.warning("artifact %s/%s is corrupt (%s): recomputing", stage, key, "; ".join(bad))
-            self._discard(directory)
-            return None
-        return manifest
+            return None, [f"unreadable manifest ({err})"]
+        return manifest, self.problems(manifest, full=full)
+
+    def prune(self, stage: str, key: str, names: list[str], reason: str) -> int:
+        """Delete files of a finished artifact on purpose (retention); returns the bytes freed.
+
+        The manifest keeps every file's record (so the artifact's digest, and with it every
+        downstream key, is unchanged) and lists the deleted ones in ``pruned`` with ``reason``; a
+        lookup still serves the artifact and a consumer of a pruned file gets an ArtifactError that
+        says why (``Manifest.file``/``require``). Order, for crash safety: the manifest is rewritten
+        first (atomically), then the files are renamed aside into trash/ and deleted. A crash in
+        between leaves a file marked pruned but still present (harmless; the next prune of the
+        artifact or ``qerl gc``'s trash sweep removes it), never a manifest that names a missing
+        file, which a lookup would take for corruption and discard whole.
+        """
+        with self.lock(f"{stage}-{key}"):
+            directory = self.path_for(stage, key)
+            manifest = Manifest.load(directory)
+            unknown = [n for n in names if n not in manifest.files]
+            if unknown:
+                raise ArtifactError(f"cannot prune {unknown} from {stage}/{key}: not in its manifest")
+            when = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+            fresh = {n: f"pruned {when}: {reason}" for n in names if n not in manifest.pruned}
+            manifest.pruned.update(fresh)
+            atomic_write_text(directory / MANIFEST, manifest.model_dump_json(indent=2))
+            aside = self.root / "trash" / f"pruned-{stage}-{key}-{uuid.uuid4().hex[:8]}"
+            freed = 0
+            for name in manifest.pruned:
+                path = directory / name
+                if path.is_file():
+                    freed += path.stat().st_size
+                    (aside / name).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(path, aside / name)
+            for parent in sorted({(directory / n).parent for n in manifest.pruned}, reverse=True):
+                with contextlib.suppress(OSError):  # a folder emptied by the prune (adapter/)
+                    if parent != directory:
+                        parent.rmdir()
+            shutil.rmtree(aside, ignore_errors=True)
+        if fresh:
+            self._journal({"stage": stage, "key": key, "event": "pruned", "files": sorted(fresh)}, "gc.jsonl")
+        return freed
 
     def _discard(self, directory: Path) -> None:
         if directory.exists():
@@ -307,7 +382,7 @@ class ArtifactStore:
         if (hit := self.get(stage, key)) is not None:
             return hit, True
         with self.lock(f"{stage}-{key}"):
-            if (hit := self.get(stage, key)) is not None:
+            if (hit := self.get(stage, key, _locked=True)) is not None:
                 return hit, True
             tmp = self.root / "tmp" / f"{stage}-{key}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
@@ -342,10 +417,11 @@ class ArtifactStore:
             log.info("stage %s wrote %s (%d files)", stage, final, len(files))
             return manifest, False
 
-    def _journal(self, entry: dict[str, Any]) -> None:
-        """Append to builds.jsonl: the audit trail that proves no finished stage ran twice."""
+    def _journal(self, entry: dict[str, Any], name: str = "builds.jsonl") -> None:
+        """Append to builds.jsonl: the audit trail that proves no finished stage ran twice (deletions
+        by retention go to gc.jsonl, so that trail stays one line per build)."""
         entry = {"at": _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds"), **entry}
-        with self.lock("journal"), open(self.root / "builds.jsonl", "a") as fh:
+        with self.lock("journal"), open(self.root / name, "a") as fh:
             fh.write(json.dumps(entry) + "\n")
 
     def builds(self) -> list[dict[str, Any]]:

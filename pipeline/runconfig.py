@@ -25,6 +25,7 @@ from pipeline.engines import RolloutConfig
 from pipeline.evaluation import EvalConfig
 from pipeline.nvfp4 import QuantizeConfig
 from pipeline.registry import RegistryConfig
+from pipeline.retention import RetentionConfig
 from pipeline.rewards import RewardConfig
 from pipeline.training import TrainConfig
 
@@ -62,6 +63,7 @@ class RunConfig(StrictModel):
     eval: EvalConfig = EvalConfig()
     registry: RegistryConfig = RegistryConfig()
     loop: LoopConfig = LoopConfig()
+    store: RetentionConfig = RetentionConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
