@@ -29,6 +29,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -97,7 +98,11 @@ class QuantizeConfig(StrictModel):
     ignore: list[str] = Field(default=["lm_head"], description="modules kept in full precision")
     architectures: list[str] = Field(default=list(SUPPORTED_ARCHITECTURES))
     max_shard_mb: float = Field(default=4096, gt=0, description="largest output shard, MiB")
-    twin_dtype: str = Field(default="bfloat16", description="dtype of the dequantized twin's linears")
+    twin_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        default=None,
+        description="dtype of the dequantized twin (what vLLM serves on a CPU); null: train.dtype in a run, "
+        "bfloat16 standalone. Not part of the quantize stage's key: the NVFP4 checkpoint does not depend on it",
+    )
 
 
 class UnsupportedModelError(ValueError):

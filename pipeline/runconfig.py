@@ -6,16 +6,33 @@ no config (a tiny Qwen2 built and warmed up here, the procedural arithmetic task
 engine), ``qwen2.5-7b-gsm8k.yaml`` the paper's GSM8K recipe on one H100; ``qerl run --config FILE --set a.b=c`` loads YAML then applies overrides, and
 an unknown key anywhere fails with the list of valid keys at that level.
 
-Cross-field rules live here (``model_validator``), not in the stages: the train stage's sampling
-temperature must equal the rollout engine's, and the group size must allow a standard deviation.
+Cross-field rules live here (``model_validator``), not in the stages, so a bad combination fails
+when the config is loaded rather than after the first step:
+
+- the train stage's sampling temperature equals the rollout engine's, and a group has >= 2 samples;
+- the LR schedule spans the loop: ``train.total_steps: null`` (the default) is derived as
+  ``loop.steps`` x the optimizer updates of one RL step, ``mu * ceil(ceil(prompts_per_step *
+  n_samples / minibatch_size) / grad_accum)`` (what ``pipeline.training`` runs); an explicit value
+  shorter than that is rejected, since the cosine would then hold lr at its floor for the rest of
+  the run (a longer one is allowed: the run stops before the end of the decay);
+- sampler and trainer hold the same weights: the dequantized twin (what vLLM serves on a CPU and
+  the HF engine runs) is stored in ``train.dtype`` (``quantize.twin_dtype: null`` derives it; any
+  other value is rejected), and the rollout dtype is ``train.dtype`` or ``auto``. ``auto`` is
+  refused for a float32 trainer on vLLM, which serves float32 checkpoints in bfloat16 under
+  ``auto``. A bf16 twin served beside an fp32 trainer differed in every nonzero weight (0.37% at
+  most), so the importance ratio compared two different functions;
+- the adapter fits the engine: LoRA is on and ``train.lora_r <= rollout.max_lora_rank``, one of the
+  ranks vLLM accepts.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, ModelWrapValidatorHandler, model_validator
 
 from pipeline.aqn import AQNConfig
 from pipeline.config import StrictModel, load_config
@@ -30,6 +47,8 @@ from pipeline.rewards import RewardConfig
 from pipeline.training import TrainConfig
 
 PRESET_DIR = Path(__file__).parent / "presets"
+# vLLM 0.32's ``LoRAConfig.max_lora_rank`` (``MaxLoRARanks``): any other value fails at engine start
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class ModelConfig(StrictModel):
@@ -65,6 +84,21 @@ class RunConfig(StrictModel):
     loop: LoopConfig = LoopConfig()
     store: RetentionConfig = RetentionConfig()
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _derive(cls, data: Any, handler: ModelWrapValidatorHandler[RunConfig]) -> RunConfig:
+        """Fill the settings that follow from others (null = derived); see the module docstring."""
+        cfg = handler(data)
+        derived: dict[str, dict[str, Any]] = {}
+        if cfg.train.total_steps is None:
+            derived["train"] = {"total_steps": cfg.loop.steps * updates_per_step(cfg)}
+        if cfg.quantize.twin_dtype is None:
+            derived["quantize"] = {"twin_dtype": cfg.train.dtype}
+        if not derived:
+            return cfg
+        dumped = cfg.model_dump()
+        return handler({**dumped, **{k: {**dumped[k], **v} for k, v in derived.items()}})
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         if self.train.temperature != self.rollout.temperature:
@@ -74,7 +108,72 @@ class RunConfig(StrictModel):
             )
         if self.rollout.n_samples < 2:
             raise ValueError("rollout.n_samples must be >= 2: GRPO needs a group to compare against")
+        self._check_schedule()
+        self._check_dtypes()
+        self._check_lora()
         return self
+
+    def _check_schedule(self) -> None:
+        train, loop = self.train, self.loop
+        per_step = updates_per_step(self)
+        needed = loop.steps * per_step
+        if train.total_steps is not None and train.total_steps < needed:
+            raise ValueError(
+                f"train.total_steps ({train.total_steps}) is shorter than the run's {needed} optimizer "
+                f"updates (loop.steps {loop.steps} x {per_step} per step: {loop.prompts_per_step} prompts x "
+                f"{self.rollout.n_samples} samples in minibatches of {train.minibatch_size}, grad_accum "
+                f"{train.grad_accum}, mu {train.mu}): after update {train.total_steps} the cosine would hold "
+                f"the lr at min_lr_ratio x lr ({train.min_lr_ratio * train.lr:g}) for the rest of the run. "
+                f"Set train.total_steps: null to derive it, or >= {needed}"
+            )
+        total = train.total_steps if train.total_steps is not None else needed
+        if train.warmup_steps >= total:
+            raise ValueError(
+                f"train.warmup_steps ({train.warmup_steps}) must be < the schedule's {total} updates"
+            )
+
+    def _check_dtypes(self) -> None:
+        train_dtype, twin, served = self.train.dtype, self.quantize.twin_dtype, self.rollout.dtype
+        if twin is not None and twin != train_dtype:
+            raise ValueError(
+                f"quantize.twin_dtype ({twin}) must equal train.dtype ({train_dtype}): the twin is what "
+                "the sampler serves on a CPU, so any other dtype samples from different weights than "
+                "the trainer's (set quantize.twin_dtype: null to follow train.dtype)"
+            )
+        if served not in ("auto", train_dtype):
+            raise ValueError(
+                f"rollout.dtype ({served}) must be train.dtype ({train_dtype}) or auto: the sampler's "
+                "logprobs must come from the trainer's weights and precision"
+            )
+        if served == "auto" and train_dtype == "float32" and self.rollout.engine == "vllm":
+            raise ValueError(
+                "rollout.dtype auto with train.dtype float32: vLLM serves a float32 checkpoint in "
+                "bfloat16 under auto; set rollout.dtype: float32"
+            )
+
+    def _check_lora(self) -> None:
+        rollout, r = self.rollout, self.train.lora_r
+        if not rollout.enable_lora:
+            raise ValueError(
+                "rollout.enable_lora is false: the rollout engine must serve each step's LoRA adapter"
+            )
+        if r > rollout.max_lora_rank:
+            raise ValueError(
+                f"train.lora_r ({r}) exceeds rollout.max_lora_rank ({rollout.max_lora_rank}): the engine "
+                f"could not load the adapter; raise rollout.max_lora_rank to >= {r}"
+            )
+        if rollout.engine == "vllm" and rollout.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(
+                f"rollout.max_lora_rank ({rollout.max_lora_rank}) is not one vLLM accepts: "
+                f"{', '.join(map(str, VLLM_LORA_RANKS))}"
+            )
+
+
+def updates_per_step(cfg: RunConfig) -> int:
+    """Optimizer updates of one RL step (``pipeline.training._update_groups`` makes exactly these)."""
+    samples = cfg.loop.prompts_per_step * cfg.rollout.n_samples
+    minibatches = math.ceil(samples / cfg.train.minibatch_size)
+    return cfg.train.mu * math.ceil(minibatches / cfg.train.grad_accum)
 
 
 def preset_names() -> list[str]:
@@ -87,7 +186,45 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
         path = PRESET_DIR / "demo.yaml"
     elif not Path(path).exists() and str(path) in preset_names():
         path = PRESET_DIR / f"{path}.yaml"
-    return load_config(RunConfig, path, overrides)
+    cfg = load_config(RunConfig, path, overrides)
+    model_json = Path(cfg.model.source) / "config.json"
+    if cfg.rollout.tensor_parallel_size > 1 and model_json.is_file():  # 1 is valid everywhere
+        from pipeline.device import cuda_available
+
+        check_parallelism(cfg.rollout, json.loads(model_json.read_text()), cuda_available())
+    return cfg
+
+
+def check_parallelism(rollout: RolloutConfig, model_config: dict[str, Any], cuda: bool) -> None:
+    """vLLM's tensor-parallel rules for this model on this machine; a ConfigError names the setting.
+
+    It needs the model's config.json, so it runs where that is known: ``load_run_config`` for a local
+    model directory, and wherever a hub model's config has been fetched (``qerl plan``, the flow).
+    vLLM shards the attention heads over the GPUs (``num_attention_heads % tp == 0``) and splits or
+    replicates the KV heads (``num_key_value_heads % tp == 0`` or ``tp % num_key_value_heads == 0``);
+    on a CPU it runs a single worker.
+    """
+    from pipeline.config import ConfigError
+
+    tp = rollout.tensor_parallel_size
+    if tp == 1:
+        return
+    if not cuda:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size is {tp} but this machine has no CUDA device: vLLM on a CPU runs "
+            "one worker, set rollout.tensor_parallel_size: 1"
+        )
+    heads = int(model_config.get("num_attention_heads") or 0)
+    kv_heads = int(model_config.get("num_key_value_heads") or heads)
+    if heads <= 0:
+        raise ConfigError("the model's config.json has no num_attention_heads to check tensor_parallel_size")
+    valid = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+    if tp not in valid:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size {tp} does not fit the model's {heads} attention heads and "
+            f"{kv_heads} KV heads (vLLM shards the heads across GPUs: tp must divide them, and divide or "
+            f"be a multiple of the KV heads); valid sizes: {', '.join(map(str, valid))}"
+        )
 
 
 def _type_name(annotation: object) -> str:

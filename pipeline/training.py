@@ -71,7 +71,12 @@ class TrainConfig(StrictModel):
     target_modules: tuple[str, ...] = ALL_PROJECTIONS
     lr: float = Field(1e-5, gt=0.0)
     warmup_steps: int = Field(0, ge=0, description="optimizer updates of linear warmup")
-    total_steps: int = Field(1000, gt=0, description="optimizer updates over which the cosine decays")
+    total_steps: int | None = Field(
+        None,
+        gt=0,
+        description="optimizer updates over which the cosine decays; null: in a run, the loop's total "
+        "updates (loop.steps x updates per step); standalone, no decay after warmup",
+    )
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     mu: int = Field(1, ge=1, description="passes over the step's samples")
     minibatch_size: int = Field(8, ge=1, description="sequences per forward/backward")
@@ -351,6 +356,8 @@ def _lr_lambda(cfg: TrainConfig):  # noqa: ANN202
     def lr_at(update: int) -> float:
         if update < cfg.warmup_steps:
             return (update + 1) / cfg.warmup_steps
+        if cfg.total_steps is None:  # no horizon known (a run always derives one): constant after warmup
+            return 1.0
         span = max(1, cfg.total_steps - cfg.warmup_steps)
         progress = min(1.0, (update - cfg.warmup_steps) / span)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -179,7 +179,17 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
             },
         )
 
-    return store.produce(STAGE, cfg, {"base": base_digest}, code, build)
+    return store.produce(STAGE, _recipe_key(cfg), {"base": base_digest}, code, build)
+
+
+def _recipe_key(cfg: QuantizeConfig) -> dict:
+    """The quantize stage's config key: the recipe without the twin's dtype (a dequantize setting)."""
+    return cfg.model_dump(mode="json", exclude={"twin_dtype"})
+
+
+def twin_dtype(cfg: QuantizeConfig) -> str:
+    """The twin's dtype: the configured one (a run derives it from train.dtype), else bfloat16."""
+    return cfg.twin_dtype or "bfloat16"
 
 
 def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> Manifest:
@@ -188,9 +198,8 @@ def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> 
         raise ArtifactError(
             f"run_twin needs a '{STAGE}' artifact, got stage '{quantized.stage}' at {quantized.dir}"
         )
-    dtype = getattr(torch, cfg.twin_dtype, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise UnsupportedModelError(f"twin_dtype '{cfg.twin_dtype}' is not a torch floating dtype")
+    dtype_name = twin_dtype(cfg)
+    dtype = getattr(torch, dtype_name)
     code = code_version(sys.modules[__name__], fmt, nvfp4_kernels)
     src = quantized.dir
 
@@ -199,7 +208,7 @@ def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> 
         aux = _copy_aux_files(src, tmp)
         config = fmt.read_model_config(src)
         config.pop("quantization_config", None)
-        config["torch_dtype" if "torch_dtype" in config else "dtype"] = cfg.twin_dtype
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
         atomic_write_json(tmp / "config.json", config)
         specs = fmt.safetensors_index(src)
         groups = []
@@ -227,14 +236,15 @@ def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> 
             extra={
                 "derived_from": {"stage": quantized.stage, "key": quantized.key, "digest": quantized.digest},
                 "base_digest": quantized.extra.get("base_digest"),
-                "dtype": cfg.twin_dtype,
+                "dtype": dtype_name,
                 "dequantized_linears": sum(1 for n in specs if n.endswith(".weight_packed")),
                 "aux_files": aux,
                 "note": "derived artifact: Linear weights are kernels.nvfp4.dequantize_nvfp4 of the NVFP4 checkpoint",
             },
         )
 
-    return store.produce(TWIN_STAGE, cfg, {"quantized": quantized.digest}, code, build)[0]
+    key = {**cfg.model_dump(mode="json"), "twin_dtype": dtype_name}
+    return store.produce(TWIN_STAGE, key, {"quantized": quantized.digest}, code, build)[0]
 
 
 def export(manifest: Manifest, dst: str | Path) -> Path:

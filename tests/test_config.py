@@ -71,3 +71,99 @@ def test_apply_overrides_and_hash_is_stable():
 def test_configs_are_frozen():
     with pytest.raises(Exception, match="frozen"):
         Outer().steps = 3  # type: ignore[misc]
+
+
+# ---- the run config's cross-checks (pipeline/runconfig.py) ----------------------------------------
+
+
+def _updates_run_by_the_trainer(cfg) -> int:
+    """Optimizer updates of one RL step as the training loop itself groups them."""
+    import torch
+
+    from pipeline.training import _update_groups
+
+    samples = cfg.loop.prompts_per_step * cfg.rollout.n_samples
+    return len(_update_groups(samples, cfg.train, torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {},  # the defaults
+        {"train.minibatch_size": 4, "train.grad_accum": 8},  # the 7B recipe's shape
+        {"train.minibatch_size": 5, "train.grad_accum": 3, "train.mu": 2, "loop.prompts_per_step": 7},
+        {"train.minibatch_size": 512, "rollout.n_samples": 3},
+    ],
+)
+def test_schedule_length_is_derived_from_the_loop(shape):
+    from pipeline.runconfig import load_run_config
+
+    cfg = load_run_config(None, [f"{k}={v}" for k, v in {**shape, "train.total_steps": "null"}.items()])
+    assert cfg.train.total_steps == cfg.loop.steps * _updates_run_by_the_trainer(cfg)
+
+
+def test_every_preset_schedule_spans_its_loop():
+    """The 7B preset had total_steps 500 for 2,000 updates: lr 0 for the last three quarters."""
+    from pipeline.runconfig import load_run_config, preset_names
+
+    for name in preset_names():
+        cfg = load_run_config(name)
+        assert cfg.train.total_steps >= cfg.loop.steps * _updates_run_by_the_trainer(cfg), name
+    assert load_run_config("qwen2.5-7b-gsm8k").train.total_steps == 500 * 4
+
+
+def test_a_schedule_shorter_than_the_loop_is_rejected_with_the_numbers():
+    from pipeline.runconfig import load_run_config
+
+    over = ["loop.steps=10", "loop.prompts_per_step=16", "rollout.n_samples=8", "train.minibatch_size=4"]
+    over += ["train.grad_accum=8"]
+    with pytest.raises(
+        ConfigError, match=r"train\.total_steps \(39\) is shorter than the run's 40 optimizer"
+    ):
+        load_run_config(None, [*over, "train.total_steps=39"])
+    assert load_run_config(None, [*over, "train.total_steps=60"]).train.total_steps == 60  # longer: allowed
+    with pytest.raises(ConfigError, match=r"warmup_steps \(40\) must be < the schedule's 40 updates"):
+        load_run_config(None, [*over, "train.warmup_steps=40"])
+
+
+def test_the_twin_is_stored_in_the_trainers_dtype():
+    """The demo served a bf16 twin beside an fp32 trainer: every nonzero weight differed."""
+    from pipeline.runconfig import load_run_config
+
+    for name in ("demo", "qwen2.5-7b-gsm8k"):
+        cfg = load_run_config(name)
+        assert cfg.quantize.twin_dtype == cfg.train.dtype, name
+        assert cfg.rollout.dtype in ("auto", cfg.train.dtype), name
+    assert (
+        load_run_config(None, ["train.dtype=bfloat16", "rollout.dtype=auto"]).quantize.twin_dtype
+        == "bfloat16"
+    )
+    with pytest.raises(
+        ConfigError, match=r"quantize\.twin_dtype \(bfloat16\) must equal train\.dtype \(float32\)"
+    ):
+        load_run_config(None, ["quantize.twin_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"rollout\.dtype \(bfloat16\) must be train\.dtype \(float32\)"):
+        load_run_config(None, ["rollout.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="vLLM serves a float32 checkpoint in bfloat16 under auto"):
+        load_run_config(None, ["rollout.dtype=auto"])
+    assert load_run_config(None, ["rollout.dtype=auto", "rollout.engine=hf"]).rollout.dtype == "auto"
+
+
+def test_the_adapter_must_fit_the_engine():
+    from pipeline.runconfig import load_run_config
+
+    with pytest.raises(ConfigError, match=r"train\.lora_r \(32\) exceeds rollout\.max_lora_rank \(16\)"):
+        load_run_config(None, ["train.lora_r=32"])
+    with pytest.raises(ConfigError, match=r"rollout\.max_lora_rank \(24\) is not one vLLM accepts"):
+        load_run_config(None, ["rollout.max_lora_rank=24"])
+    with pytest.raises(ConfigError, match="rollout.enable_lora is false"):
+        load_run_config(None, ["rollout.enable_lora=false"])
+    assert load_run_config(None, ["train.lora_r=32", "rollout.max_lora_rank=32"]).train.lora_r == 32
+
+
+def test_a_derived_config_round_trips():
+    """A run record stores the derived values; loading it again (``qerl resume``) gives the same config."""
+    from pipeline.runconfig import RunConfig, load_run_config
+
+    cfg = load_run_config()
+    assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg
