@@ -241,7 +241,14 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="rollout engine (default vllm)")
     p.add_argument("--config", default=None, help="YAML file with evaluation settings (EvalConfig)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an eval setting")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an eval setting, or the engine's with rollout.KEY (e.g. rollout.max_model_len=4096; "
+        "by default the context is capped by the model and the LoRA rank read from the adapter)",
+    )
     _common(p)
     COMMANDS["eval"] = _cmd_eval
 
@@ -252,39 +259,25 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from pipeline.artifacts import ArtifactStore
     from pipeline.config import apply_overrides, load_config
-    from pipeline.engines import RolloutConfig, build_engine
+    from pipeline.device import cuda_available
+    from pipeline.engines import build_engine
     from pipeline.evaluation import EvalConfig
     from pipeline.rewards import RewardConfig
+    from pipeline.runconfig import eval_rollout_config
     from stages import evaluate
 
-    cfg = load_config(EvalConfig, args.config, args.set)
+    engine_sets = [s.removeprefix("rollout.") for s in args.set if s.startswith("rollout.")]
+    cfg = load_config(EvalConfig, args.config, [s for s in args.set if not s.startswith("rollout.")])
     if args.benchmark:
         cfg = apply_overrides(cfg, {"benchmark": {"dataset": args.benchmark}})
     store = ArtifactStore(Path(_work_dir(args)) / "store")
-    import torch
-
     # vLLM on CUDA serves the NVFP4 checkpoint itself; everywhere else the engine needs the twin
-    need_twin = args.engine == "hf" or not torch.cuda.is_available()
+    need_twin = args.engine == "hf" or not cuda_available()
     quantized, twin = evaluate.base_artifacts(args.base, store, need_twin)
     adapter = None if args.adapter.lower() == "none" else Path(args.adapter)
     digest = None if adapter is None else store.source_digest(adapter)
-    # the engine's context: the rollout default, capped by what the model supports
-    model_cfg = json.loads((quantized.dir / "config.json").read_text())
-    max_model_len = min(2048, int(model_cfg.get("max_position_embeddings") or 2048))
-    engine = build_engine(
-        RolloutConfig(
-            engine=args.engine,
-            n_samples=cfg.n_samples,
-            temperature=cfg.sampling_temperature,
-            top_p=cfg.sampling_top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            template=cfg.benchmark.template,
-            enable_lora=adapter is not None,
-            max_model_len=max_model_len,
-        ),
-        quantized,
-        twin,
-    )
+    rollout_cfg = eval_rollout_config(cfg, args.engine, quantized.dir, adapter, engine_sets)
+    engine = build_engine(rollout_cfg, quantized, twin)
     try:
         manifest = evaluate.run(cfg, quantized, adapter, digest, store, engine, RewardConfig())
     finally:

@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import Field, ModelWrapValidatorHandler, model_validator
 
 from pipeline.aqn import AQNConfig
-from pipeline.config import StrictModel, load_config
+from pipeline.config import StrictModel, apply_overrides, load_config
 from pipeline.data import DataConfig
 from pipeline.demo import DemoBaseConfig
 from pipeline.engines import RolloutConfig
@@ -108,6 +108,8 @@ class RunConfig(StrictModel):
             )
         if self.rollout.n_samples < 2:
             raise ValueError("rollout.n_samples must be >= 2: GRPO needs a group to compare against")
+        if not self.rollout.logprobs:
+            raise ValueError("rollout.logprobs is false: GRPO needs the sampler's per-token logprobs")
         self._check_schedule()
         self._check_dtypes()
         self._check_lora()
@@ -174,6 +176,58 @@ def updates_per_step(cfg: RunConfig) -> int:
     samples = cfg.loop.prompts_per_step * cfg.rollout.n_samples
     minibatches = math.ceil(samples / cfg.train.minibatch_size)
     return cfg.train.mu * math.ceil(minibatches / cfg.train.grad_accum)
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds a rank-``r`` adapter."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"LoRA rank {r} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+
+
+def adapter_rank(adapter_dir: str | Path) -> int:
+    """The largest LoRA rank in a peft adapter folder (``r`` and any per-module ``rank_pattern``)."""
+    path = Path(adapter_dir) / "adapter_config.json"
+    if not path.is_file():
+        raise ValueError(f"LoRA adapter directory {adapter_dir} has no adapter_config.json")
+    config = json.loads(path.read_text())
+    ranks = [config.get("r")] + list((config.get("rank_pattern") or {}).values())
+    if not isinstance(config.get("r"), int) or not all(isinstance(x, int) and x > 0 for x in ranks):
+        raise ValueError(f"{path}: 'r' / 'rank_pattern' must be positive integers, got {ranks}")
+    return max(ranks)
+
+
+def eval_rollout_config(
+    cfg: EvalConfig,
+    engine: str,
+    model_dir: str | Path,
+    adapter_dir: str | Path | None,
+    overrides: list[str] | None = None,
+) -> RolloutConfig:
+    """The engine config of a standalone evaluation (``qerl eval``): sampled as ``cfg`` says, no logprobs.
+
+    Derived rather than fixed: the context is the rollout default capped by the model's
+    ``max_position_embeddings``, the LoRA slot is the smallest vLLM rank that holds the adapter (no
+    LoRA without one). ``overrides`` (``key=value``, RolloutConfig keys) are applied last.
+    """
+    default_len = RolloutConfig.model_fields["max_model_len"].default
+    positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    derived = RolloutConfig.model_construct(  # validated once, with the overrides, below
+        engine=engine,
+        n_samples=cfg.n_samples,
+        temperature=cfg.sampling_temperature,
+        top_p=cfg.sampling_top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        max_model_len=min(default_len, int(positions or default_len)),
+        template=cfg.benchmark.template,
+        enable_lora=adapter_dir is not None,
+        max_lora_rank=vllm_lora_rank(adapter_rank(adapter_dir))
+        if adapter_dir is not None
+        else RolloutConfig.model_fields["max_lora_rank"].default,
+        logprobs=False,
+    )
+    return apply_overrides(derived, overrides)
 
 
 def preset_names() -> list[str]:

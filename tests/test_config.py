@@ -167,3 +167,34 @@ def test_a_derived_config_round_trips():
 
     cfg = load_run_config()
     assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg
+
+
+def test_eval_engine_caps_are_derived_and_configurable(tmp_path):
+    """``qerl eval`` hard-coded a 2048 context and a rank-32 LoRA slot; both now follow the model and
+    the adapter, and ``--set rollout.KEY=...`` overrides them."""
+    import json
+
+    from pipeline.evaluation import EvalConfig
+    from pipeline.runconfig import eval_rollout_config, vllm_lora_rank
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 48, "rank_pattern": {"q_proj": 80}}))
+    cfg = eval_rollout_config(EvalConfig(), "vllm", model, adapter)
+    assert (cfg.max_model_len, cfg.max_lora_rank, cfg.enable_lora, cfg.logprobs) == (512, 128, True, False)
+    assert (cfg.temperature, cfg.top_p, cfg.n_samples) == (0.6, 0.95, 4)
+    bare = eval_rollout_config(EvalConfig(greedy=True), "hf", model, None, ["max_model_len=300"])
+    assert (bare.max_model_len, bare.enable_lora, bare.temperature, bare.n_samples) == (300, False, 0.0, 1)
+    with pytest.raises(ConfigError, match="max_new_tokens 600 must be < max_model_len 512"):
+        eval_rollout_config(EvalConfig(max_new_tokens=600), "vllm", model, None)
+    assert eval_rollout_config(EvalConfig(max_new_tokens=600), "vllm", model, None, ["max_model_len=1024"])
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 32, 300, 512)] == [1, 8, 8, 16, 32, 320, 512]
+    with pytest.raises(ValueError, match="exceeds vLLM's largest"):
+        vllm_lora_rank(513)
+    with pytest.raises(ConfigError, match="rollout.logprobs is false"):
+        from pipeline.runconfig import load_run_config
+
+        load_run_config(None, ["rollout.logprobs=false"])

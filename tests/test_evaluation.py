@@ -237,3 +237,32 @@ def test_cli_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     rows = pq.read_table(manifest_dir / "results.parquet").to_pylist()
     assert len(rows) == 3 and all(r["completion_tokens"] <= 8 for r in rows)
     assert json.loads((manifest_dir / "manifest.json").read_text())["mode"] == "hf-nvfp4-emulated"
+
+
+@pytest.mark.slow
+def test_cli_eval_on_the_default_vllm_engine(tiny_model_dir, tmp_path, capsys):
+    """``qerl eval`` with its default engine (vLLM) and sampling (T 0.6, top_p 0.95) and an adapter.
+
+    vLLM cannot record un-renormalised logprobs under T != 1 with top-p, and the engine used to demand
+    an exact logprob mode even though evaluation records none, so this command always failed.
+    """
+    from flows.cli import main
+    from tests.test_engines import make_adapter
+
+    work, ckpt = tmp_path / "work", tmp_path / "ckpt"
+    assert main(["quantize", str(tiny_model_dir), "--out", str(ckpt), "--work-dir", str(work)]) == 0
+    adapter = make_adapter(tiny_model_dir, tmp_path / "adapter", rank=12)  # vLLM's LoRA slot: 16
+    argv = ["eval", "--base", str(ckpt), "--adapter", str(adapter), "--benchmark", "arithmetic",
+            "--work-dir", str(work), "--set", "k=2", "--set", "benchmark.limit=3", "--set", "max_new_tokens=8",
+            "--set", "rollout.in_process=true", "--set", "rollout.enforce_eager=true",
+            "--set", "rollout.kv_cache_gib=0.25"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["n_items"] == 3 and summary["k"] == 2
+    [manifest_dir] = (work / "store" / "objects" / "evaluate").iterdir()
+    manifest = json.loads((manifest_dir / "manifest.json").read_text())
+    assert manifest["mode"] == "vllm-nvfp4-emulated"
+    saved = json.loads((manifest_dir / "summary.json").read_text())
+    assert saved["sampling"] == {"temperature": 0.6, "top_p": 0.95, "greedy": False}
+    rows = pq.read_table(manifest_dir / "results.parquet").to_pylist()
+    assert len(rows) == 6 and all(r["completion_tokens"] <= 8 for r in rows)

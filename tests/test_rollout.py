@@ -164,3 +164,17 @@ def test_derived_seeds_are_unchanged_by_the_shared_helper():
     assert derive_seed("qerl-sample", 3, 1, 2) == by_hand("qerl-sample:3:1:2")
     assert derive_seed("qerl-rollout", 9, 4, "aqn") == by_hand("qerl-rollout:9:4:aqn")
     assert 0 <= derive_seed("x", 2**70) < 2**63
+
+
+def test_an_engine_without_logprobs_takes_any_sampling():
+    """Evaluation samples at T 0.6 / top_p 0.95 and records no logprobs: no exact mode is needed."""
+    from pipeline.engines import EngineError
+    from pipeline.engines.vllm_engine import _compatible, logprobs_mode_for
+
+    truncated = SamplingSpec(temperature=0.6, top_p=0.95, logprobs=False)
+    assert logprobs_mode_for(truncated) == "processed_logprobs"
+    with pytest.raises(EngineError, match="temperature 0.6 with top_p=0.95"):
+        logprobs_mode_for(SamplingSpec(temperature=0.6, top_p=0.95))
+    # an evaluation engine still refuses a later request for logprobs it cannot record exactly
+    assert not _compatible("processed_logprobs", SamplingSpec(temperature=0.6, top_p=0.95))
+    assert RolloutConfig(logprobs=False, temperature=0.6, top_p=0.95).sampling() == truncated

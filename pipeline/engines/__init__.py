@@ -19,7 +19,8 @@ vLLM 0.32 offers ``raw_logprobs`` (log_softmax(logits), before temperature) and
 ``processed_logprobs`` (after temperature *and* top-k/top-p masking). So the vLLM engine uses
 ``processed_logprobs`` when top-k/top-p are off (then it is exactly the quantity above) and
 ``raw_logprobs`` when T = 1 (also exactly it); T != 1 together with top-k/top-p has no exact vLLM
-mode and is rejected with an error rather than recorded as something else.
+mode and is rejected with an error rather than recorded as something else. An engine that records
+no logprobs (``logprobs: false``, evaluation) accepts any sampling: its mode is never read.
 
 Seeds. Every (prompt, sample) pair gets its own seed derived from (seed, prompt index, sample
 index), so vLLM's sampling does not depend on batching. transformers ``generate`` has no
@@ -95,6 +96,11 @@ class RolloutConfig(StrictModel):
         False, description="vLLM engine core and worker in this process (fast CPU startup; one GPU only)"
     )
     hf_batch_size: int = Field(16, ge=1, description="sequences per transformers generate call")
+    logprobs: bool = Field(
+        True,
+        description="record the sampler's per-token logprobs (GRPO needs them); false: an evaluation "
+        "engine, any temperature/top-p",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
@@ -112,6 +118,7 @@ class RolloutConfig(StrictModel):
             top_p=self.top_p,
             top_k=self.top_k,
             max_new_tokens=self.max_new_tokens,
+            logprobs=self.logprobs,
         )
 
 

@@ -45,8 +45,13 @@ EXTENSION = "pipeline.aqn_vllm.AQNWorkerExtension"
 
 
 def logprobs_mode_for(sampling: SamplingSpec) -> str:
-    """The vLLM logprobs_mode that records log_softmax(logits / T) for this sampling, or an error."""
-    if not sampling.truncates:
+    """The vLLM logprobs_mode that records log_softmax(logits / T) for this sampling, or an error.
+
+    Without logprobs (evaluation) nothing is recorded and any sampling is allowed; the mode is then
+    the one that is exact for untruncated sampling, and ``generate`` still refuses a later request
+    for logprobs that it could not record exactly.
+    """
+    if not sampling.logprobs or not sampling.truncates:
         return "processed_logprobs"
     if sampling.temperature == 1.0:
         return "raw_logprobs"
