@@ -36,7 +36,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_bench(sub)
     _add_gc(sub)
+    _add_plan(sub)
     return parser
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="GPU memory budget of a colocated run (vLLM + trainer on one GPU): does it fit?"
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="config.json, model dir, hub id or catalogue name (qwen2.5-7b ...); default: model.source",
+    )
+    p.add_argument("--gpu-mem", required=True, help="one GPU's memory: 80 (GiB), 80GiB, 80GB or 81559MiB")
+    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/presets)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="longest prompt (default: the worst case)")
+    p.add_argument(
+        "--base", choices=["nvfp4", "bf16"], default="nvfp4", help="trainer's base (bf16: compare)"
+    )
+    COMMANDS["plan"] = _cmd_plan
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from pipeline.plan import plan_for_run
+
+    plan = plan_for_run(args.model, args.gpu_mem, args.config, args.set, args.prompt_tokens, args.base)
+    print(plan.render(), end="")
+    return 0 if plan.fits else 1
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:

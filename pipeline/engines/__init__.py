@@ -101,11 +101,19 @@ class RolloutConfig(StrictModel):
         description="record the sampler's per-token logprobs (GRPO needs them); false: an evaluation "
         "engine, any temperature/top-p",
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs the vLLM engine is split over (must divide the attention heads; 1 on CPU)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
         if self.template not in template_names():
             raise ValueError(f"unknown template '{self.template}'; valid: {', '.join(template_names())}")
+        if self.in_process and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "rollout.in_process runs one vLLM worker in this process: it needs tensor_parallel_size 1, "
+                f"got {self.tensor_parallel_size}"
+            )
         if self.max_new_tokens >= self.max_model_len:
             raise ValueError(
                 f"max_new_tokens {self.max_new_tokens} must be < max_model_len {self.max_model_len}"

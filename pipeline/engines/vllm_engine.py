@@ -124,6 +124,8 @@ class VLLMEngine:
             "logprobs_mode": self.logprobs_mode,
             "worker_extension_cls": EXTENSION,
             "enforce_eager": cfg.enforce_eager,
+            # checked against the model's heads and the device by pipeline.runconfig.check_parallelism
+            "tensor_parallel_size": cfg.tensor_parallel_size,
         }
         # vLLM reads this switch from the environment only; set it both ways so one in-process
         # engine does not silently turn every later engine in this process in-process too.
