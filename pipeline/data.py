@@ -1,4 +1,4 @@
-"""Math problems for training and evaluation: hub datasets, local files, and a procedural default.
+"""Math problems for training and evaluation: named benchmarks, local files, and a procedural default.
 
 What: ``load_problems(cfg, split)`` returns ``Problem`` records (id, question, answer, source, level)
 from one of
@@ -6,13 +6,20 @@ from one of
 * ``arithmetic`` - the embedded default: seeded procedural word problems at five difficulty levels
   with exact integer or fraction answers (``arithmetic_problems``). Level 1 is single-digit addition
   so that the demo's tiny model (hidden 128, 2 layers) can learn it in minutes of CPU training.
-* ``gsm8k`` (openai/gsm8k, config ``main``: question / answer with the gold after ``####``),
-  ``math500`` (HuggingFaceH4/MATH-500: problem / answer / level), ``bigmath``
-  (open-r1/Big-Math-RL-Verified-Processed: prompt / solution, the level is the config name, levels
-  3-5 by default as in the QeRL recipe), ``aime`` (HuggingFaceH4/aime_2024) and ``amc``
-  (AI-MO/aimo-validation-amc), both problem / answer - loaded with ``datasets.load_dataset``;
-* a local ``.parquet`` or ``.jsonl`` file with the same columns as one of those hub datasets
-  (detected from the columns, or named with ``local_format``).
+* a named benchmark (``NAMED``): ``gsm8k`` (question / worked answer ending in ``#### N``),
+  ``math500`` (problem / answer / level), ``aime24`` and ``amc23`` (Qwen2.5-Math's evaluation
+  layout: id, problem or question, answer - AMC's answers are JSON numbers such as ``27.0``),
+  ``bigmath`` (prompt / solution; the level is the hub config, levels 3-5 by default as in the
+  QeRL recipe), and the earlier ``aime``/``amc`` hub sets. With a data directory configured
+  (``data.root`` or ``$QERL_DATA_DIR``) a name reads ``<root>/<name>/<split>.jsonl`` (or
+  ``.parquet``), the files as their publishers ship them; otherwise ``datasets.load_dataset``
+  fetches it from the hub. A configured directory without the file is an error, not a hub fallback;
+* a local ``.parquet`` or ``.jsonl`` file in one of those layouts (detected from the columns, or
+  named with ``local_format``).
+
+Gold answers are kept as published: GSM8K's text after ``####`` (``1,600`` stays ``1,600``), a
+number's JSON text (``27.0``). Deciding that ``27`` matches ``27.0`` is math-verify's job in the
+scorer, not a rewrite here that could drift from the source.
 
 How it departs from the recipes: the train/test split of the arithmetic set is a function of the
 problem text (sha256 of the question decides the split), so the two splits are disjoint by
@@ -26,7 +33,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
@@ -39,21 +48,40 @@ from pipeline.prompts import TEMPLATES, Problem
 
 log = logging.getLogger("qerl.data")
 
-HUB: dict[str, tuple[str, str | None]] = {
-    "gsm8k": ("openai/gsm8k", "main"),
-    "math500": ("HuggingFaceH4/MATH-500", None),
-    "bigmath": ("open-r1/Big-Math-RL-Verified-Processed", None),  # config chosen from the levels
-    "aime": ("HuggingFaceH4/aime_2024", None),
-    "amc": ("AI-MO/aimo-validation-amc", None),
+
+@dataclass(frozen=True)
+class Named:
+    """A dataset known by name: its hub repository and the layout of its rows."""
+
+    repo: str
+    config: str | None
+    layout: str
+    hub_splits: dict[str, str] = field(default_factory=dict)  # our split name -> the hub's, where they differ
+
+
+NAMED: dict[str, Named] = {
+    "gsm8k": Named("openai/gsm8k", "main", "gsm8k"),
+    "math500": Named("HuggingFaceH4/MATH-500", None, "math500"),
+    # the 30 AIME 2024 problems; the hub ships them as a "train" split
+    "aime24": Named("HuggingFaceH4/aime_2024", None, "qwen-eval", {"test": "train"}),
+    "amc23": Named("math-ai/amc23", None, "qwen-eval"),
+    "bigmath": Named("open-r1/Big-Math-RL-Verified-Processed", None, "bigmath"),  # config from the levels
+    # earlier names, kept: other sets than aime24/amc23 (AMC 22-23 has 83 problems), split as the hub's
+    "aime": Named("HuggingFaceH4/aime_2024", None, "math500"),
+    "amc": Named("AI-MO/aimo-validation-amc", None, "math500"),
 }
-# (question column, answer column) per dataset layout
-COLUMNS: dict[str, tuple[str, str]] = {
-    "gsm8k": ("question", "answer"),
-    "math500": ("problem", "answer"),
-    "bigmath": ("prompt", "solution"),
-    "aime": ("problem", "answer"),
-    "amc": ("problem", "answer"),
+HUB: dict[str, tuple[str, str | None]] = {name: (n.repo, n.config) for name, n in NAMED.items()}
+# per layout: (question columns, first present wins; answer column)
+COLUMNS: dict[str, tuple[tuple[str, ...], str]] = {
+    "gsm8k": (("question",), "answer"),
+    "math500": (("problem",), "answer"),
+    "bigmath": (("prompt",), "solution"),
+    "qwen-eval": (("problem", "question"), "answer"),
 }
+LAYOUTS = tuple(COLUMNS)
+SPLIT_NAMES = ("train", "test", "validation", "valid", "dev")
+DATA_DIR_ENV = "QERL_DATA_DIR"
+
 BIGMATH_CONFIGS = {
     "level_1",
     "level_2",
@@ -72,16 +100,22 @@ class DataConfig(StrictModel):
     """Which problems a run trains or evaluates on."""
 
     dataset: str = Field(
-        "arithmetic", description="arithmetic|gsm8k|math500|bigmath|aime|amc or a .parquet/.jsonl path"
+        "arithmetic",
+        description="arithmetic|gsm8k|math500|aime24|amc23|bigmath|aime|amc or a .parquet/.jsonl path",
     )
     split: str = "train"
+    root: str | None = Field(
+        None,
+        description="data directory with <name>/<split>.jsonl copies of named benchmarks "
+        "(None: $QERL_DATA_DIR if set, else the hub)",
+    )
     limit: int | None = Field(None, ge=1)
     shuffle: bool = False
     seed: int = 0
     levels: list[int] | None = Field(None, description="difficulty levels to keep (None: dataset default)")
     template: str = "terse"
     on_bad_row: Literal["error", "skip"] = "error"
-    local_format: Literal["auto", "gsm8k", "math500", "bigmath", "aime", "amc"] = "auto"
+    local_format: Literal["auto", "gsm8k", "math500", "bigmath", "qwen-eval", "aime", "amc"] = "auto"
     arithmetic_size: int = Field(
         256, ge=1, description="problems generated per split (level 1 alone has ~480 train, ~120 test)"
     )
@@ -96,9 +130,9 @@ class DataConfig(StrictModel):
     @field_validator("dataset")
     @classmethod
     def _known_dataset(cls, value: str) -> str:
-        if value != "arithmetic" and value not in HUB and not value.endswith((".parquet", ".jsonl")):
+        if value != "arithmetic" and value not in NAMED and not value.endswith((".parquet", ".jsonl")):
             raise ValueError(
-                f"unknown dataset '{value}'; use arithmetic, {', '.join(HUB)} or a .parquet/.jsonl file path"
+                f"unknown dataset '{value}'; use arithmetic, {', '.join(NAMED)} or a .parquet/.jsonl file path"
             )
         return value
 
@@ -197,7 +231,7 @@ def arithmetic_problems(
 
 
 # --------------------------------------------------------------------------------------------------
-# hub datasets and local files
+# named benchmarks, hub datasets and local files
 
 
 def _read_local(path: Path) -> list[dict[str, Any]]:
@@ -222,16 +256,22 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _detect_layout(columns: set[str], source: str) -> str:
-    if {"question", "answer"} <= columns:
-        return "gsm8k"
+def _detect_layout(rows: list[dict[str, Any]], source: str) -> str:
+    """The layout of a file's rows. GSM8K and Qwen's evaluation files both have question/answer:
+    a worked answer with a ``####`` line is GSM8K's, a bare final answer Qwen's."""
+    columns = set().union(*(r.keys() for r in rows)) if rows else set()
     if {"prompt", "solution"} <= columns:
         return "bigmath"
+    if "answer" in columns and "question" in columns:
+        if any(isinstance(r.get("answer"), str) and "####" in r["answer"] for r in rows):
+            return "gsm8k"
+        return "qwen-eval"
     if {"problem", "answer"} <= columns:
         return "math500"
     raise ValueError(
         f"{source}: cannot tell the dataset layout from columns {sorted(columns)}; expected question/answer "
-        "(gsm8k), problem/answer (math500, aime, amc) or prompt/solution (bigmath)"
+        "with '#### N' (gsm8k), problem/answer (math500), id + problem or question + final answer "
+        "(qwen-eval: aime24, amc23) or prompt/solution (bigmath)"
     )
 
 
@@ -243,38 +283,63 @@ def _bigmath_config(levels: list[int]) -> str:
 
 
 def _load_hub(name: str, split: str, levels: list[int] | None) -> tuple[list[dict[str, Any]], str]:
-    repo, config = HUB[name]
+    named = NAMED[name]
+    repo, config = named.repo, named.config
+    hub_split = named.hub_splits.get(split, split)
     if name == "bigmath":
         config = _bigmath_config(levels or [3, 4, 5])
     try:
         import datasets
 
-        ds = datasets.load_dataset(repo, config, split=split)
+        ds = datasets.load_dataset(repo, config, split=hub_split)
     except Exception as err:
+        qcols, acol = COLUMNS[named.layout]
         raise RuntimeError(
-            f"could not load {repo}{f' ({config})' if config else ''} split '{split}' from the Hugging Face hub "
-            f"({type(err).__name__}: {str(err)[:200]}). Offline? Download it elsewhere and pass a local "
-            f"file instead: --set data.dataset=/path/{name}.parquet (or .jsonl) with columns "
-            f"{'/'.join(COLUMNS[name])}"
+            f"could not load {repo}{f' ({config})' if config else ''} split '{hub_split}' from the Hugging "
+            f"Face hub ({type(err).__name__}: {str(err)[:200]}). Offline? Download it elsewhere and either "
+            f"set data.root (or ${DATA_DIR_ENV}) to a directory holding {name}/{split}.jsonl, or pass a "
+            f"local file instead: --set data.dataset=/path/{name}.parquet (or .jsonl) with columns "
+            f"{'|'.join(qcols)}/{acol}"
         ) from err
     rows = [dict(r) for r in ds]
     if name == "bigmath":
         level = config.removeprefix("level_")
         for row in rows:  # the hub's level is the config, not a column
             row.setdefault("level", int(level) if level.isdigit() else None)
-    return rows, f"{repo}:{config or 'default'}:{split}"
+    return rows, f"{repo}:{config or 'default'}:{hub_split}"
+
+
+def data_root(cfg: DataConfig) -> Path | None:
+    """The configured data directory: ``cfg.root``, else ``$QERL_DATA_DIR``, else None (the hub)."""
+    root = cfg.root or os.environ.get(DATA_DIR_ENV) or None
+    return Path(root).expanduser() if root else None
+
+
+def local_copy(root: Path, name: str, split: str) -> Path:
+    """``<root>/<name>/<split>.jsonl`` (or ``.parquet``); a clear error when neither is there."""
+    candidates = [root / name / f"{split}{ext}" for ext in (".jsonl", ".parquet")]
+    for path in candidates:
+        if path.is_file():
+            return path
+    have = sorted(p.name for p in (root / name).iterdir()) if (root / name).is_dir() else []
+    raise FileNotFoundError(
+        f"data directory {root} (data.root or ${DATA_DIR_ENV}) has no {name}/{split}.jsonl or .parquet "
+        f"({f'{name}/ holds {have}' if have else f'no {name}/ folder'}); put the publisher's file there, "
+        f"or unset data.root and ${DATA_DIR_ENV} to load '{name}' from the hub"
+    )
 
 
 def _gold(layout: str, raw: Any) -> str | None:
-    if raw is None:
+    """The gold answer as published (see the module docstring); None when the row has none."""
+    if raw is None or isinstance(raw, bool):
         return None
-    if isinstance(raw, float) and raw.is_integer():
-        raw = int(raw)  # AMC stores answers as floats: 142.0 -> "142"
-    text = str(raw).strip()
+    text = raw.strip() if isinstance(raw, str) else json.dumps(raw) if isinstance(raw, int | float) else None
+    if text is None:
+        return None
     if layout == "gsm8k":
         if "####" not in text:
             return None
-        text = text.rsplit("####", 1)[1].strip().replace(",", "")
+        text = text.rsplit("####", 1)[1].strip()
     return text or None
 
 
@@ -293,17 +358,23 @@ def rows_to_problems(
     source: str,
     on_bad_row: str = "error",
     report: dict[str, Any] | None = None,
+    prefix: str | None = None,
+    label: str | None = None,
 ) -> list[Problem]:
-    """Turn raw dataset rows into Problems; a bad row is an error (or skipped and counted)."""
-    qcol, acol = COLUMNS[layout]
+    """Turn raw dataset rows into Problems; a bad row is an error (or skipped and counted).
+
+    Ids are ``<prefix>-<row id>`` (prefix: the benchmark name, else the layout). ``source`` names the
+    rows in errors; ``label`` (default ``source``) is what each Problem records as its source."""
+    qcols, acol = COLUMNS[layout]
+    prefix = prefix or layout
     problems: list[Problem] = []
     skipped: list[str] = []
     for i, row in enumerate(rows):
-        question = row.get(qcol)
+        question = next((row[c] for c in qcols if isinstance(row.get(c), str) and row[c].strip()), None)
         gold = _gold(layout, row.get(acol))
         reason = None
-        if not isinstance(question, str) or not question.strip():
-            reason = f"no '{qcol}'"
+        if question is None:
+            reason = f"no '{'/'.join(qcols)}'"
         elif gold is None:
             reason = f"no gold answer in '{acol}'" + (" (no '####')" if layout == "gsm8k" else "")
         if reason:
@@ -311,13 +382,13 @@ def rows_to_problems(
                 raise ValueError(f"{source}: row {i}: {reason} (set data.on_bad_row=skip to skip such rows)")
             skipped.append(f"row {i}: {reason}")
             continue
-        pid = row.get("unique_id") or row.get("id") or f"{i}"
+        pid = row.get("unique_id") or row.get("id")
         problems.append(
             Problem(
-                id=f"{layout}-{pid}",
+                id=f"{prefix}-{pid if pid not in (None, '') else i}",
                 question=question.strip(),
                 answer=gold,
-                source=source,
+                source=label or source,
                 level=_level(row.get("level")),
             )
         )
@@ -326,6 +397,23 @@ def rows_to_problems(
     if report is not None:
         report.update(rows=len(rows), kept=len(problems), skipped=len(skipped), skipped_rows=skipped[:20])
     return problems
+
+
+def _file_rows(
+    cfg: DataConfig, path: Path, layout: str | None = None
+) -> tuple[list[dict[str, Any]], str, str]:
+    """A file's rows, its source name and layout: ``local_format``, else ``layout`` (a named
+    benchmark's own), else detected from the columns."""
+    rows, source = _read_local(path), str(path)
+    if cfg.local_format != "auto":
+        layout = cfg.local_format
+    layout = layout or _detect_layout(rows, source)
+    if layout in ("aime", "amc"):  # the hub sets' problem/answer columns
+        layout = "math500"
+    columns = set().union(*(r.keys() for r in rows)) if rows else set()
+    if cfg.levels and rows and "level" not in columns:
+        raise ValueError(f"{source}: data.levels={cfg.levels} but the file has no 'level' column")
+    return rows, source, layout
 
 
 def load_problems(
@@ -341,21 +429,22 @@ def load_problems(
         if report is not None:
             report.update(rows=len(problems), kept=len(problems), skipped=0, skipped_rows=[])
     else:
-        if cfg.dataset in HUB:
-            rows, source = _load_hub(cfg.dataset, split, cfg.levels)
-            layout = (
-                "gsm8k" if cfg.dataset == "gsm8k" else "bigmath" if cfg.dataset == "bigmath" else "math500"
-            )
+        prefix = label = None
+        if cfg.dataset in NAMED:
+            # a named benchmark's problems record its name, not where they were read from, so the
+            # same published file gives the same digest (and benchmark id) on every machine
+            label = f"{cfg.dataset}/{split}"
+            root, prefix = data_root(cfg), cfg.dataset
+            if root is not None:
+                path = local_copy(root, cfg.dataset, split)
+                rows, source, layout = _file_rows(cfg, path, NAMED[cfg.dataset].layout)
+            else:
+                rows, source = _load_hub(cfg.dataset, split, cfg.levels)
+                layout = NAMED[cfg.dataset].layout
         else:
-            path = Path(cfg.dataset).expanduser()
-            rows, source = _read_local(path), str(path)
-            columns = set().union(*(r.keys() for r in rows)) if rows else set()
-            layout = cfg.local_format if cfg.local_format != "auto" else _detect_layout(columns, source)
-            if layout in ("aime", "amc"):
-                layout = "math500"
-            if cfg.levels and rows and "level" not in columns:
-                raise ValueError(f"{source}: data.levels={cfg.levels} but the file has no 'level' column")
-        problems = rows_to_problems(rows, layout, source, cfg.on_bad_row, report)
+            rows, source, layout = _file_rows(cfg, Path(cfg.dataset).expanduser())
+        problems = rows_to_problems(rows, layout, source, cfg.on_bad_row, report, prefix, label)
+        log.info("%s: %d problems from %s", cfg.dataset, len(problems), source)
         if cfg.levels and cfg.dataset != "bigmath":
             problems = [p for p in problems if p["level"] in cfg.levels]
     if cfg.shuffle:
@@ -367,6 +456,18 @@ def load_problems(
             f"no problems left from '{cfg.dataset}' split '{split}' (levels {cfg.levels}, limit {cfg.limit})"
         )
     return problems
+
+
+def dataset_name(cfg: DataConfig, split: str | None = None) -> tuple[str, str]:
+    """(name, split) a report names the data by: the benchmark's name, or for a file its stem - or its
+    folder when the stem is a split name (``.../gsm8k/test.jsonl`` is gsm8k, split test)."""
+    split = split or cfg.split
+    if not cfg.dataset.endswith((".parquet", ".jsonl")):
+        return cfg.dataset, split
+    path = Path(cfg.dataset)
+    if path.stem in SPLIT_NAMES and path.parent.name:
+        return path.parent.name, path.stem
+    return path.stem, split
 
 
 def problems_digest(problems: list[Problem]) -> str:

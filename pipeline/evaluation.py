@@ -14,20 +14,21 @@ is reported beside it. The unbiased pass@k estimator of Chen et al. (2021) is pr
 reporting pass@k with k' <= k.
 
 Departure from the paper: the paper reports GSM8K/MATH/AIME/AMC accuracy; here the embedded default
-benchmark is the procedural arithmetic test split, so the pipeline runs with nothing downloaded.
+benchmark is the procedural arithmetic test split, so the pipeline runs with nothing downloaded. The
+paper's benchmarks are the named datasets ``gsm8k``, ``math500``, ``aime24`` and ``amc23`` (local
+copies under ``data.root``/``$QERL_DATA_DIR``, else the hub).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
 
 from pipeline.config import StrictModel
-from pipeline.data import DataConfig
+from pipeline.data import DataConfig, dataset_name
 
 
 class BenchmarkConfig(DataConfig):
@@ -71,9 +72,10 @@ class EvalConfig(StrictModel):
 
 
 def benchmark_id(cfg: DataConfig, digest: str) -> str:
-    """A benchmark's identity for comparisons: name, split and the digest of its exact items."""
-    name = Path(cfg.dataset).stem if cfg.dataset.endswith((".parquet", ".jsonl")) else cfg.dataset
-    return f"{name}/{cfg.split}@{digest[:12]}"
+    """A benchmark's identity for comparisons: dataset name, split and the digest of its exact items
+    (``gsm8k/test@...``; a file ``.../gsm8k/test.jsonl`` is named by its folder, see ``dataset_name``)."""
+    name, split = dataset_name(cfg)
+    return f"{name}/{split}@{digest[:12]}"
 
 
 def _check_matrix(correct: Sequence[Sequence[bool]]) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from pipeline import evaluation as ev
 from pipeline import prompts, rewards
 from pipeline.artifacts import MANIFEST, ArtifactError, ArtifactStore, BuildResult, Manifest, code_version
-from pipeline.data import load_problems, problems_digest
+from pipeline.data import dataset_name, load_problems, problems_digest
 from pipeline.engines import RolloutEngine, SamplingSpec
 from pipeline.rewards import RewardConfig, score_batch
 
@@ -61,6 +61,7 @@ def run(
     problems = load_problems(cfg.benchmark)
     digest = problems_digest(problems)
     bench = ev.benchmark_id(cfg.benchmark, digest)
+    name, split = dataset_name(cfg.benchmark)
     inputs = {"base": base.digest, "benchmark": digest, "adapter": adapter_digest or "none"}
     config = {
         "eval": cfg.model_dump(mode="json"),
@@ -124,8 +125,9 @@ def run(
         summary = {
             **ev.summarize(correct),
             "benchmark": bench,
-            "benchmark_name": cfg.benchmark.dataset,
-            "split": cfg.benchmark.split,
+            "benchmark_name": name,
+            "split": split,
+            "dataset": cfg.benchmark.dataset,
             "benchmark_digest": digest,
             "adapter_digest": adapter_digest,
             "engine_mode": engine.mode,
@@ -148,7 +150,7 @@ def run(
         return BuildResult(
             mode=engine.mode,
             metrics={k: summary[k] for k in ("accuracy", "stderr", "n_items", "k")},
-            extra={"benchmark": bench},
+            extra={"benchmark": bench, "benchmark_name": name, "split": split},
         )
 
     manifest, cached = store.produce(STAGE, config, inputs, code, build)

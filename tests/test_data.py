@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from fractions import Fraction
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from pipeline.data import DataConfig, arithmetic_problems, load_problems, problems_digest, split_of
+from pipeline.data import (
+    DataConfig,
+    arithmetic_problems,
+    dataset_name,
+    load_problems,
+    problems_digest,
+    split_of,
+)
 
 
 def _solve(question: str) -> Fraction:
@@ -87,7 +96,7 @@ def test_local_gsm8k_jsonl(tmp_path):
         ],
     )
     problems = load_problems(DataConfig(dataset=str(path)))
-    assert [p["answer"] for p in problems] == ["7", "1234"]
+    assert [p["answer"] for p in problems] == ["7", "1,234"]  # as published; the scorer reads 1,234
     assert problems[0]["source"] == str(path) and problems[0]["id"] == "gsm8k-0"
 
 
@@ -136,7 +145,7 @@ def test_local_bigmath_and_aime_layouts(tmp_path):
     (p,) = load_problems(DataConfig(dataset=str(aime), local_format="aime"))
     assert p["answer"] == "204" and p["id"] == "math500-7"
     amc = _jsonl(tmp_path / "amc.jsonl", [{"problem": "q", "answer": 142.0}, {"problem": "r", "answer": 2.5}])
-    assert [p["answer"] for p in load_problems(DataConfig(dataset=str(amc)))] == ["142", "2.5"]
+    assert [p["answer"] for p in load_problems(DataConfig(dataset=str(amc)))] == ["142.0", "2.5"]
     odd = _jsonl(tmp_path / "odd.jsonl", [{"text": "q", "label": "1"}])
     with pytest.raises(ValueError, match="cannot tell the dataset layout"):
         load_problems(DataConfig(dataset=str(odd)))
@@ -146,8 +155,9 @@ def test_local_bigmath_and_aime_layouts(tmp_path):
         load_problems(DataConfig(dataset=str(broken)))
 
 
-def test_hub_offline_error_says_what_to_do():
-    with pytest.raises(RuntimeError, match=r"openai/gsm8k.*pass a local file"):
+def test_hub_offline_error_says_what_to_do(monkeypatch):
+    monkeypatch.delenv("QERL_DATA_DIR", raising=False)
+    with pytest.raises(RuntimeError, match=r"openai/gsm8k.*QERL_DATA_DIR.*pass a local file"):
         load_problems(DataConfig(dataset="gsm8k", split="test"))
 
 
@@ -160,3 +170,96 @@ def test_config_validation():
         load_config(DataConfig, overrides=["levelz=[1]"])
     cfg = load_config(DataConfig, overrides=["levels=[1, 2]", "template=boxed"])
     assert cfg.levels == [1, 2] and cfg.template == "boxed"
+
+
+# ---- the published benchmark files (../shared/data beside the checkout; absent on a user's machine) --
+SHARED_DATA = Path(os.environ.get("QERL_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
+needs_shared = pytest.mark.skipif(
+    not (SHARED_DATA / "gsm8k" / "test.jsonl").is_file(),
+    reason=f"the published benchmark files are not at {SHARED_DATA} (set QERL_DATA_DIR to a copy)",
+)
+
+
+def _raw(name: str, split: str) -> list[dict]:
+    with open(SHARED_DATA / name / f"{split}.jsonl", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+@needs_shared
+@pytest.mark.parametrize(
+    ("name", "split", "count"),
+    [("gsm8k", "train", 7473), ("gsm8k", "test", 1319), ("math500", "test", 500), ("aime24", "test", 30),
+     ("amc23", "test", 40)],
+)  # fmt: skip
+def test_every_published_benchmark_loads_with_its_gold_answers(name, split, count, monkeypatch):
+    monkeypatch.delenv("QERL_DATA_DIR", raising=False)
+    problems = load_problems(DataConfig(dataset=name, split=split, root=str(SHARED_DATA)))
+    raw = _raw(name, split)
+    assert len(problems) == len(raw) == count
+    for p, row in zip(problems, raw, strict=True):  # an independent reading of each published row
+        if name == "gsm8k":
+            gold = row["answer"].split("####")[-1].strip()
+        elif isinstance(row["answer"], float):
+            gold = repr(row["answer"])  # AMC 23: 27.0 stays "27.0"
+        else:
+            gold = str(row["answer"]).strip()
+        assert p["answer"] == gold and p["source"] == f"{name}/{split}"
+        assert p["question"] == (row.get("problem") or row["question"]).strip()
+    assert len({p["id"] for p in problems}) == count  # ids are unique
+    if name == "math500":
+        assert {p["level"] for p in problems} == {1, 2, 3, 4, 5}
+    if name == "amc23":
+        assert problems[0]["answer"] == "27.0" and problems[0]["id"] == "amc23-0"
+    if name == "aime24":
+        assert problems[0]["answer"] == "204"
+
+
+@needs_shared
+def test_data_dir_from_the_environment_and_files_named_by_folder(monkeypatch):
+    monkeypatch.setenv("QERL_DATA_DIR", str(SHARED_DATA))
+    assert len(load_problems(DataConfig(dataset="aime24", split="test"))) == 30
+    # the file itself, by path: Qwen's layout is detected (question + a numeric answer, no '####')
+    path = SHARED_DATA / "amc23" / "test.jsonl"
+    cfg = DataConfig(dataset=str(path), split="test")
+    problems = load_problems(cfg)
+    assert len(problems) == 40 and problems[0]["id"] == "qwen-eval-0" and problems[0]["answer"] == "27.0"
+    assert dataset_name(cfg) == ("amc23", "test")
+
+
+def test_data_root_without_the_file_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("QERL_DATA_DIR", raising=False)
+    (tmp_path / "gsm8k").mkdir()
+    _jsonl(tmp_path / "gsm8k" / "train.jsonl", [{"question": "q", "answer": "#### 1"}])
+    with pytest.raises(FileNotFoundError, match=r"has no gsm8k/test.jsonl.*holds \['train.jsonl'\].*hub"):
+        load_problems(DataConfig(dataset="gsm8k", split="test", root=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="no math500/ folder"):
+        load_problems(DataConfig(dataset="math500", split="test", root=str(tmp_path)))
+    (p,) = load_problems(DataConfig(dataset="gsm8k", split="train", root=str(tmp_path)))
+    assert p["id"] == "gsm8k-0" and p["answer"] == "1" and p["source"] == "gsm8k/train"
+
+
+def test_qwen_eval_layout_and_gsm8k_detection(tmp_path):
+    rows = [
+        {"id": 3, "question": "q", "answer": 27.0},
+        {"id": 4, "problem": "p", "question": "p", "answer": "5"},
+    ]
+    problems = load_problems(DataConfig(dataset=str(_jsonl(tmp_path / "amc.jsonl", rows))))
+    assert [(p["id"], p["question"], p["answer"]) for p in problems] == [
+        ("qwen-eval-3", "q", "27.0"),
+        ("qwen-eval-4", "p", "5"),
+    ]
+    # a question/answer file with worked '####' answers is GSM8K's: a row without one is an error
+    bad = _jsonl(
+        tmp_path / "g.jsonl", [{"question": "a", "answer": "x\n#### 2"}, {"question": "b", "answer": "3"}]
+    )
+    with pytest.raises(ValueError, match=r"row 1: no gold answer in 'answer' \(no '####'\)"):
+        load_problems(DataConfig(dataset=str(bad)))
+    null = _jsonl(tmp_path / "n.jsonl", [{"id": 1, "problem": "p", "answer": None}])
+    with pytest.raises(ValueError, match=r"row 0: no gold answer in 'answer'"):
+        load_problems(DataConfig(dataset=str(null), local_format="qwen-eval"))
+
+
+def test_dataset_names_in_reports():
+    assert dataset_name(DataConfig(dataset="gsm8k", split="test")) == ("gsm8k", "test")
+    assert dataset_name(DataConfig(dataset="/d/gsm8k/test.jsonl", split="train")) == ("gsm8k", "test")
+    assert dataset_name(DataConfig(dataset="/d/my_set.parquet", split="test")) == ("my_set", "test")

@@ -90,6 +90,11 @@ def test_eval_config():
     assert ev.benchmark_id(DataConfig(dataset="/x/y/aime24.jsonl", split="test"), "ab" * 32) == (
         "aime24/test@" + "ab" * 6
     )
+    # a publisher's file named by split (was "test/test@..."): the folder names the dataset
+    assert ev.benchmark_id(DataConfig(dataset="/d/gsm8k/test.jsonl", split="test"), "cd" * 32) == (
+        "gsm8k/test@" + "cd" * 6
+    )
+    assert ev.benchmark_id(DataConfig(dataset="amc23", split="test"), "ef" * 32) == "amc23/test@" + "ef" * 6
 
 
 # ---- the stage with a test double of the engine -------------------------------------------------
