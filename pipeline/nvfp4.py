@@ -1,9 +1,10 @@
 """The NVFP4A16 checkpoint format: what gets quantized, how it is laid out, and streaming I/O.
 
 What: the compressed-tensors "nvfp4-pack-quantized" checkpoint the quantize stage writes and the
-rollout/training code reads. Decoder-layer linear projections (q/k/v/o, gate/up/down) become
-``<name>.weight_packed`` / ``.weight_scale`` / ``.weight_global_scale``; embeddings, norms, biases and
-lm_head are copied byte for byte. q/k/v and gate/up of a layer share one global scale (the one from the
+rollout/training code reads. The decoder-layer linear projections named in ``QuantizeConfig.targets``
+(by default all of q/k/v/o, gate/up/down) become ``<name>.weight_packed`` / ``.weight_scale`` /
+``.weight_global_scale``; the other projections, embeddings, norms, biases and lm_head are copied byte
+for byte, and ``quantization_config`` targets exactly the quantized modules. q/k/v and gate/up of a layer share one global scale (the one from the
 max amax over the group), because vLLM fuses them and keeps a single global scale per fused layer.
 
 How: ``plan_quantization`` validates the model (architecture, MoE, tensor names, shapes) from the
@@ -32,13 +33,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipeline.config import StrictModel
 
 log = logging.getLogger("qerl.nvfp4")
 
 __all__ = [
+    "KNOWN_PROJECTIONS",
     "QUANT_SUFFIXES",
     "SUPPORTED_ARCHITECTURES",
     "TWIN_MODE",
@@ -50,6 +52,7 @@ __all__ = [
     "iter_quantized_linears",
     "plan_quantization",
     "quantization_config",
+    "quantized_module_targets",
     "read_model_config",
     "read_tensor",
     "safetensors_index",
@@ -58,6 +61,9 @@ __all__ = [
 
 # The manifest mode of the dequantize stage's output (stages/quantize.py builds it, the engines check it)
 TWIN_MODE = "nvfp4-dequantized-twin"
+# The linear projections of a decoder layer in the supported architectures: one not in
+# ``QuantizeConfig.targets`` is kept in full precision; a linear outside this list is refused.
+KNOWN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
 _MOE_KEYS = (
@@ -85,17 +91,22 @@ _COPY_CHUNK = 64 << 20
 
 
 class QuantizeConfig(StrictModel):
-    """Recipe of the quantize stage (part of its cache key)."""
+    """Recipe of the quantize stage (part of its cache key).
+
+    Every decoder-layer projection named in ``targets`` is quantized; the others of
+    ``KNOWN_PROJECTIONS`` are kept in full precision (copied), and the checkpoint's
+    ``quantization_config`` targets exactly the quantized ones. A fused group (q/k/v, gate/up) is
+    taken whole or not at all: vLLM runs it as one layer with one scheme.
+    """
 
     targets: list[str] = Field(
-        default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        description="projection names inside decoder layers that are quantized",
+        default=list(KNOWN_PROJECTIONS),
+        description="projections inside decoder layers that are quantized; the others stay in full precision",
     )
     fused_groups: list[list[str]] = Field(
         default=[["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]],
         description="projections that share one global scale (vLLM fuses them)",
     )
-    ignore: list[str] = Field(default=["lm_head"], description="modules kept in full precision")
     architectures: list[str] = Field(default=list(SUPPORTED_ARCHITECTURES))
     max_shard_mb: float = Field(default=4096, gt=0, description="largest output shard, MiB")
     twin_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
@@ -103,6 +114,19 @@ class QuantizeConfig(StrictModel):
         description="dtype of the dequantized twin (what vLLM serves on a CPU); null: train.dtype in a run, "
         "bfloat16 standalone. Not part of the quantize stage's key: the NVFP4 checkpoint does not depend on it",
     )
+
+    @model_validator(mode="after")
+    def _whole_groups(self) -> QuantizeConfig:
+        if not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"quantize.targets must name distinct projections, got {self.targets}")
+        for group in self.fused_groups:
+            chosen = [p for p in group if p in self.targets]
+            if chosen and len(chosen) != len(group):
+                raise ValueError(
+                    f"quantize.targets takes {chosen} of the fused group {group}: vLLM runs the group as one "
+                    "layer with one scheme, so quantize all of it or none"
+                )
+        return self
 
 
 class UnsupportedModelError(ValueError):
@@ -143,6 +167,20 @@ def check_architecture(config: dict, cfg: QuantizeConfig | None = None) -> str:
     return arch
 
 
+def quantized_module_targets(cfg: QuantizeConfig) -> list[str]:
+    """The config group's ``targets``: exactly the modules ``plan_quantization`` quantizes.
+
+    All seven projections: ``Linear``, the library's own NVFP4A16 form (every Linear of the supported
+    architectures is a decoder projection, except lm_head, which ``ignore`` names). A narrower recipe:
+    one ``re:`` pattern per projection name, which compressed-tensors (transformers) and vLLM both
+    match against module names; vLLM matches a fused layer (qkv_proj) when all its parts match, and
+    leaves every unmatched Linear unquantized, which is what the checkpoint holds there.
+    """
+    if set(KNOWN_PROJECTIONS) <= set(cfg.targets):
+        return ["Linear"]
+    return [f"re:.*\\.{re.escape(name)}$" for name in cfg.targets]
+
+
 def quantization_config(cfg: QuantizeConfig | None = None) -> dict:
     """The config.json ``quantization_config`` of an NVFP4A16 checkpoint, as compressed-tensors writes it."""
     # the version from metadata: importing compressed_tensors costs seconds (it pulls in torch.compile)
@@ -166,7 +204,7 @@ def quantization_config(cfg: QuantizeConfig | None = None) -> dict:
     return {
         "config_groups": {
             "group_0": {
-                "targets": ["Linear"],
+                "targets": quantized_module_targets(cfg),
                 "weights": weights,
                 "input_activations": None,
                 "output_activations": None,
@@ -175,7 +213,7 @@ def quantization_config(cfg: QuantizeConfig | None = None) -> dict:
         },
         "format": "nvfp4-pack-quantized",
         "global_compression_ratio": None,
-        "ignore": list(cfg.ignore),
+        "ignore": ["lm_head"],  # the one Linear outside the decoder layers (tied or not): never quantized
         "kv_cache_scheme": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
@@ -310,7 +348,7 @@ def plan_quantization(specs: dict[str, TensorSpec], cfg: QuantizeConfig) -> list
                     f"tensor '{name}' has dtype {spec.dtype}; expected BF16, F16 or F32"
                 )
             key = (m["prefix"], fused.get(m["proj"], m["proj"]))
-        elif m and len(spec.shape) == 2 and "norm" not in m["proj"]:
+        elif m and len(spec.shape) == 2 and "norm" not in m["proj"] and m["proj"] not in KNOWN_PROJECTIONS:
             raise UnsupportedModelError(
                 f"tensor '{name}' is a linear weight the recipe does not know; not supported"
             )

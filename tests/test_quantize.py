@@ -265,3 +265,92 @@ def test_vllm_parses_the_scheme(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="Marlin FP4 not available"):
             config.get_scheme(layer, layer_name="model.layers.0.mlp.up_proj")
+
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def test_narrowed_targets_quantize_only_those_and_load_in_transformers(tiny_model_dir, store):
+    """``quantize.targets`` narrowed to attention: the MLP stays bf16, and the checkpoint's
+    quantization_config targets exactly what was quantized (it used to say ``Linear`` regardless)."""
+    from transformers import AutoModelForCausalLM
+
+    manifest = stage.run(QuantizeConfig(targets=ATTENTION), tiny_model_dir, store)
+    qc = json.loads((manifest.dir / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["targets"] == [rf"re:.*\.{p}$" for p in ATTENTION]
+    assert qc["ignore"] == ["lm_head"]
+    src, out = _src_tensors(tiny_model_dir), _src_tensors(manifest.dir)
+    for name, t in src.items():
+        if any(f".{p}.weight" in name for p in ATTENTION):
+            assert f"{name}_packed" in out and name not in out
+        else:  # MLP projections too: copied byte for byte
+            assert torch.equal(out[name].view(torch.uint8), t.view(torch.uint8)), name
+    ours = dict(iter_quantized_linears(manifest.dir))
+    assert len(ours) == manifest.extra["quantized_tensors"] == 2 * len(ATTENTION)
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for name, (p, s, g) in ours.items():
+            ref.get_submodule(name).weight.copy_(dequantize_nvfp4(p, s, g, dtype=torch.bfloat16))
+    loaded = AutoModelForCausalLM.from_pretrained(manifest.dir)  # compressed-tensors integration
+    assert torch.equal(_logits(manifest.dir, loaded), _logits(tiny_model_dir, ref))
+    mlp = loaded.get_submodule("model.layers.0.mlp.down_proj")
+    assert type(mlp) is torch.nn.Linear and torch.equal(
+        mlp.weight, src["model.layers.0.mlp.down_proj.weight"]
+    )
+
+
+def test_vllm_builds_nvfp4_layers_exactly_where_the_checkpoint_has_them():
+    """vLLM's compressed-tensors loader (0.32) on the narrowed recipe: the fused qkv and o_proj get the
+    NVFP4 scheme, gate_up/down stay unquantized (plain weights, as written), lm_head is ignored.
+    Loading the weights themselves needs the FP4 Marlin kernel, i.e. a GPU (module docstring)."""
+    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
+
+    from pipeline.nvfp4 import quantization_config
+
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def nvfp4_layers(cfg: QuantizeConfig) -> dict[str, bool]:
+        config = ct.CompressedTensorsConfig.from_config(quantization_config(cfg))
+        config.packed_modules_mapping = fused
+        layer = torch.nn.Linear(128, 128)
+        names = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+        found = {n: config.get_scheme_dict(layer, f"model.layers.3.{n}") is not None for n in names}
+        found["lm_head"] = config.get_scheme_dict(layer, "lm_head") is not None
+        return found
+
+    assert nvfp4_layers(QuantizeConfig(targets=ATTENTION)) == {
+        "self_attn.qkv_proj": True, "self_attn.o_proj": True, "mlp.gate_up_proj": False,
+        "mlp.down_proj": False, "lm_head": False,
+    }  # fmt: skip
+    assert nvfp4_layers(QuantizeConfig(targets=["gate_proj", "up_proj", "down_proj"])) == {
+        "self_attn.qkv_proj": False, "self_attn.o_proj": False, "mlp.gate_up_proj": True,
+        "mlp.down_proj": True, "lm_head": False,
+    }  # fmt: skip
+    everything = nvfp4_layers(QuantizeConfig())
+    assert everything.pop("lm_head") is False and all(everything.values())
+
+
+def test_recipe_rejects_a_split_fused_group_and_the_dead_ignore_key():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"takes \['q_proj'\] of the fused group"):
+        QuantizeConfig(targets=["q_proj", "o_proj"])
+    with pytest.raises(ValidationError, match="distinct projections"):
+        QuantizeConfig(targets=["o_proj", "o_proj"])
+    with pytest.raises(ValidationError, match="ignore"):  # it changed nothing; lm_head is never quantized
+        QuantizeConfig(ignore=["lm_head"])
+
+
+def test_twin_dtype_is_the_twins_alone(tiny_model_dir, store):
+    """The NVFP4 checkpoint does not depend on the twin's dtype (one quantize artifact); an fp32 twin
+    holds exactly the fp32 dequantization the fp32 trainer computes."""
+    quant = stage.run(QuantizeConfig(twin_dtype="float32"), tiny_model_dir, store)
+    assert stage.run(QuantizeConfig(twin_dtype="bfloat16"), tiny_model_dir, store).key == quant.key
+    twin = stage.run_twin(QuantizeConfig(twin_dtype="float32"), quant, store)
+    assert twin.extra["dtype"] == "float32"
+    tensors = _src_tensors(twin.dir)
+    for name, (p, s, g) in iter_quantized_linears(quant.dir):
+        assert torch.equal(tensors[f"{name}.weight"], dequantize_nvfp4(p, s, g, dtype=torch.float32)), name
+    default = stage.run_twin(QuantizeConfig(), quant, store)  # standalone (no run): bf16
+    assert default.extra["dtype"] == "bfloat16" and default.key != twin.key
