@@ -159,12 +159,14 @@ class RunConfig(StrictModel):
             raise ValueError(
                 "rollout.enable_lora is false: the rollout engine must serve each step's LoRA adapter"
             )
+        if rollout.engine != "vllm":  # transformers applies the peft adapter as saved: no LoRA slots
+            return
         if r > rollout.max_lora_rank:
             raise ValueError(
                 f"train.lora_r ({r}) exceeds rollout.max_lora_rank ({rollout.max_lora_rank}): the engine "
                 f"could not load the adapter; raise rollout.max_lora_rank to >= {r}"
             )
-        if rollout.engine == "vllm" and rollout.max_lora_rank not in VLLM_LORA_RANKS:
+        if rollout.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(
                 f"rollout.max_lora_rank ({rollout.max_lora_rank}) is not one vLLM accepts: "
                 f"{', '.join(map(str, VLLM_LORA_RANKS))}"

@@ -159,6 +159,7 @@ def test_the_adapter_must_fit_the_engine():
     with pytest.raises(ConfigError, match="rollout.enable_lora is false"):
         load_run_config(None, ["rollout.enable_lora=false"])
     assert load_run_config(None, ["train.lora_r=32", "rollout.max_lora_rank=32"]).train.lora_r == 32
+    assert load_run_config(None, ["train.lora_r=64", "rollout.engine=hf"]).train.lora_r == 64  # no slots
 
 
 def test_a_derived_config_round_trips():
