@@ -7,8 +7,13 @@ a million parameters (head_dim 32, as vLLM's CPU attention needs), and a deliber
 supervised warm-up on ``question -> <answer>N</answer>`` so the model answers in the right format
 but is often wrong. That leaves room for GRPO to show a real gain within minutes on two cores.
 
-The warm-up is deterministic on CPU (seeded init, fixed data order), so the demo base, and with it
-every downstream cache key, is the same on every machine of this kind.
+The warm-up is deterministic on CPU (seeded init, fixed data order) and runs on ONE intra-op thread
+(``SFT_THREADS``), whatever the machine's core count. Measured here: the same seed gave different
+weights with 1 and 2 torch threads (the float reductions are blocked per thread), so a base built
+on a 2-core box differed from one built on a 4-core box, and with it every accuracy the demo
+reports. One thread is also no slower for a model this small (69 s vs 302 s for 2 threads on a
+loaded 2-core machine, where the second OpenMP thread mostly waits). The same CPU type is still
+assumed: another instruction set (AVX-512 vs AVX2 kernels) can round differently.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from pipeline.prompts import render_prompt
 from pipeline.tiny import build_tiny_model
 
 log = logging.getLogger("qerl.demo")
+
+SFT_THREADS = 1  # the warm-up's intra-op threads: fixed so the base does not depend on the core count
 
 
 class DemoBaseConfig(StrictModel):
@@ -59,9 +66,18 @@ def _encode(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[in
 
 def build_demo_base(out_dir: str | Path, cfg: DemoBaseConfig) -> dict[str, float]:
     """Write the warmed-up demo model to ``out_dir`` (an HF model dir) and return warm-up metrics."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SFT_THREADS)
+    try:
+        metrics = _build(Path(out_dir), cfg)
+    finally:
+        torch.set_num_threads(threads)
+    return metrics
+
+
+def _build(out: Path, cfg: DemoBaseConfig) -> dict[str, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = Path(out_dir)
     problems = arithmetic_problems(cfg.n_train, seed=cfg.seed, split="train", levels=cfg.levels)
     corpus = [f"{p['question']} {completion_text(p['answer'])}" for p in problems]
     build_tiny_model(
@@ -109,6 +125,7 @@ def build_demo_base(out_dir: str | Path, cfg: DemoBaseConfig) -> dict[str, float
         "sft_final_loss": sum(losses[-10:]) / len(losses[-10:]),
         "sft_seconds": time.perf_counter() - started,
         "n_train": len(problems),
+        "sft_threads": torch.get_num_threads(),
     }
     (out / "qerl_demo.json").write_text(
         json.dumps({"config": cfg.model_dump(), "metrics": metrics}, indent=2)
