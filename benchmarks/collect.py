@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["quantize", "score", "rollout", "train"]
+ORDER = ["quantize", "score", "rollout", "train", "gpu"]  # gpu.md: bench_gpu.py on a CUDA machine only
 
 HEADER = """# Benchmarks
 

@@ -16,7 +16,11 @@ round half to even with the 1.5*2^23 magic-number trick) because the interpreter
 rounded value is exactly representable, so the final cast only re-encodes it. Scales are written as
 float32 and cast to float8_e4m3fn in torch (exact), which keeps the kernel free of FP8 store support.
 For the same reason the float32 -> bf16 rounding of dequantized values is explicit (the interpreter
-truncates where CUDA rounds to nearest even); the final cast then only drops zero bits.
+truncates where CUDA rounds to nearest even); the final cast then only drops zero bits. Every float32
+division is ``tl.math.div_rn`` (IEEE round-to-nearest), not ``/``: Triton lowers ``/`` on NVIDIA GPUs to
+``div.full.f32`` / ``div.approx.f32`` (up to 2 ulp off, triton-lang/triton#10661), which moves quotients
+across the FP4 tie boundaries; the interpreter divides exactly either way, so only the compiled PTX
+shows it (tests/test_gpu.py checks the PTX on a CPU).
 """
 
 # ruff: noqa: ANN001 - @triton.jit arguments are pointers and scalars typed by Triton, not Python
@@ -41,7 +45,7 @@ def _round_fp8_e4m3(s):
     exp = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exp = tl.maximum(exp, -6)
     step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    t = a / step  # exact: division by a power of two, t < 16
+    t = tl.math.div_rn(a, step)  # exact: division by a power of two, t < 16
     t = (t + 12582912.0) - 12582912.0  # round half to even at integer precision (|t| < 2^22)
     return t * step
 
@@ -65,10 +69,10 @@ def _quantize_kernel(w_ptr, gs_ptr, packed_ptr, scale_ptr, n_groups, BLOCK: tl.c
     x = tl.load(w_ptr + offs, mask=gmask[:, None], other=0.0).to(tl.float32)
     gs = tl.load(gs_ptr)
     amax = tl.max(tl.abs(x), axis=1)
-    s = _round_fp8_e4m3(gs * (amax / 6.0))
+    s = _round_fp8_e4m3(gs * tl.math.div_rn(amax, 6.0))
     s = tl.where(s == 0.0, 0.125, s)
     tl.store(scale_ptr + groups, s, mask=gmask)
-    y = x / (s / gs)[:, None]
+    y = tl.math.div_rn(x, tl.math.div_rn(s, gs)[:, None])
     m = tl.abs(y)
     # ties to the even code: strict ">" where the tie rounds down, ">=" where it rounds up
     code = (
@@ -110,7 +114,7 @@ def _dequantize_kernel(
     byte = tl.load(packed_ptr + boffs, mask=gmask[:, None], other=0).to(tl.int32)
     s = tl.load(scale_ptr + groups, mask=gmask, other=0.0)
     gs = tl.load(gs_ptr)
-    mult = (s / gs)[:, None]
+    mult = tl.math.div_rn(s, gs)[:, None]
     lo = _fp4_value(byte & 15) * mult
     hi = _fp4_value(byte >> 4) * mult
     vals = tl.reshape(tl.join(lo, hi), (BLOCK, 16))

@@ -47,14 +47,22 @@ class HFEngine:
         self.cfg, self.mode, self.model_dir = cfg, mode, Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         dtype: Any = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
-        self.base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()
+        from pipeline.device import default_device
+
+        # on the GPU where there is one: transformers' from_pretrained alone loads onto the CPU
+        self.device = default_device()
+        self.base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
         self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
         self._peft: Any = None
         self._adapter: str | None = None  # active adapter name, None = base model
         self.sigma, self.noise_seed = 0.0, 0
-        self.info: dict[str, Any] = {"model_dir": str(self.model_dir), "dtype": str(self.base.dtype)}
+        self.info: dict[str, Any] = {
+            "model_dir": str(self.model_dir),
+            "dtype": str(self.base.dtype),
+            "device": self.device,
+        }
 
     # adapter / noise --------------------------------------------------------------------------
     def set_adapter(self, path: Path | None, digest: str | None) -> None:
@@ -105,8 +113,10 @@ class HFEngine:
         size = self.cfg.hf_batch_size
         for b in range(0, len(jobs), size):
             batch = jobs[b : b + size]
-            # No per-request generator in generate: seed the (forked) global RNG per batch.
-            with torch.random.fork_rng(devices=[]):
+            # No per-request generator in generate: seed the (forked) global RNG per batch; on a GPU
+            # the CUDA generator samples, so it is forked too (manual_seed reseeds every device).
+            cuda_rng = [torch.cuda.current_device()] if self.device == "cuda" else []
+            with torch.random.fork_rng(devices=cuda_rng):
                 torch.manual_seed(sample_seed(seed, b // size, -1))
                 outs = self._generate_batch([encoded[i] for i, _ in batch], sampling)
             for (i, j), completion in zip(batch, outs, strict=True):
@@ -142,7 +152,11 @@ class HFEngine:
         )
         model, context = self._model()
         with torch.inference_mode(), context:
-            out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=gen_cfg)
+            out = model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention.to(self.device),
+                generation_config=gen_cfg,
+            )
         generated = out.sequences[:, width:]
         temperature = 1.0 if sampling.greedy else sampling.temperature
         logits = torch.stack(out.logits, dim=1).float()  # [B, L, V], before any warper

@@ -1,0 +1,582 @@
+"""GPU benchmark: one GRPO update at the paper's model sizes, NVFP4 base vs bf16 base, and the kernels.
+
+What, on one CUDA GPU, side by side in one run:
+
+1. Train: one GRPO update (``pipeline.training.train_step``: LoRA r=32 / alpha 64 on all seven
+   projections, gradient checkpointing, bf16 compute, AdamW, one minibatch) on a batch like the
+   paper's: 8 sequences (2 prompts x 4 samples) of 256 prompt + 1,024 completion tokens. Models:
+   random weights at the shapes of Qwen2.5-7B, -14B and -32B (``pipeline.plan.CATALOGUE``), built
+   directly on the GPU, nothing downloaded. The NVFP4 arm quantizes each projection on the GPU with
+   the dispatcher (the Triton kernel on CUDA; q/k/v and gate/up share one global scale, as the quantize
+   stage does) and trains on ``NVFP4Linear``; the bf16 arm keeps plain ``nn.Linear`` weights. Each
+   arm runs in its own process: one warm-up update (it allocates AdamW's state), then ``--steps``
+   timed updates (median). Peak memory is ``torch.cuda.max_memory_allocated`` over the timed updates
+   (tensors only; the CUDA context is not in it), next to what ``qerl plan`` predicts for the same
+   shape and batch. An arm that runs out of memory is recorded as OOM with the phase it died in (the
+   paper: bf16 LoRA on 32B does not fit one 80 GB GPU).
+2. Dequantize: the Triton dequantizer on the largest projections of 7B and 32B, as GB/s of the
+   minimal traffic (codes + FP8 scales read, bf16 written) against a device-to-device copy's GB/s
+   measured in the same run (the practical bandwidth limit).
+3. Dequantize + GEMM (``NVFP4Linear``'s forward) against a bf16 GEMM with the same weight, at decode
+   (8 and 64 tokens) and prefill (4,096 tokens) shapes of 7B's projections.
+
+``--dry-run`` runs the same code on the CPU at tiny shapes in seconds (CI exercises it through
+``scripts/gpu_check.sh --dry-run``); there the memory is the child's peak RSS above its baseline and
+the kernels are the CPU dispatcher's (numba), so its numbers say nothing about a GPU. Results go to
+``gpu.md`` + ``gpu.json`` in ``--out-dir`` (default: benchmarks/results for a CUDA run, never for a
+dry run, so BENCHMARKS.md only ever shows GPU numbers), rewritten atomically after every arm so a run
+cut off by a time limit keeps what it measured.
+
+Run: ``python benchmarks/bench_gpu.py [--models 7b,14b,32b] [--arms nvfp4,bf16] [--steps 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PAPER = dict(prompts=2, group=4, prompt=256, completion=1024, rank=32)
+DRY = dict(prompts=2, group=2, prompt=16, completion=32, rank=8)
+TINY_SHAPE = dict(name="tiny", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512)
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+# -- model construction (child) --------------------------------------------------------------------
+
+
+def _qwen2_config(shape: Any) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        tie_word_embeddings=shape.tie_embeddings,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+    )
+
+
+def build_model(shape: Any, base: str, device: str) -> Any:
+    """A Qwen2 model of ``shape`` with random bf16 weights made on ``device``, never on the host.
+
+    The skeleton is built on the meta device; each projection is drawn on the device and either kept
+    (bf16) or quantized there and replaced by ``NVFP4Linear`` (nvfp4), one layer at a time, so the
+    NVFP4 arm never holds a bf16 copy of more than one fused group.
+    """
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from kernels import nvfp4
+    from pipeline.qlinear import NVFP4Linear
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(_qwen2_config(shape), dtype=torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def draw(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen, device=device, dtype=torch.bfloat16)).mul_(0.02)
+
+    for layer in model.model.layers:
+        for group in FUSED + (("o_proj",), ("down_proj",)):
+            parent = (
+                layer.self_attn if group[0].endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
+            )
+            linears = {name: getattr(parent, name) for name in group}
+            weights = {n: draw(m.out_features, m.in_features) for n, m in linears.items()}
+            gs = None
+            if base == "nvfp4" and len(group) > 1:  # one global scale per fused group, as vLLM needs
+                gs = nvfp4.global_scale(max(nvfp4.tensor_amax(w, n) for n, w in weights.items()))
+            for name, module in linears.items():
+                bias = draw(module.out_features) if module.bias is not None else None
+                if base == "nvfp4":
+                    packed, scale, g = nvfp4.quantize(weights.pop(name), gs, name=name)
+                    setattr(parent, name, NVFP4Linear.from_tensors(packed, scale, g, bias, name=name))
+                else:
+                    module.weight = torch.nn.Parameter(weights.pop(name), requires_grad=False)
+                    if bias is not None:
+                        module.bias = torch.nn.Parameter(bias, requires_grad=False)
+    for module in model.modules():  # embeddings, norms, lm_head: still on meta
+        is_norm = "Norm" in type(module).__name__
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                value = (
+                    torch.ones(param.shape, device=device, dtype=torch.bfloat16)
+                    if is_norm
+                    else draw(*param.shape)
+                )
+                setattr(module, pname, torch.nn.Parameter(value, requires_grad=False))
+    if shape.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.to(device)  # buffers (RoPE frequencies) were built on the host
+    model.requires_grad_(False)
+    return model
+
+
+def lora_state(model: Any, cfg: Any) -> Any:
+    """The train state around an in-memory base, as ``pipeline.training.init_state`` builds it from a
+    checkpoint (gradient checkpointing, peft LoRA with NVFP4Linear registered, AdamW, schedule)."""
+    import warnings
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from pipeline.qlinear import register_with_peft
+    from pipeline.training import TrainState, _lr_lambda
+
+    torch.manual_seed(cfg.seed)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        target_modules=list(cfg.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    register_with_peft(lora)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)
+        model = get_peft_model(model, lora)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False
+    )
+    return TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg)))
+
+
+def make_batch(state: Any, vocab: int, b: dict) -> Any:
+    """2 prompts x 4 samples of random ids, alternating rewards, sampler logprobs from the policy."""
+    import torch
+
+    from pipeline.training import RolloutBatch, _collate, completion_logprobs
+
+    gen = torch.Generator().manual_seed(1)
+    n = b["prompts"] * b["group"]
+    prompts = [torch.randint(0, vocab, (b["prompt"],), generator=gen).tolist() for _ in range(b["prompts"])]
+    batch = RolloutBatch(
+        prompt_ids=[prompts[i // b["group"]] for i in range(n)],
+        completion_ids=[
+            torch.randint(0, vocab, (b["completion"],), generator=gen).tolist() for _ in range(n)
+        ],
+        sampler_logprobs=[[0.0] * b["completion"] for _ in range(n)],
+        truncated=[False] * n,
+        rewards=[float(i % 2) for i in range(n)],
+        group_ids=[i // b["group"] for i in range(n)],
+    )
+    with torch.no_grad():  # the ratio starts near 1, as after a real rollout
+        lp, _ = completion_logprobs(state.model, _collate(batch, list(range(n)), torch.ones(n), 0), 1.0)
+    batch.sampler_logprobs = lp.float().cpu().tolist()
+    return batch
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return int(next(r for r in fh if r.startswith(field)).split()[1]) * 1024
+
+
+def _preload(device: str) -> None:
+    """Import what an arm runs on and compile the dequantizer once, so neither counts as the arm's
+    memory (the CPU baseline is taken after this; on CUDA only tensors are counted anyway)."""
+    import peft  # noqa: F401
+    import torch
+    import transformers  # noqa: F401
+
+    from kernels.nvfp4 import dequantize, quantize
+
+    dequantize(*quantize(torch.ones(16, 16, device=device)), dtype=torch.bfloat16)
+
+
+def train_arm(shape: Any, base: str, device: str, b: dict, steps: int) -> dict:
+    """Build, warm up, time ``steps`` updates; peak memory over the timed updates. OOM is a result."""
+    import torch
+
+    from pipeline.training import TrainConfig, train_step
+
+    cuda = device == "cuda"
+    out: dict[str, Any] = {"phase": "build"}
+    _preload(device)
+    baseline = 0 if cuda else _rss_bytes("VmRSS:")
+    try:
+        model = build_model(shape, base, device)
+        out["weights_bytes"] = torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS:") - baseline
+        cfg = TrainConfig(
+            lora_r=b["rank"], lora_alpha=2 * b["rank"], gradient_checkpointing=True, dtype="bfloat16"
+        )
+        state = lora_state(model, cfg)
+        out["phase"] = "sampler logprobs"
+        batch = make_batch(state, shape.vocab, b)
+        out["phase"] = "warm-up update"
+        train_step(state, batch, cfg)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        out["phase"], times = "timed updates", []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            metrics = train_step(state, batch, cfg)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out.update(phase="done", times=times, loss=metrics["loss"])
+        out["peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM:") - baseline
+    except torch.OutOfMemoryError as err:
+        out.update(oom=True, error=str(err).splitlines()[0][:300])
+        if cuda:
+            out["peak_bytes_at_oom"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+# -- kernels (child) ---------------------------------------------------------------------------------
+
+
+def _timed(fn: Any, device: str, iters: int) -> float:
+    """Median seconds of ``fn()`` after two warm-up calls (CUDA events on a GPU)."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def kernel_bench(device: str, dry: bool) -> dict:
+    """Copy bandwidth, dequantize GB/s, and dequantize+GEMM vs bf16 GEMM."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels import nvfp4
+    from pipeline.plan import CATALOGUE
+    from pipeline.qlinear import NVFP4Linear
+
+    iters = 3 if dry else 20
+    n_copy = (1 << 16) if dry else (1 << 29)  # 1 GiB of bf16 on a GPU
+    src = torch.empty(n_copy, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() * 2 / _timed(lambda s=src, d=dst: d.copy_(s), device, iters) / 1e9
+    out: dict[str, Any] = {
+        "copy_GBps": copy_gbs,
+        "backend": nvfp4.dequantize_backend(device),
+        "dequant": [],
+        "gemm": [],
+    }
+    shapes = (
+        {"tiny": (256, 128)}
+        if dry
+        else {
+            "7b gate_proj": CATALOGUE["qwen2.5-7b"].projections()["gate_proj"],
+            "32b gate_proj": CATALOGUE["qwen2.5-32b"].projections()["gate_proj"],
+        }
+    )
+    for name, (o, i) in shapes.items():
+        w = torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02
+        packed, scale, gs = nvfp4.quantize(w)
+        sec = _timed(lambda p=packed, s=scale, g=gs: nvfp4.dequantize(p, s, g, torch.bfloat16), device, iters)
+        traffic = o * i // 2 + o * i // 16 + 2 * o * i  # codes + FP8 scales in, bf16 out
+        out["dequant"].append({"shape": name, "out": o, "in": i, "s": sec, "GBps": traffic / sec / 1e9})
+    proj = (
+        {"q_proj": (64, 64), "gate_proj": (128, 64)}
+        if dry
+        else {
+            k: v
+            for k, v in CATALOGUE["qwen2.5-7b"].projections().items()
+            if k in ("q_proj", "gate_proj", "down_proj")
+        }
+    )
+    for name, (o, i) in proj.items():
+        w = torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02
+        layer = NVFP4Linear.from_tensors(*nvfp4.quantize(w), name=name)
+        dense = nvfp4.dequantize(
+            layer.weight_packed, layer.weight_scale, layer.weight_global_scale, torch.bfloat16
+        )
+        for tokens in (8, 64) if dry else (8, 64, 4096):
+            x = torch.randn(tokens, i, device=device, dtype=torch.bfloat16)
+            with torch.no_grad():
+                fused = _timed(lambda x=x, layer=layer: layer(x), device, iters)
+                plain = _timed(lambda x=x, d=dense: F.linear(x, d), device, iters)
+            out["gemm"].append(
+                {"proj": name, "out": o, "in": i, "tokens": tokens, "nvfp4_s": fused, "bf16_s": plain}
+            )
+    return out
+
+
+# -- parent ------------------------------------------------------------------------------------------
+
+
+def _child(args: argparse.Namespace) -> None:
+    from pipeline.plan import CATALOGUE, ModelShape
+
+    device = "cuda" if not args.dry_run else "cpu"
+    b = DRY if args.dry_run else PAPER
+    b = {**b, **{k: v for k, v in (("prompt", args.prompt), ("completion", args.completion)) if v}}
+    if args.child == "kernels":
+        result = kernel_bench(device, args.dry_run)
+    else:
+        shape = ModelShape(**TINY_SHAPE) if args.dry_run else CATALOGUE[f"qwen2.5-{args.model}"]
+        result = train_arm(shape, args.child, device, b, args.steps)
+    Path(args.result).write_text(json.dumps(result))
+
+
+def _run_child(kind: str, model: str | None, args: argparse.Namespace, work: Path) -> dict:
+    result = work / f"{kind}-{model}.json"
+    cmd = [sys.executable, __file__, "--child", kind, "--result", str(result), "--steps", str(args.steps)]
+    cmd += ["--model", model] if model else []
+    cmd += ["--dry-run"] if args.dry_run else []
+    cmd += [f"--{k}={getattr(args, k)}" for k in ("prompt", "completion") if getattr(args, k)]
+    env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.arm_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.arm_timeout} s"}
+    if proc.returncode != 0 or not result.is_file():
+        lines = proc.stderr.strip().splitlines() or ["?"]
+        return {"error": lines[-1][:300], "stderr_tail": proc.stderr[-3000:]}
+    return {**json.loads(result.read_text()), "wall_s": time.perf_counter() - t0}
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f}"
+
+
+def _plan_bytes(shape: Any, base: str, b: dict) -> int:
+    from pipeline.plan import trainer_peak
+
+    peak = trainer_peak(
+        shape,
+        base=base,
+        batch=b["prompts"] * b["group"],
+        seq_len=b["prompt"] + b["completion"],
+        completion_len=b["completion"],
+        rank=b["rank"],
+    )
+    return sum(peak.values())
+
+
+def _train_rows(report: dict) -> list[str]:
+    rows = [
+        "| model | base | weights GiB | peak GiB | `qerl plan` GiB | s / update | result |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for arm in report["train"]:
+        if arm.get("oom"):
+            result = (
+                f"**OOM** in {arm['phase']} ({_gib(arm.get('peak_bytes_at_oom'))} GiB allocated at the peak)"
+            )
+        elif "error" in arm:
+            result = f"error in {arm.get('phase', '?')}: `{arm['error']}`"
+        else:
+            result = f"loss {arm['loss']:.4g}"
+        sec = f"{statistics.median(arm['times']):.2f}" if arm.get("times") else "-"
+        rows.append(
+            f"| {arm['shape']['name']} | {arm['base']} | {_gib(arm.get('weights_bytes'))} | "
+            f"{_gib(arm.get('peak_bytes'))} | {_gib(arm['plan_bytes'])} | {sec} | {result} |"
+        )
+    by_model: dict[str, dict[str, dict]] = {}
+    for arm in report["train"]:
+        by_model.setdefault(arm["shape"]["name"], {})[arm["base"]] = arm
+    rows.append("")
+    for name, arms in by_model.items():
+        a, b = arms.get("nvfp4", {}), arms.get("bf16", {})
+        if a.get("peak_bytes") and b.get("peak_bytes"):
+            rows.append(
+                f"- {name}: NVFP4 / bf16 peak **{a['peak_bytes'] / b['peak_bytes']:.2f}x**, time "
+                f"**{statistics.median(a['times']) / statistics.median(b['times']):.2f}x**"
+            )
+        elif a.get("peak_bytes") and b.get("oom"):
+            rows.append(
+                f"- {name}: the NVFP4 base trains in {_gib(a['peak_bytes'])} GiB; the bf16 base does not fit"
+            )
+    return rows
+
+
+def render(report: dict) -> str:
+    b, k = report["batch"], report.get("kernels") or {}
+    lines = [
+        "## GPU: train step and NVFP4 kernels"
+        + (" (CPU DRY RUN: tiny shapes, not GPU numbers)" if report["dry_run"] else ""),
+        "",
+        f"Machine: {report['device_name']}, {report['cpus']} CPUs, torch {report['torch']}, triton {report['triton']}, "
+        f"transformers {report['transformers']}, peft {report['peft']}. One GRPO update: {b['prompts'] * b['group']} "
+        f"sequences ({b['prompts']} prompts x {b['group']} samples) of {b['prompt']} prompt + {b['completion']} "
+        f"completion tokens in one minibatch, LoRA r{b['rank']} on all seven projections, gradient checkpointing, bf16 "
+        "compute, AdamW; random weights at the model's real shape, built on the device. Time: median of "
+        f"{report['steps']} updates after a warm-up; peak: `torch.cuda.max_memory_allocated` over them (tensors only, "
+        "no CUDA context; on the CPU dry run the child's peak RSS above its baseline). `qerl plan` GiB is the "
+        "trainer's peak as `pipeline.plan.trainer_peak` predicts it. Each arm runs in its own process.",
+        "",
+        *_train_rows(report),
+    ]
+    if k and "error" not in k:
+        lines += [
+            "",
+            f"Dequantize ({k['backend']} backend) vs a device-to-device copy at {k['copy_GBps']:.0f} GB/s (read + write):",
+            "",
+            "| weight | shape | ms | GB/s (codes + scales in, bf16 out) | of copy |",
+            "|---|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {d['shape']} | {d['out']}x{d['in']} | {d['s'] * 1e3:.3f} | {d['GBps']:.0f} | {d['GBps'] / k['copy_GBps']:.0%} |"
+            for d in k["dequant"]
+        ]
+        lines += [
+            "",
+            "`NVFP4Linear` forward (dequantize, then the bf16 GEMM) vs the bf16 GEMM alone:",
+            "",
+            "| projection | weight | tokens | NVFP4 ms | bf16 ms | ratio |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {g['proj']} | {g['out']}x{g['in']} | {g['tokens']} | {g['nvfp4_s'] * 1e3:.3f} | "
+            f"{g['bf16_s'] * 1e3:.3f} | {g['nvfp4_s'] / g['bf16_s']:.2f}x |"
+            for g in k["gemm"]
+        ]
+    elif k:
+        lines += ["", f"- kernel benchmark failed: `{k['error']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def _versions() -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "cpus": os.cpu_count()}
+    for mod in ("triton", "transformers", "peft"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            info[mod] = "missing"
+    cuda = torch.cuda.is_available()
+    info["device_name"] = torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.machine()})"
+    if cuda:
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    return info
+
+
+def main(args: argparse.Namespace) -> dict:
+    import tempfile
+
+    import torch
+
+    from pipeline.artifacts import atomic_write_json, atomic_write_text
+    from pipeline.plan import CATALOGUE, ModelShape
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit(
+            "bench_gpu: no CUDA device here; --dry-run runs the same code at tiny shapes on the CPU"
+        )
+    out_dir = Path(args.out_dir) if args.out_dir else ROOT / "benchmarks" / "results"
+    if args.dry_run and out_dir.resolve() == (ROOT / "benchmarks" / "results").resolve():
+        raise SystemExit("bench_gpu: a dry run must not write benchmarks/results (pass --out-dir)")
+    b = {**(DRY if args.dry_run else PAPER)}
+    b.update({k: getattr(args, k) for k in ("prompt", "completion") if getattr(args, k)})
+    report: dict[str, Any] = {
+        **_versions(),
+        "dry_run": args.dry_run,
+        "mode": "dry-run-cpu" if args.dry_run else "cuda",
+        "batch": b,
+        "steps": args.steps,
+        "train": [],
+        "kernels": None,
+    }
+    models = ["tiny"] if args.dry_run else args.models.split(",")
+
+    def save() -> None:
+        atomic_write_json(out_dir / "gpu.json", report)
+        atomic_write_text(out_dir / "gpu.md", render(report))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="qerl-bench-gpu-") as tmp:
+        if not args.skip_kernels:
+            report["kernels"] = _run_child("kernels", None, args, Path(tmp))
+            save()
+        for model in models:
+            shape = ModelShape(**TINY_SHAPE) if args.dry_run else CATALOGUE[f"qwen2.5-{model}"]
+            for base in args.arms.split(","):
+                print(f"bench_gpu: {shape.name} {base} ...", flush=True)
+                arm = _run_child(base, model, args, Path(tmp))
+                arm.update(
+                    shape=shape.__dict__,
+                    base=base,
+                    device="cpu" if args.dry_run else "cuda",
+                    batch=b["prompts"] * b["group"],
+                    prompt=b["prompt"],
+                    completion=b["completion"],
+                    rank=b["rank"],
+                    plan_bytes=_plan_bytes(shape, base, b),
+                )
+                report["train"].append(arm)
+                save()
+                print(
+                    f"bench_gpu: {shape.name} {base}: peak {_gib(arm.get('peak_bytes'))} GiB, "
+                    f"{'OOM' if arm.get('oom') else arm.get('error', 'ok')}",
+                    flush=True,
+                )
+    print(render(report))
+    return report
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (CI)")
+    parser.add_argument("--models", default="7b,14b,32b", help="Qwen2.5 sizes from pipeline.plan.CATALOGUE")
+    parser.add_argument("--arms", default="nvfp4,bf16")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed updates per arm after one warm-up (default 2; dry run 1)",
+    )
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 256; dry run 16)")
+    parser.add_argument(
+        "--completion", type=int, default=None, help="completion tokens (default 1024; dry run 32)"
+    )
+    parser.add_argument("--arm-timeout", type=float, default=300.0, help="seconds before an arm is abandoned")
+    parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument(
+        "--out-dir", default=None, help="where gpu.md/gpu.json go (default benchmarks/results)"
+    )
+    parser.add_argument("--child", choices=["nvfp4", "bf16", "kernels"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 1 if args.dry_run else 2
+    return args
+
+
+if __name__ == "__main__":
+    cli = parse_args()
+    if cli.child:
+        _child(cli)
+    else:
+        main(cli)

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Download the wheels the GPU validation kit needs (run on a networked machine; the GPU machines have
+# no network). They go into .gpu-wheels/ (git-ignored), which the device tool carries by name:
+#   bash scripts/fetch_gpu_wheels.sh            then run scripts/gpu_check.sh with carry [".gpu-wheels"]
+#
+# The GPU image has Python 3.12, torch (CUDA), triton, transformers, peft, safetensors, accelerate,
+# numpy, pyarrow, pandas, pyyaml and numba, but no pydantic (our configs) and no pytest. Only those
+# are fetched: cp312 manylinux or pure-Python wheels, no dependencies resolved (--no-deps: the list is
+# the closure), at the versions of the CPU environment (requirements/cpu.txt resolves to these).
+# The total must stay under the device tool's carry limit (64 MiB, shared with anything else carried).
+#
+# Options: --dest DIR (default .gpu-wheels)  --max-mib N (default 48, leaving room under 64)
+#          --only NAME (repeatable: just these of the list)  --extra SPEC (repeatable: e.g.
+#          --extra transformers==5.19.0 if the image's version turns out incompatible)  --list
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PINS=(
+  pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+  typing-extensions==4.16.0
+  pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 pytest-timeout==2.4.0 packaging==26.2
+)
+DEST=.gpu-wheels
+MAX_MIB=48
+ONLY=()
+EXTRA=()
+while (($#)); do
+  case "$1" in
+    --dest) DEST=$2; shift 2 ;;
+    --max-mib) MAX_MIB=$2; shift 2 ;;
+    --only) ONLY+=("$2"); shift 2 ;;
+    --extra) EXTRA+=("$2"); shift 2 ;;
+    --list) printf '%s\n' "${PINS[@]}"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "fetch_gpu_wheels: unknown option '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+SPECS=()
+if ((${#ONLY[@]})); then
+  for name in "${ONLY[@]}"; do
+    match=""
+    for pin in "${PINS[@]}"; do [[ "${pin%%==*}" == "$name" ]] && match=$pin; done
+    [[ -n "$match" ]] || { echo "fetch_gpu_wheels: '$name' is not in the list: ${PINS[*]}" >&2; exit 2; }
+    SPECS+=("$match")
+  done
+else
+  SPECS=("${PINS[@]}")
+fi
+SPECS+=("${EXTRA[@]}")
+
+PY=${PYTHON:-}
+if [[ -z "$PY" ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+mkdir -p "$DEST"
+rm -f "$DEST"/*.whl "$DEST"/wheels.json
+echo "fetch_gpu_wheels: ${#SPECS[@]} wheels for cp312 manylinux x86_64 into $DEST" >&2
+"$PY" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp --abi cp312 \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+  -d "$DEST" "${SPECS[@]}"
+
+# the manifest (names, sizes, sha256) and the size check
+"$PY" - "$DEST" "$MAX_MIB" <<'EOF'
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+dest, limit_mib = Path(sys.argv[1]), float(sys.argv[2])
+wheels = sorted(dest.glob("*.whl"))
+rows = [
+    {"file": w.name, "bytes": w.stat().st_size, "sha256": hashlib.sha256(w.read_bytes()).hexdigest()}
+    for w in wheels
+]
+total = sum(r["bytes"] for r in rows)
+manifest = {"python": "3.12", "platforms": ["manylinux2014_x86_64", "manylinux_2_17_x86_64",
+            "manylinux_2_28_x86_64", "any"], "wheels": rows, "total_bytes": total}
+tmp = dest / "wheels.json.tmp"
+tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+os.replace(tmp, dest / "wheels.json")
+for r in rows:
+    print(f"  {r['bytes'] / 2**20:7.2f} MiB  {r['file']}", file=sys.stderr)
+print(f"fetch_gpu_wheels: {len(rows)} wheels, {total / 2**20:.2f} MiB in {dest}", file=sys.stderr)
+if total > limit_mib * 2**20:
+    sys.exit(f"fetch_gpu_wheels: {total / 2**20:.3f} MiB is over the {limit_mib:g} MiB limit "
+             "(the device tool carries 64 MiB in all)")
+EOF

@@ -1,0 +1,391 @@
+"""The GPU validation kit: CUDA paths checked on a CUDA machine, and the kit itself checked anywhere.
+
+``gpu`` tests (run by ``scripts/gpu_check.sh`` on a CUDA machine, skipped elsewhere with the reason):
+the Triton kernels compiled for the GPU, bit-exact with the PyTorch reference over the truth tables,
+adversarial and random weights; ``NVFP4Linear`` forward and LoRA gradients on CUDA against a bf16
+model holding the dequantized weights; one GRPO train step on CUDA from the packed base, whose
+checkpoint reloads bit-exactly; the transformers engine generating on CUDA from the twin.
+
+Everywhere (CPU included): the modules these tests and the GPU benchmark import pull in no Prefect,
+MLflow or vLLM (the GPU image has none of them); the compiled PTX of the Triton kernels divides with
+IEEE rounding; the wheel script and ``gpu_check.sh --dry-run`` run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+GPU_ENV = "TRITON_INTERPRET=0 is needed: run the gpu tests through scripts/gpu_check.sh"
+
+# What the GPU image lacks and the kit must therefore never import (directly or through our modules).
+FORBIDDEN = ("prefect", "mlflow", "vllm", "math_verify", "compressed_tensors")
+
+
+@pytest.fixture
+def cuda():
+    """Skip without CUDA; on CUDA insist on compiled Triton (the interpreter would test nothing)."""
+    if not CUDA:
+        pytest.skip("needs a CUDA GPU: run `bash scripts/gpu_check.sh` on one")
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        pytest.fail(GPU_ENV)
+    return torch.device("cuda")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu().contiguous(), b.cpu().contiguous()
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+# -- the kit, checked on any machine ------------------------------------------------------------------
+
+
+def _kit_modules() -> list[str]:
+    """Our modules imported by this file and by benchmarks/bench_gpu.py (parsed, so a new import is
+    covered without editing a list)."""
+    found = set()
+    kit = ("tests/test_gpu.py", "tests/conftest.py", "tests/test_qlinear.py", "tests/test_nvfp4_kernels.py")
+    for path in [ROOT / p for p in kit] + [ROOT / "benchmarks" / "bench_gpu.py"]:
+        for mod in re.findall(
+            r"^\s*(?:from|import) ((?:pipeline|stages|kernels)[\w.]*)", path.read_text(), re.M
+        ):
+            found.add(mod)
+    return sorted(found)
+
+
+def test_kit_imports_no_prefect_mlflow_or_vllm():
+    modules = _kit_modules()
+    assert {
+        "pipeline.training",
+        "pipeline.qlinear",
+        "kernels.nvfp4_triton",
+        "pipeline.engines.hf_engine",
+    } <= set(modules)
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({FORBIDDEN!r}))))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_compiled_kernels_divide_with_ieee_rounding(tmp_path):
+    """Triton lowers float32 ``/`` on NVIDIA GPUs to ``div.full.f32``/``div.approx.f32`` (up to 2 ulp
+    off; triton-lang/triton#10661), which the interpreter never shows. Compile the kernels for an
+    H100 (sm_90) here, no GPU needed, and read the PTX: only correctly rounded division may remain."""
+    code = """
+import json, re
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import nvfp4_triton as k
+sigs = {
+    "_dequantize_kernel": ({"packed_ptr": "*u8", "scale_ptr": "*fp32", "gs_ptr": "*fp32", "out_ptr": "*bf16",
+                            "n_groups": "i32", "BLOCK": "constexpr", "BF16": "constexpr"}, {"BLOCK": 64, "BF16": True}),
+    "_quantize_kernel": ({"w_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*u8", "scale_ptr": "*fp32",
+                          "n_groups": "i32", "BLOCK": "constexpr"}, {"BLOCK": 64}),
+    "_round_fp8_kernel": ({"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024}),
+}
+ops = {}
+for name, (sig, const) in sigs.items():
+    ptx = compile(ASTSource(fn=getattr(k, name), signature=sig, constexprs=const),
+                  target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ops[name] = sorted(set(re.findall(r"\\b(?:div|rcp)\\.[a-z0-9.]+", ptx)))
+print(json.dumps(ops))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cached one
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ops = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(ops) == {"_dequantize_kernel", "_quantize_kernel", "_round_fp8_kernel"}
+    for name, found in ops.items():
+        assert found and set(found) <= {"div.rn.f32"}, (name, found)
+
+
+def test_wheel_script_downloads_and_enforces_the_limit(tmp_path):
+    """One tiny wheel (iniconfig, ~8 KB) from the registry, then the same with a limit it exceeds."""
+    script = ROOT / "scripts" / "fetch_gpu_wheels.sh"
+    proc = subprocess.run(
+        ["bash", str(script), "--dest", str(tmp_path / "w"), "--only", "iniconfig"],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0 and re.search(r"(?i)connection|resolve|network|temporary failure", proc.stderr):
+        pytest.skip(f"package registry unreachable: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wheels = list((tmp_path / "w").glob("iniconfig-*-py3-none-any.whl"))
+    assert len(wheels) == 1
+    manifest = json.loads((tmp_path / "w" / "wheels.json").read_text())
+    assert manifest["total_bytes"] == wheels[0].stat().st_size and manifest["python"] == "3.12"
+    over = subprocess.run(
+        ["bash", str(script), "--dest", str(tmp_path / "w2"), "--only", "iniconfig", "--max-mib", "0.001"],
+        capture_output=True,
+        text=True,
+    )
+    assert over.returncode != 0 and "over the 0.001 MiB limit" in over.stderr
+
+
+@pytest.mark.slow  # about 30 s on an idle 2-core machine (three child processes import torch)
+def test_gpu_check_dry_run(tmp_path):
+    """``gpu_check.sh --dry-run`` on the CPU: the gpu tests skip, the benchmark runs at tiny shapes,
+    the results file is written under $OUT, and benchmarks/results is left alone."""
+    results = ROOT / "benchmarks" / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    env = {**os.environ, "OUT": str(tmp_path)}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = (tmp_path / "gpu-check.md").read_text()
+    assert "mode: dry-run" in report and "skipped" in report
+    assert "| tiny | nvfp4 |" in report and "| tiny | bf16 |" in report
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert data["mode"] == "dry-run-cpu" and all("peak_bytes" in a for a in data["train"])
+    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before
+
+
+# -- CUDA -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_triton_kernels_bit_exact_on_cuda(cuda):
+    from test_nvfp4_kernels import _adversarial, _adversarial_packed
+
+    from kernels import nvfp4
+    from kernels.nvfp4 import FP4_VALUES, dequantize_nvfp4, pack_codes, quantize_nvfp4
+    from kernels.nvfp4_triton import dequantize_nvfp4_triton, quantize_nvfp4_triton, round_fp8_e4m3_triton
+
+    assert nvfp4.quantize_backend(cuda) == "triton" and nvfp4.dequantize_backend(cuda) == "triton"
+    # truth table: every code decodes to its value, sign of zero included
+    packed = pack_codes(torch.arange(16, dtype=torch.uint8).reshape(1, 16))
+    one = torch.ones(1, 1).to(torch.float8_e4m3fn)
+    deq = dequantize_nvfp4_triton(packed.to(cuda), one.to(cuda), 1.0, torch.float32).cpu()[0]
+    assert deq[:8].tolist() == list(FP4_VALUES) and deq[9:].tolist() == [-v for v in FP4_VALUES[1:]]
+    assert deq[8].item() == 0.0 and torch.signbit(deq[8])
+    # ties: amax 6 gives global scale 448 and block scale 448, so each quotient is the value itself and
+    # sits exactly on a rounding boundary (the cases an approximate division gets wrong)
+    ties = torch.tensor(
+        [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -2.5, -5.0, 0.0, -0.0, 5.5, -6.0]
+    )
+    assert all(
+        _same(a, b)
+        for a, b in zip(quantize_nvfp4(ties[None]), quantize_nvfp4_triton(ties[None].to(cuda)), strict=True)
+    )
+    # FP8 E4M3 rounding, value by value, against torch's cast on the GPU
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.rand(1 << 20, generator=g) * 460, torch.rand(1 << 16, generator=g) * 0.03])
+    x = torch.cat([x, torch.tensor([7.85, 15.5, 448.0, 2.0**-9, 3 * 2.0**-11])]).to(cuda)
+    assert torch.equal(round_fp8_e4m3_triton(x), x.clamp(max=448).to(torch.float8_e4m3fn).float())
+    # adversarial and random weights, many program blocks, a ragged last block
+    weights = _adversarial(0) + _adversarial(1) + [torch.randn(4099, 528, generator=g) * 0.02]
+    for w in weights:
+        ref = quantize_nvfp4(w)
+        assert all(_same(a, b) for a, b in zip(ref, quantize_nvfp4_triton(w.to(cuda)), strict=True))
+        assert all(_same(a, b) for a, b in zip(ref, nvfp4.quantize(w.to(cuda)), strict=True))
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for packed, scale, gs in _adversarial_packed(0) + _adversarial_packed(1):
+            ref = dequantize_nvfp4(packed, scale, gs, dtype)
+            assert _same(ref, dequantize_nvfp4_triton(packed.to(cuda), scale.to(cuda), gs.to(cuda), dtype))
+
+
+@pytest.fixture(scope="module")
+def cuda_checkpoints(request, tmp_path_factory):
+    """The tiny model quantized by the real quantize stage on CUDA (Triton), and its bf16 twin."""
+    if not CUDA:  # before the tiny model is built: nothing to do on a CPU
+        pytest.skip("needs a CUDA GPU: run `bash scripts/gpu_check.sh` on one")
+    tiny_model_dir = request.getfixturevalue("tiny_model_dir")
+    from pipeline.artifacts import ArtifactStore
+    from pipeline.nvfp4 import QuantizeConfig
+    from stages.quantize import run as quantize
+    from stages.quantize import run_twin
+
+    store = ArtifactStore(tmp_path_factory.mktemp("gpu-store"))
+    manifest = quantize(QuantizeConfig(), str(tiny_model_dir), store)
+    return manifest, run_twin(QuantizeConfig(twin_dtype="bfloat16"), manifest, store)
+
+
+@pytest.mark.gpu
+def test_quantize_stage_on_cuda_matches_the_reference(cuda, cuda_checkpoints):
+    from safetensors.torch import load_file
+
+    from kernels.nvfp4 import quantize_nvfp4
+
+    manifest, _ = cuda_checkpoints
+    assert manifest.mode == "nvfp4/triton"
+    ours = {k: v for f in manifest.dir.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    source = Path(manifest.extra["source"])
+    src = {k: v for f in source.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    fused = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj")}
+    fused |= {
+        "v_proj": fused["q_proj"],
+        "gate_proj": ("gate_proj", "up_proj"),
+        "up_proj": ("gate_proj", "up_proj"),
+    }
+    for key in [k for k in ours if k.endswith(".weight_packed")]:
+        base = key[: -len(".weight_packed")]
+        prefix, proj = base.rsplit(".", 1)
+        group = [src[f"{prefix}.{p}.weight"] for p in fused.get(proj, (proj,))]
+        amax = max(float(w.float().abs().max()) for w in group)
+        ref = quantize_nvfp4(src[f"{base}.weight"], None if len(group) == 1 else 2688.0 / amax)
+        got = (
+            ours[f"{base}.weight_packed"],
+            ours[f"{base}.weight_scale"],
+            ours[f"{base}.weight_global_scale"],
+        )
+        assert all(_same(a, b) for a, b in zip(ref, got, strict=True)), base
+
+
+def _lora_grads(model, mb) -> dict[str, torch.Tensor]:
+    from pipeline.training import completion_logprobs
+
+    model.zero_grad(set_to_none=True)
+    logp, _ = completion_logprobs(model, mb, 1.0)
+    weights = torch.linspace(-1, 1, logp.numel(), device=logp.device).reshape(logp.shape)
+    (logp * weights).sum().backward()
+    return {
+        n.replace(".base_layer", ""): p.grad.clone() for n, p in model.named_parameters() if p.requires_grad
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_nvfp4_linear_and_lora_grads_on_cuda_equal_dense_bf16(
+    cuda, cuda_checkpoints, tmp_path, checkpointing
+):
+    """Our packed model on CUDA vs an HF model holding dequant(W) in bf16: same logits, same LoRA grads."""
+    import shutil
+
+    from test_qlinear import _minibatch
+
+    from pipeline.qlinear import NVFP4Linear, load_dequantized_reference, load_quantized_for_training
+    from pipeline.training import TrainConfig, init_state
+
+    ckpt = cuda_checkpoints[0].dir
+    qmodel = load_quantized_for_training(ckpt, device="cuda")
+    ref = load_dequantized_reference(ckpt, device="cuda")
+    assert sum(isinstance(m, NVFP4Linear) for m in qmodel.modules()) == 7 * qmodel.config.num_hidden_layers
+    assert qmodel.model.layers[0].mlp.up_proj.weight_packed.is_cuda
+    ids = torch.tensor([[3, 50, 7, 99, 12, 4]], device="cuda")
+    assert torch.equal(qmodel(input_ids=ids).logits, ref(input_ids=ids).logits)
+    dense_dir = tmp_path / "dense"
+    ref.save_pretrained(dense_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (ckpt / name).is_file():
+            shutil.copy(ckpt / name, dense_dir / name)
+    cfg = TrainConfig(lora_r=4, lora_alpha=8, seed=5, gradient_checkpointing=checkpointing)
+    ours, dense = init_state(ckpt, cfg, device="cuda"), init_state(dense_dir, cfg, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dense_params = dict(dense.model.named_parameters())
+    with torch.no_grad():  # non-zero lora_B so lora_A gets a gradient too; identical LoRA in both
+        for name, p in ours.model.named_parameters():
+            if p.requires_grad:
+                if "lora_B" in name:
+                    p.normal_(0, 0.1, generator=gen)
+                dense_params[name].copy_(p)
+    mb = _minibatch()
+    g_ours, g_dense = _lora_grads(ours.model, mb), _lora_grads(dense.model, mb)
+    assert g_ours.keys() == g_dense.keys() and len(g_ours) == 2 * 7 * 2
+    for name in g_ours:
+        assert g_ours[name].is_cuda and float(g_dense[name].abs().max()) > 0, name
+        # same bf16 weights, same GEMMs (F.linear forward, grad_out @ W backward): bit-identical
+        assert torch.equal(g_ours[name], g_dense[name]), name
+
+
+@pytest.mark.gpu
+def test_grpo_step_on_cuda_and_its_checkpoint_reloads_bit_exactly(cuda, cuda_checkpoints, tmp_path):
+    from pipeline.training import (
+        RolloutBatch,
+        TrainConfig,
+        init_state,
+        load_checkpoint,
+        save_checkpoint,
+        train_step,
+    )
+
+    ckpt = cuda_checkpoints[0].dir
+    cfg = TrainConfig(lora_r=4, lora_alpha=8, seed=3, gradient_checkpointing=True, lr=1e-3)
+    state = init_state(ckpt, cfg, device="cuda")
+    assert state.base_format == "nvfp4"
+    batch = RolloutBatch(
+        prompt_ids=[[5, 6, 7, 8]] * 4,
+        completion_ids=[[11, 12, 13], [14, 15, 16, 17], [18, 19], [20, 21, 22]],
+        sampler_logprobs=[[-5.0] * 3, [-5.0] * 4, [-5.0] * 2, [-5.0] * 3],
+        truncated=[False] * 4,
+        rewards=[1.0, 0.0, 1.0, 0.0],
+        group_ids=[0] * 4,
+    )
+    before = {n: p.detach().clone() for n, p in state.model.named_parameters() if p.requires_grad}
+    metrics = train_step(state, batch, cfg)
+    assert (
+        metrics["updates"] == 1 and not metrics["skipped"] and torch.isfinite(torch.tensor(metrics["loss"]))
+    )
+    after = {n: p.detach().clone() for n, p in state.model.named_parameters() if p.requires_grad}
+    assert all(t.is_cuda for t in after.values())
+    assert any(not torch.equal(before[n], after[n]) for n in after)  # the update moved the adapter
+    save_checkpoint(state, tmp_path / "ckpt")
+    again = load_checkpoint(ckpt, cfg, tmp_path / "ckpt", device="cuda")
+    reloaded = {n: p.detach() for n, p in again.model.named_parameters() if p.requires_grad}
+    assert reloaded.keys() == after.keys() and all(_same(after[n], reloaded[n]) for n in after)
+    old_opt, new_opt = state.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
+    assert old_opt.keys() == new_opt.keys()
+    for idx in old_opt:
+        for key, value in old_opt[idx].items():
+            assert _same(value, new_opt[idx][key]), (idx, key)
+    assert (again.step, again.updates) == (state.step, state.updates)
+    assert train_step(again, batch, cfg)["updates"] == 1  # and it trains on from there
+
+
+@pytest.mark.gpu
+def test_hf_engine_generates_on_cuda_from_the_twin(cuda, cuda_checkpoints):
+    """The transformers engine puts the twin on the GPU and records the logprobs of what it sampled:
+    checked against a float32 CPU forward of the same weights (bf16 on the GPU: 0.05 nats)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.engines import RolloutConfig, SamplingSpec, build_engine
+    from pipeline.engines.hf_engine import HFEngine
+
+    twin = cuda_checkpoints[1]
+    cfg = RolloutConfig(engine="hf", max_new_tokens=12, max_model_len=64, template="terse", dtype="bfloat16")
+    engine = build_engine(cfg, cuda_checkpoints[0], twin)
+    try:
+        assert isinstance(engine, HFEngine) and engine.mode == "hf-nvfp4-emulated"
+        assert engine.info["device"] == "cuda"
+        assert next(engine.base.parameters()).is_cuda
+        out = engine.generate(
+            ["1 + 2 =", "What is 7 - 3?"], 2, SamplingSpec(temperature=1.0, max_new_tokens=12), seed=0
+        )
+        again = engine.generate(
+            ["1 + 2 =", "What is 7 - 3?"], 2, SamplingSpec(temperature=1.0, max_new_tokens=12), seed=0
+        )
+    finally:
+        engine.close()
+    assert [[c.completion_ids for c in row] for row in out] == [
+        [c.completion_ids for c in row] for row in again
+    ]
+    cpu = AutoModelForCausalLM.from_pretrained(twin.dir, dtype=torch.float32).eval()
+    for row in out:
+        assert len(row) == 2
+        for c in row:
+            assert c.completion_ids and len(c.logprobs) == len(c.completion_ids)
+            ids = torch.tensor([c.prompt_ids + c.completion_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(cpu(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1].float(), -1)
+            want = logp.gather(-1, torch.tensor(c.completion_ids)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(c.logprobs), want, atol=0.05), (c.logprobs, want.tolist())
