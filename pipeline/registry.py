@@ -6,10 +6,13 @@ lineage as tags (base model digest, quantization recipe, dataset digest, code ve
 run id, the adapter's own digest and its evaluation). Aliases, not the deprecated stages, name the
 roles: ``challenger`` is the newest complete version, ``champion`` the one serving.
 
-Backend: a database, never the plain ``mlruns`` folder. ``tracking_uri=None`` is the embedded
-default, a sqlite file ``<work>/mlflow.db`` with artifacts under ``<work>/mlartifacts``; any
-``postgresql+psycopg://`` URI works the same (the experiment's artifact location is still set
-explicitly, so artifacts never land in the caller's working directory).
+Backend: a database or a tracking server, never the plain ``mlruns`` folder. ``tracking_uri=None``
+is the embedded default, a sqlite file ``<work>/mlflow.db`` with artifacts under ``<work>/mlartifacts``;
+any ``postgresql+psycopg://`` URI works the same (the experiment's artifact location is still set
+explicitly, so artifacts never land in the caller's working directory). An MLflow tracking server
+(``http[s]://host:port``, the usual team setup) is used through its REST API only; a new
+experiment takes the server's artifact root (``mlflow-artifacts:/`` under ``--serve-artifacts``,
+MLflow 3's default), so the adapter is uploaded through the server, not written to a local path.
 
 Promotion rule: a version becomes champion only when its run is complete and its accuracy beats the
 current champion's *on the same benchmark* by more than ``promote_margin`` (absolute). A champion
@@ -24,9 +27,11 @@ correctly by accuracy. We therefore serialise the whole decision (and version cr
 "same adapter digest already registered?" check is atomic too) under a lock that lives with the
 database: an ``flock`` on ``<db>.lock`` next to a sqlite file, a session-level
 ``pg_advisory_lock`` on the same PostgreSQL database. Both are released by the kernel/server when
-the holder dies, so a crashed run never wedges the registry. Any other tracking backend (e.g. a
-remote MLflow server) is refused for registration with a clear error rather than run unprotected.
-After setting an alias it is re-read as a sanity check.
+the holder dies, so a crashed run never wedges the registry. After setting an alias it is re-read
+as a sanity check. Any other backend is refused with a clear error rather than run unprotected.
+
+Through a tracking server there is no such lock; ``pipeline.registry_lock`` explains the ticket lock
+used instead (a version-numbered lease on the server).
 
 Departure from the paper: none (the paper has no registry); this is the product's MLOps layer.
 State: ``open_tracking`` sets MLflow's process-wide tracking and registry URIs (as ``mlflow``
@@ -35,14 +40,11 @@ itself does); the other functions use them, so call it first.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import logging
 import math
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,11 @@ from mlflow.tracking import MlflowClient
 from pydantic import Field
 
 from pipeline.config import StrictModel
+from pipeline.registry_lock import (
+    RegistryError,
+    backend_kind,
+    registry_lock,
+)
 
 log = logging.getLogger("qerl.registry")
 
@@ -65,10 +72,6 @@ PLOTS: dict[str, tuple[str, ...]] = {
     "entropy": ("entropy", "entropy_mean", "train_entropy"),
     "sigma": ("sigma", "aqn_sigma"),
 }
-
-
-class RegistryError(RuntimeError):
-    """A registry operation cannot proceed; the message names the model, version or URI."""
 
 
 class RegistryConfig(StrictModel):
@@ -89,67 +92,22 @@ class RegistryConfig(StrictModel):
 
 
 # ---- connection ----------------------------------------------------------------------------------
-def resolve_uris(cfg: RegistryConfig, work_dir: str | Path) -> tuple[str, str]:
-    """(tracking URI, artifact location) for ``cfg`` with the work-dir defaults filled in."""
+def resolve_uris(cfg: RegistryConfig, work_dir: str | Path) -> tuple[str, str | None]:
+    """(tracking URI, artifact location) for ``cfg`` with the work-dir defaults filled in.
+
+    With a tracking server the artifact location defaults to None: the server picks its own
+    (``mlflow-artifacts:/...`` with ``--serve-artifacts``, MLflow 3's default), so uploads go
+    through the server instead of to a path on this machine."""
     work = Path(work_dir).resolve()
     uri = cfg.tracking_uri or f"sqlite:///{work / 'mlflow.db'}"
+    if backend_kind(uri) == "server":
+        return uri, cfg.artifact_location
     artifacts = cfg.artifact_location or (work / "mlartifacts").as_uri()
     return uri, artifacts
 
 
-def backend_kind(uri: str) -> str:
-    """``sqlite`` or ``postgresql`` (the backends we can lock); anything else raises."""
-    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
-    if scheme in ("sqlite", "postgresql", "postgres"):
-        return "postgresql" if scheme.startswith("postgres") else "sqlite"
-    raise RegistryError(
-        f"tracking URI '{uri}' is not a sqlite or postgresql database: the registry needs a lock it can "
-        "take on the database itself to keep promotions race-free"
-    )
-
-
-@contextlib.contextmanager
-def registry_lock(uri: str, name: str, timeout_s: float = 120.0) -> Iterator[None]:
-    """Exclusive lock for registry writes of model ``name`` on the database behind ``uri``."""
-    from sqlalchemy.engine import make_url
-
-    url = make_url(uri)
-    if backend_kind(uri) == "sqlite":
-        if not url.database or url.database == ":memory:":
-            raise RegistryError(f"sqlite tracking URI '{uri}' has no database file to lock next to")
-        lock_path = Path(url.database).with_name(Path(url.database).name + ".lock")
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock_path, "a+") as fh:
-            deadline = time.monotonic() + timeout_s
-            while True:  # poll, so a stuck holder gives an error naming the lock, not a hang
-                try:
-                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise RegistryError(f"timed out after {timeout_s}s waiting for {lock_path}") from None
-                    time.sleep(0.05)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-        return
-    import psycopg
-
-    conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
-    key = int.from_bytes(hashlib.sha256(f"qerl-registry:{name}".encode()).digest()[:8], "big", signed=True)
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute(f"SET lock_timeout = '{int(timeout_s * 1000)}ms'")
-        try:
-            conn.execute("SELECT pg_advisory_lock(%s)", (key,))
-        except psycopg.errors.LockNotAvailable:
-            raise RegistryError(
-                f"timed out after {timeout_s}s waiting for the advisory lock on {name}"
-            ) from None
-        try:
-            yield
-        finally:
-            conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+def _is_local(location: str) -> bool:
+    return location.startswith(("file:", "/")) or ":" not in location
 
 
 def _uri() -> str:
@@ -172,8 +130,18 @@ def open_tracking(cfg: RegistryConfig, work_dir: str | Path) -> MlflowClient:
     mlflow.set_registry_uri(uri)
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     with registry_lock(uri, cfg.model_name, cfg.lock_timeout_s):
-        if client.get_experiment_by_name(cfg.experiment) is None:
+        experiment = client.get_experiment_by_name(cfg.experiment)
+        if experiment is None:
             client.create_experiment(cfg.experiment, artifact_location=artifacts)
+        elif kind == "server" and _is_local(experiment.artifact_location):
+            log.warning(
+                "experiment '%s' on %s stores artifacts at %s, a path this client writes directly, not "
+                "through the server; set registry.artifact_location or use a new experiment to upload "
+                "through the server",
+                cfg.experiment,
+                uri,
+                experiment.artifact_location,
+            )
         try:
             client.get_registered_model(cfg.model_name)
         except MlflowException:
@@ -460,3 +428,4 @@ def version_info(cfg: RegistryConfig, version: str) -> dict[str, Any]:
         "tags": dict(mv.tags),
         "aliases": sorted(mv.aliases),
     }
+

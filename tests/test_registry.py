@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
 from pipeline import registry as reg
+from pipeline.registry_lock import LOCK_SUFFIX
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,8 +89,13 @@ def test_default_backend_is_sqlite_under_work_dir(sqlite_work):
     assert uri == f"sqlite:///{sqlite_work.resolve() / 'mlflow.db'}"
     assert (sqlite_work / "mlflow.db").is_file()
     assert artifacts == (sqlite_work.resolve() / "mlartifacts").as_uri()
-    with pytest.raises(reg.RegistryError, match="not a sqlite or postgresql"):
-        reg.backend_kind("http://mlflow.example:5000")
+    with pytest.raises(reg.RegistryError, match="not a sqlite or postgresql database nor an MLflow tracking"):
+        reg.backend_kind("file:///tmp/mlruns")
+    assert reg.backend_kind("http://mlflow.example:5000") == "server"
+    assert reg.resolve_uris(reg.RegistryConfig(tracking_uri="https://m.example"), sqlite_work) == (
+        "https://m.example",
+        None,  # the server chooses where artifacts go (and they are uploaded through it)
+    )
     with pytest.raises(Exception, match="promote_margin"):
         reg.RegistryConfig(promote_margin=-0.1)
 
@@ -368,3 +378,115 @@ def test_cli_promote(cfg, sqlite_work, tmp_path, capsys):
     assert f"{cfg.model_name} v{v2} is now @champion" in capsys.readouterr().out
     assert main(["promote", cfg.model_name, "7", "--work-dir", str(sqlite_work)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---- MLflow tracking server: a real `mlflow server` on loopback, started for the test ------------
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """(URI, root): a real tracking server with a sqlite backend and proxied artifacts in ``root``."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = _free_port()
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination",
+           str(root / "artifacts"), "--workers", "2"]  # fmt: skip
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no background job runner
+    with open(root / "server.log", "w") as log_fh:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log_fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240  # its start-up takes 10-40 s on a busy 2-core machine
+        while True:
+            assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not answer /health"
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        yield uri, root
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_tracking_server_backend(mlflow_server, tmp_path):
+    uri, root = mlflow_server
+    cfg = reg.RegistryConfig(tracking_uri=uri, model_name="srv-adapter")
+    reg.open_tracking(cfg, tmp_path)
+    assert reg.backend_kind(uri) == "server"
+    client = reg.MlflowClient()
+    assert client.get_experiment_by_name(cfg.experiment).artifact_location.startswith("mlflow-artifacts:")
+    v1 = register(cfg, tmp_path, "srv1", 0.5)
+    info = reg.version_info(cfg, v1)
+    assert info["source"].startswith("mlflow-artifacts:/") and info["source"].endswith("/adapter")
+    # uploaded through the server: the bytes sit in its artifacts destination, nothing local
+    uploaded = sorted((root / "artifacts").rglob("adapter/adapter_model.safetensors"))
+    assert [p.read_bytes() for p in uploaded] == [b"srv1" * 8]
+    assert not (tmp_path / "mlartifacts").exists()
+    local = client.download_artifacts(info["run_id"], "adapter", str(tmp_path / "dl"))
+    assert sorted(os.listdir(local)) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    assert reg.set_challenger(cfg, v1)
+    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.5, True)
+    v2 = register(cfg, tmp_path, "srv2", 0.4)
+    assert not reg.maybe_promote(cfg, v2, "arith/test@x", 0.4, True)
+    assert champion(cfg) == v1
+    again, created = reg.register_adapter(
+        cfg, reg.start_run(cfg), make_adapter(tmp_path, "srv1"), None, {"benchmark": "b"}, lineage("srv1")
+    )
+    assert (again, created) == (v1, False)
+    reg.promote(cfg, cfg.model_name, v2)
+    assert champion(cfg) == v2
+    # the ticket lock excludes a second holder, and every ticket is gone afterwards
+    with pytest.raises(reg.RegistryError, match="timed out.*held by ticket"), reg.registry_lock(uri, "srv-x"):
+        with reg.registry_lock(uri, "srv-x", timeout_s=0.5):
+            pass
+    assert client.search_model_versions(f"name = 'srv-x{LOCK_SUFFIX}'") == []
+    # two processes finishing together through the server: both versions kept, the better one champion
+    race_cfg = reg.RegistryConfig(tracking_uri=uri, model_name="srv-race")
+    reg.open_tracking(race_cfg, tmp_path)
+    check_race(race_cfg, tmp_path, env={"QERL_TEST_URI": uri})
+
+
+@pytest.mark.slow
+def test_server_lock_lease(mlflow_server, tmp_path):
+    """A dead holder's ticket (never renewed) is broken after the lease; a live one is not."""
+    uri, _ = mlflow_server
+    reg.open_tracking(reg.RegistryConfig(tracking_uri=uri, model_name="srv-lease"), tmp_path)
+    client = reg.MlflowClient()
+    model = f"srv-lease{LOCK_SUFFIX}"
+    with contextlib.suppress(reg.MlflowException):
+        client.create_registered_model(model)
+    dead = client.create_model_version(model, source="qerl-lock:/x", tags={"holder": "dead"})
+    start = time.monotonic()
+    with reg.registry_lock(uri, "srv-lease", timeout_s=30, lease_s=1.0):
+        waited = time.monotonic() - start
+        live = [str(v.version) for v in client.search_model_versions(f"name = '{model}'")]
+    assert 1.0 < waited < 15 and str(dead.version) not in live and len(live) == 1
+
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with reg.registry_lock(uri, "srv-lease", lease_s=1.0):
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(reg.RegistryError, match="timed out"):  # 3 leases long: renewed, not broken
+            with reg.registry_lock(uri, "srv-lease", timeout_s=3.0, lease_s=1.0):
+                pass
+    finally:
+        release.set()
+        thread.join(30)
+    assert client.search_model_versions(f"name = '{model}'") == []
