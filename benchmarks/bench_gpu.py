@@ -482,6 +482,21 @@ def _versions() -> dict:
     return info
 
 
+def _merge_previous(report: dict, path: Path, models: list[str]) -> None:
+    """Keep an earlier run's arms of other models (and its kernels, when this run skips them), so one
+    results file can be filled over several time-limited calls. Only runs of the same batch, steps and
+    device merge; anything else is an error, not a silent mix."""
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    same = {k: old.get(k) for k in ("batch", "steps", "device_name", "mode")}
+    if same != {k: report[k] for k in same}:
+        raise SystemExit(f"bench_gpu --merge: {path} is from another setup ({same}); move it away first")
+    names = {f"qwen2.5-{m}" for m in models} | set(models)
+    report["train"] = [a for a in old.get("train", []) if a["shape"]["name"] not in names]
+    report["kernels"] = old.get("kernels")
+
+
 def main(args: argparse.Namespace) -> dict:
     import tempfile
 
@@ -509,6 +524,8 @@ def main(args: argparse.Namespace) -> dict:
         "kernels": None,
     }
     models = ["tiny"] if args.dry_run else args.models.split(",")
+    if args.merge:
+        _merge_previous(report, out_dir / "gpu.json", models)
 
     def save() -> None:
         atomic_write_json(out_dir / "gpu.json", report)
@@ -562,6 +579,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--arm-timeout", type=float, default=300.0, help="seconds before an arm is abandoned")
     parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep other models' arms from --out-dir/gpu.json"
+    )
     parser.add_argument(
         "--out-dir", default=None, help="where gpu.md/gpu.json go (default benchmarks/results)"
     )

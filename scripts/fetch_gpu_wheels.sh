@@ -31,7 +31,7 @@ while (($#)); do
     --only) ONLY+=("$2"); shift 2 ;;
     --extra) EXTRA+=("$2"); shift 2 ;;
     --list) printf '%s\n' "${PINS[@]}"; exit 0 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "fetch_gpu_wheels: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

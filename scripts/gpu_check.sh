@@ -15,9 +15,11 @@
 # benchmarks/results. The exit status is non-zero when the tests or the benchmark failed.
 #
 # Options: --dry-run  --tests-only  --bench-only  --models 7b,14b,32b  --arms nvfp4,bf16
-#          --steps N  --prompt N  --completion N  (the last five go to bench_gpu.py)
+#          --steps N  --prompt N  --completion N  --skip-kernels  --merge  (these go to bench_gpu.py;
+#          --merge keeps the other models' arms already in benchmarks/results/gpu.json)
 # The whole default run is sized for one 10-minute device call on an H100; split it with
-# --tests-only / --bench-only / --models if it does not fit.
+# --tests-only / --bench-only / --models, e.g. `--models 7b,14b` then `--bench-only --models 32b
+# --skip-kernels --merge`, if it does not fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -32,7 +34,8 @@ while (($#)); do
     --tests-only) BENCH=0; shift ;;
     --bench-only) TESTS=0; shift ;;
     --models|--arms|--steps|--prompt|--completion) BENCH_ARGS+=("$1" "$2"); shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --merge|--skip-kernels) BENCH_ARGS+=("$1"); shift ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -28,7 +28,10 @@ CUDA = torch.cuda.is_available()
 GPU_ENV = "TRITON_INTERPRET=0 is needed: run the gpu tests through scripts/gpu_check.sh"
 
 # What the GPU image lacks and the kit must therefore never import (directly or through our modules).
-FORBIDDEN = ("prefect", "mlflow", "vllm", "math_verify", "compressed_tensors")
+FORBIDDEN = (
+    "prefect", "mlflow", "vllm", "math_verify", "compressed_tensors", "trl", "datasets", "matplotlib",
+    "psycopg", "asyncpg", "fastapi", "sqlalchemy",
+)  # fmt: skip
 
 
 @pytest.fixture
@@ -225,7 +228,7 @@ def cuda_checkpoints(request, tmp_path_factory):
 def test_quantize_stage_on_cuda_matches_the_reference(cuda, cuda_checkpoints):
     from safetensors.torch import load_file
 
-    from kernels.nvfp4 import quantize_nvfp4
+    from kernels.nvfp4 import global_scale, quantize_nvfp4
 
     manifest, _ = cuda_checkpoints
     assert manifest.mode == "nvfp4/triton"
@@ -242,8 +245,8 @@ def test_quantize_stage_on_cuda_matches_the_reference(cuda, cuda_checkpoints):
         base = key[: -len(".weight_packed")]
         prefix, proj = base.rsplit(".", 1)
         group = [src[f"{prefix}.{p}.weight"] for p in fused.get(proj, (proj,))]
-        amax = max(float(w.float().abs().max()) for w in group)
-        ref = quantize_nvfp4(src[f"{base}.weight"], None if len(group) == 1 else 2688.0 / amax)
+        amax = max(float(w.float().abs().max()) for w in group)  # the stage's shared scale of a fused group
+        ref = quantize_nvfp4(src[f"{base}.weight"], None if len(group) == 1 else global_scale(amax))
         got = (
             ours[f"{base}.weight_packed"],
             ours[f"{base}.weight_scale"],
@@ -389,3 +392,43 @@ def test_hf_engine_generates_on_cuda_from_the_twin(cuda, cuda_checkpoints):
                 logp = torch.log_softmax(cpu(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1].float(), -1)
             want = logp.gather(-1, torch.tensor(c.completion_ids)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(c.logprobs), want, atol=0.05), (c.logprobs, want.tolist())
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_report_records_oom_and_merges_runs(tmp_path):
+    """An arm that ran out of memory is a result row, and --merge keeps the other models' arms."""
+    bench = _bench_module()
+    from pipeline.plan import CATALOGUE
+
+    shape = CATALOGUE["qwen2.5-32b"].__dict__
+    arms = [
+        {"shape": shape, "base": "nvfp4", "peak_bytes": 40 * 2**30, "weights_bytes": 20 * 2**30,
+         "times": [9.0, 11.0], "loss": 0.1, "phase": "done", "plan_bytes": 41 * 2**30},
+        {"shape": shape, "base": "bf16", "oom": True, "phase": "warm-up update", "error": "CUDA out of memory",
+         "peak_bytes_at_oom": 78 * 2**30, "weights_bytes": 61 * 2**30, "plan_bytes": 80 * 2**30},
+    ]  # fmt: skip
+    report = {
+        "device_name": "NVIDIA H100", "cpus": 16, "torch": "x", "triton": "x", "transformers": "x", "peft": "x",
+        "dry_run": False, "mode": "cuda", "batch": dict(bench.PAPER), "steps": 2, "train": arms, "kernels": None,
+    }  # fmt: skip
+    text = bench.render(report)
+    assert "| qwen2.5-32b | bf16 | 61.00 | - | 80.00 | - | **OOM** in warm-up update (78.00 GiB" in text
+    assert "| qwen2.5-32b | nvfp4 | 20.00 | 40.00 | 41.00 | 10.00 |" in text
+    assert "the NVFP4 base trains in 40.00 GiB; the bf16 base does not fit" in text
+    (tmp_path / "gpu.json").write_text(json.dumps(report))
+    fresh = {**report, "train": [], "kernels": None}
+    bench._merge_previous(fresh, tmp_path / "gpu.json", ["7b"])
+    assert [a["base"] for a in fresh["train"]] == ["nvfp4", "bf16"]  # 32b kept: this run is 7b only
+    again = {**report, "train": []}
+    bench._merge_previous(again, tmp_path / "gpu.json", ["32b"])
+    assert again["train"] == []  # 32b is being re-run: its old arms go
+    with pytest.raises(SystemExit, match="another setup"):
+        bench._merge_previous({**report, "steps": 3}, tmp_path / "gpu.json", ["7b"])
