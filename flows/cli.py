@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -28,7 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     # --- subcommands (each block adds a parser and registers its handler in COMMANDS) ---
-    _ = sub
     _add_score(sub)
     _add_quantize(sub)
     _add_promote(sub)
@@ -73,6 +73,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run the RL flow (no --config: the embedded demo)")
     p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/presets)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    p.add_argument(
+        "--night",
+        default=None,
+        metavar="YYYY-MM-DD|today",
+        help="run that night's nightly run by hand (warm start, next data slice), as the schedule would",
+    )
     _common(p)
     COMMANDS["run"] = _cmd_run
     p = sub.add_parser("resume", help="continue a recorded run: completed stages are reused")
@@ -87,32 +93,54 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     COMMANDS["schedule"] = _cmd_schedule
 
 
-def _print_run(record: dict, work: str) -> None:
+def _print_run(record: dict, work: str, out: Any = None) -> None:
+    """The run's result for people: the last thing ``qerl run``/``qerl resume`` prints."""
     from pathlib import Path
 
+    def say(text: str) -> None:
+        print(text, file=out or sys.stdout, flush=True)
+
     reg = record.get("registration") or {}
-    print(f"run {record['run_id']}: {record['status']} (engine mode {record.get('engine_mode')})")
+    night = f", night {record['night']}" if record.get("night") else ""
+    say(f"run {record['run_id']}: {record['status']} (engine mode {record.get('engine_mode')}{night})")
+    data = record.get("data") or {}
+    if data.get("dropped_too_long"):
+        say(f"  data: {data['kept']} problems, {data['dropped_too_long']} dropped (prompt > {data['prompt_token_limit']} tokens)")  # fmt: skip
+    warm = (record.get("plan") or {}).get("warm_start") or {}
+    if warm.get("version"):
+        say(f"  warm start: {reg.get('model_name') or 'adapter'} v{warm['version']}")
     for e in record.get("evaluations", []):
         who = "base (no adapter)" if e["adapter"] is None else f"adapter after step {e['step']}"
-        print(f"  accuracy {e['accuracy']:.3f}  {who}")
+        say(f"  accuracy {e['accuracy']:.3f}  {who}")
     if reg:
-        print(f"  registered {reg.get('model_name')} v{reg.get('version')}; champion: {reg.get('promoted')}")
-    print(f"  run record: {Path(work) / 'runs' / record['run_id'] / 'run.json'}")
-    print(f"  adapter:    {record.get('final_adapter')}")
-    print(f"  MLflow UI:  mlflow ui --backend-store-uri sqlite:///{Path(work) / 'mlflow.db'}")
+        say(f"  registered {reg.get('model_name')} v{reg.get('version')}; champion: {reg.get('promoted')}")
+    run_path = Path(work) / "runs" / record["run_id"]
+    say(f"  run record: {run_path / 'run.json'}")
+    say(f"  log:        {run_path / 'run.log'}")
+    say(f"  adapter:    {record.get('final_adapter')}")
+    say(f"  MLflow UI:  mlflow ui --backend-store-uri sqlite:///{Path(work) / 'mlflow.db'}")
+
+
+def _run_with_console(args: argparse.Namespace, cfg: Any, work: Any, night: Any) -> int:
+    """Run the flow with the console (flows/console.py): lines for people, chatter in run.log."""
+    from flows import console, runner
+    from flows.rl import run_dir, run_id_for
+
+    with console.session(run_dir(work, run_id_for(cfg, night)), verbose=args.verbose):
+        record = runner.run(cfg, work, night)
+    _print_run(record, str(work))
+    return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from flows import runner
     from pipeline.runconfig import load_run_config
+    from pipeline.runplan import parse_night
 
     cfg = load_run_config(args.config, args.set)
     work = Path(_work_dir(args)).resolve()
-    record = runner.run(cfg, work)
-    _print_run(record, str(work))
-    return 0
+    return _run_with_console(args, cfg, work, parse_night(args.night) if args.night else None)
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
@@ -121,9 +149,8 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from flows import runner
 
     work = Path(_work_dir(args)).resolve()
-    record = runner.resume(args.run_id, work)
-    _print_run(record, str(work))
-    return 0
+    cfg, night = runner.recorded_run(args.run_id, work)
+    return _run_with_console(args, cfg, work, night)
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
@@ -162,7 +189,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _add_quantize(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="quantize a HF model (dir or hub id) to an NVFP4A16 checkpoint")
-    p.add_argument("src", metavar="SRC", help="local model directory, or a hub id where the hub is reachable")
+    p.add_argument(
+        "src",
+        metavar="SRC",
+        help="local model directory, a catalogue model (smollm2-135m-instruct), or a hub id where the hub is reachable",
+    )
     p.add_argument("--out", required=True, metavar="DST", help="directory to write the checkpoint to")
     p.add_argument("--config", default=None, help="YAML file with quantize settings (QuantizeConfig)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
@@ -177,12 +208,14 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from pipeline.artifacts import ArtifactStore
     from pipeline.config import load_config
     from pipeline.nvfp4 import QuantizeConfig
+    from stages.fetch_model import resolve_base
     from stages.quantize import export, run_with_status
 
     t0 = time.perf_counter()
     cfg = load_config(QuantizeConfig, args.config, args.set)
     work = Path(_work_dir(args))
-    manifest, cached = run_with_status(cfg, args.src, ArtifactStore(work / "store"))
+    store = ArtifactStore(work / "store")
+    manifest, cached = run_with_status(cfg, resolve_base(args.src, store), store)
     dst = export(manifest, args.out)
     status = "cache hit" if cached else f"quantized ({manifest.mode})"
     print(
@@ -262,12 +295,14 @@ def _cmd_promote(args: argparse.Namespace) -> int:
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate an adapter (or none) on a benchmark: pass@1 averaged over k")
     p.add_argument("--adapter", required=True, metavar="DIR|none", help="peft adapter folder, or 'none'")
-    p.add_argument("--benchmark", default=None, metavar="NAME", help="arithmetic|gsm8k|math500|aime|amc|FILE")
+    p.add_argument(
+        "--benchmark", default=None, metavar="NAME", help="arithmetic|gsm8k|math500|aime24|amc23|FILE"
+    )
     p.add_argument(
         "--base",
         required=True,
         metavar="DIR",
-        help="checkpoint from 'qerl quantize' (or a HF model dir to quantize)",
+        help="checkpoint from 'qerl quantize' (or a HF model dir or catalogue model to quantize)",
     )
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="rollout engine (default vllm)")
     p.add_argument("--config", default=None, help="YAML file with evaluation settings (EvalConfig)")
@@ -294,7 +329,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from pipeline.evaluation import EvalConfig
     from pipeline.rewards import RewardConfig
     from pipeline.runconfig import eval_rollout_config
-    from stages import evaluate
+    from stages import evaluate, fetch_model
 
     engine_sets = [s.removeprefix("rollout.") for s in args.set if s.startswith("rollout.")]
     cfg = load_config(EvalConfig, args.config, [s for s in args.set if not s.startswith("rollout.")])
@@ -303,7 +338,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     store = ArtifactStore(Path(_work_dir(args)) / "store")
     # vLLM on CUDA serves the NVFP4 checkpoint itself; everywhere else the engine needs the twin
     need_twin = args.engine == "hf" or not cuda_available()
-    quantized, twin = evaluate.base_artifacts(args.base, store, need_twin)
+    base = fetch_model.resolve_base(args.base, store)  # a catalogue name becomes its directory
+    quantized, twin = evaluate.base_artifacts(base, store, need_twin)
     adapter = None if args.adapter.lower() == "none" else Path(args.adapter)
     digest = None if adapter is None else store.source_digest(adapter)
     rollout_cfg = eval_rollout_config(cfg, args.engine, quantized.dir, adapter, engine_sets)

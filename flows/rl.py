@@ -7,12 +7,23 @@ stage under its key and executes only what is missing, down to the half-done ste
 is the task's cache key in effect; Prefect's result persistence would duplicate it.
 
 The rollout engine is built once per run (vLLM startup is the expensive part) and handed to the
-rollout and evaluate tasks; it takes each step's adapter version and AQN sigma. Transient failures
-(an engine hiccup, a locked database) retry; deterministic ones fail the run, and the run record
-says where. A run that dies is continued by ``qerl resume RUN`` with the same config.
+rollout and evaluate tasks; it takes each step's adapter version and AQN sigma. Only transient
+failures retry (``pipeline.runplan.is_transient``: a dead engine, which ``LazyEngine`` then rebuilds,
+a dropped connection, a locked database); a config error, a misconfigured engine or bad data fails
+the run at once, and the run record says where. A run that dies is continued by ``qerl resume RUN``.
 
-Run records: ``<work>/runs/<run_id>/run.json`` (config, status, per-step manifests, history,
-registration). The run id is a hash of the config, so "the same config" means the same run.
+Two kinds of run:
+
+- a plain run (``qerl run``): its id is ``<loop.name>-<config hash>``, so the same config is the same
+  run; it trains from a fresh LoRA on the first ``loop.steps`` slots of the data stream;
+- a nightly run (the ``qerl schedule`` deployment, or ``qerl run --night DATE``): its id adds the
+  night (``-YYYYMMDD``, from Prefect's scheduled start time), so every night is a new run and a re-run
+  of the same night is that night's run. It warm-starts from the champion (``loop.warm_start``),
+  trains on the next slice of the data cursor, evaluates, registers and promotes only on a win; the
+  cursor advances when the night completes (``pipeline.runplan`` has the rules).
+
+Run records: ``<work>/runs/<run_id>/run.json`` (config, night, data slice, warm start, status,
+per-step manifests, history, registration); the console's log is ``run.log`` beside it.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,22 +40,38 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
+from flows import console
+from pipeline import runplan
 from pipeline.aqn import sigma_schedule
 from pipeline.artifacts import ArtifactStore, Manifest, atomic_write_json, default_work_dir, package_version
 from pipeline.config import config_hash
 from pipeline.data import load_problems, problems_digest
 from pipeline.engines import LazyEngine, RolloutEngine
 from pipeline.runconfig import RunConfig
-from stages import demo_base, evaluate, quantize, register, rollout, score, train
+from stages import demo_base, evaluate, fetch_model, quantize, register, rollout, score, train
 
 log = logging.getLogger("qerl.flow")
 
+
+def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's ``retry_condition_fn``: retry a failed task only when its error is transient."""
+    err = state.data if isinstance(state.data, BaseException) else None
+    transient = err is not None and runplan.is_transient(err)
+    log.info(
+        "task %s failed with %r: %s", task.name, err, "transient, retrying" if transient else "not retried"
+    )
+    return transient
+
+
 TASK_OPTS: dict[str, Any] = {"cache_policy": NO_CACHE, "persist_result": False}
-RETRY_OPTS: dict[str, Any] = {**TASK_OPTS, "retries": 2, "retry_delay_seconds": 2}
+RETRY_OPTS: dict[str, Any] = {
+    **TASK_OPTS, "retries": 2, "retry_delay_seconds": 2, "retry_condition_fn": _retry_transient,
+}  # fmt: skip
 
 
-def run_id_for(cfg: RunConfig) -> str:
-    return f"{cfg.loop.name}-{config_hash(cfg)[:10]}"
+def run_id_for(cfg: RunConfig, night: _dt.date | None = None) -> str:
+    base = f"{cfg.loop.name}-{config_hash(cfg)[:10]}"
+    return f"{base}-{runplan.night_label(night)}" if night else base
 
 
 def run_dir(work: Path, run_id: str) -> Path:
@@ -64,21 +91,12 @@ def _save_record(work: Path, record: dict[str, Any]) -> None:
     atomic_write_json(run_dir(work, record["run_id"]) / "run.json", record)
 
 
-def step_prompts(problems: list[Any], step: int, n: int, seed: int) -> list[Any]:
-    """The step's prompts: a seeded pass over shuffled epochs, so every problem is used in turn."""
-    per_epoch = max(1, len(problems) // n)
-    epoch, slot = divmod(step, per_epoch)
-    order = list(range(len(problems)))
-    random.Random(f"qerl-prompts-{seed}-{epoch}").shuffle(order)
-    return [problems[i] for i in order[slot * n : slot * n + n]]
-
-
 # ---- tasks: thin wrappers over stages ------------------------------------------------------------
 @task(name="base-model", **RETRY_OPTS)
 def base_task(cfg: RunConfig, store: ArtifactStore) -> str:
     if cfg.model.source == "demo":
         return str(demo_base.run(cfg.model.demo, store).dir)
-    return cfg.model.source
+    return fetch_model.resolve_base(cfg.model.source, store)  # a catalogue name, a directory or a hub id
 
 
 @task(name="quantize", **RETRY_OPTS)
@@ -89,6 +107,13 @@ def quantize_task(cfg: RunConfig, src: str, store: ArtifactStore) -> Manifest:
 @task(name="dequantize-twin", **RETRY_OPTS)
 def twin_task(cfg: RunConfig, quantized: Manifest, store: ArtifactStore) -> Manifest:
     return quantize.run_twin(cfg.quantize, quantized, store)
+
+
+@task(name="warm-start", **RETRY_OPTS)
+def warm_start_task(
+    cfg: RunConfig, work: Path, store: ArtifactStore, base_digest: str, version: str | None
+) -> Manifest | None:
+    return runplan.warm_start_adapter(cfg, work, store, base_digest, version)
 
 
 @task(name="rollout", **RETRY_OPTS)
@@ -107,9 +132,11 @@ def score_task(cfg: RunConfig, rollouts: Manifest, store: ArtifactStore) -> Mani
 
 @task(name="train", **TASK_OPTS)
 def train_task(
-    cfg: RunConfig, base: Manifest, scored: Manifest, prev: Manifest | None, step: int, store: ArtifactStore
-) -> Manifest:
-    return train.run(cfg.train, base, scored, prev, step, store)
+    cfg: RunConfig, base: Manifest, scored: Manifest, prev: Manifest | None, step: int, store: ArtifactStore,
+    init: Manifest | None = None,
+) -> Manifest:  # fmt: skip
+    init_adapter = (init.dir / "adapter", init.digest) if init is not None else None
+    return train.run(cfg.train, base, scored, prev, step, store, init_adapter=init_adapter)
 
 
 @task(name="evaluate", **RETRY_OPTS)
@@ -125,10 +152,238 @@ def register_task(
     cfg: RunConfig, final: Manifest, evaluation: Manifest, lineage: dict[str, Any], history: list[dict[str, Any]],
     work: Path, store: ArtifactStore,
 ) -> Manifest:  # fmt: skip
-    return register.run(cfg.registry, final, evaluation, lineage, history, work, True, store)
+    return register.run(cfg.registry, final, evaluation, lineage, history, work, complete=True, store=store)
 
 
 # ---- the flow --------------------------------------------------------------------------------------
+class _Run:
+    """One run's state as the flow goes: config, store, record, console, and the stage timing."""
+
+    def __init__(self, cfg: RunConfig, work: Path, night: _dt.date | None):
+        self.cfg, self.work, self.night = cfg, work, night
+        self.store = ArtifactStore(work / "store")
+        self.run_id = run_id_for(cfg, night)
+        self.ui = console.current()
+        self.logger = get_run_logger()
+        self.since = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
+        path = run_dir(work, self.run_id) / "run.json"
+        self.previous: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+        self.record: dict[str, Any] = {
+            "run_id": self.run_id, "config": cfg.model_dump(mode="json"), "status": "running", "steps": [],
+            "evaluations": [], "flow_run_id": flow_run.get_id(), "code_version": package_version(),
+            "night": night.isoformat() if night else None,
+            "started_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        }  # fmt: skip
+
+    def cached(self, manifest: Manifest | None) -> bool:
+        """Built before this process started: a store hit (ISO timestamps in UTC compare as text)."""
+        return manifest is not None and manifest.created_at < self.since
+
+    def save(self) -> None:
+        _save_record(self.work, self.record)
+
+
+def _prepare_base(run: _Run) -> tuple[Manifest, Manifest | None]:
+    cfg, store, ui = run.cfg, run.store, run.ui
+    t0 = time.perf_counter()
+    src = base_task(cfg, store)
+    ui.stage("base", src, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    quantized = quantize_task(cfg, src, store)
+    ui.stage(
+        "quantize", f"NVFP4 {quantized.mode or ''}".strip(), time.perf_counter() - t0, run.cached(quantized)
+    )
+    twin = None
+    if runplan.needs_twin(cfg.rollout):
+        t0 = time.perf_counter()
+        twin = twin_task(cfg, quantized, store)
+        ui.stage("twin", f"dequantized {cfg.quantize.twin_dtype}", time.perf_counter() - t0, run.cached(twin))
+    return quantized, twin
+
+
+def _load_data(run: _Run, quantized: Manifest, twin: Manifest | None) -> list[Any]:
+    """The training problems whose prompts fit the engine (issue: one over-long prompt failed a step)."""
+    cfg = run.cfg
+    problems = load_problems(cfg.data, "train")
+    tokenizer = runplan.load_tokenizer((twin or quantized).dir)
+    limit = runplan.prompt_token_limit(cfg.rollout)
+    fit = runplan.fit_prompts(problems, tokenizer, cfg.rollout.template, limit)
+    run.record["data"] = {**fit.report(), "dataset_digest": problems_digest(fit.kept)}
+    dropped = f", {len(fit.dropped)} dropped (prompt > {limit} tokens)" if fit.dropped else ""
+    run.ui.stage("data", f"{len(fit.kept)} problems from {cfg.data.dataset}/{cfg.data.split}{dropped}")
+    return fit.kept
+
+
+def _plan(run: _Run, quantized: Manifest, problems: list[Any]) -> Manifest | None:
+    """The data slice and the warm start; a resumed run reuses its recorded plan. Returns the warm start."""
+    cfg, rec = run.cfg, run.record
+    stream = runplan.stream_key(rec["data"]["dataset_digest"], cfg.loop.seed, cfg.loop.prompts_per_step)
+    plan = dict(run.previous.get("plan") or {})
+    if not plan:
+        start = 0
+        if run.night is not None:
+            start = runplan.DataCursor(run.work, cfg.loop.name).position(stream)
+        plan = {
+            "stream": stream,
+            **runplan.data_slice(start, cfg.loop.steps, len(problems), cfg.loop.prompts_per_step),
+        }
+    rec["plan"] = plan
+    if max(plan["epochs"]) > 0:
+        run.logger.warning(
+            "data slots %d..%d reach epoch %d: the %d problems were all used, a new shuffled epoch repeats them",
+            plan["start_slot"], plan["end_slot"] - 1, max(plan["epochs"]), len(problems),
+        )  # fmt: skip
+    warm = None
+    if run.night is not None and cfg.loop.warm_start == "champion":
+        pinned = (plan.get("warm_start") or {}).get("version")
+        if "warm_start" not in plan or pinned:  # a resumed night started from base stays on base
+            warm = warm_start_task(cfg, run.work, run.store, _base_digest(quantized), pinned)
+        plan["warm_start"] = {"from": "champion" if warm else "base", "version": warm.extra["version"] if warm else None}  # fmt: skip
+        if warm is not None:
+            plan["warm_start"]["digest"] = warm.digest
+    slot_text = (
+        f"slots {plan['start_slot']}..{plan['end_slot'] - 1} (epoch {', '.join(map(str, plan['epochs']))})"
+    )
+    start_text = f"warm start from v{warm.extra['version']}" if warm else "fresh LoRA"
+    run.ui.stage("plan", f"{slot_text}, {start_text}")
+    run.save()
+    return warm
+
+
+def _base_digest(quantized: Manifest) -> str:
+    return str(quantized.extra.get("base_digest", quantized.inputs.get("base")))
+
+
+def _train_loop(
+    run: _Run, quantized: Manifest, engine: LazyEngine, problems: list[Any], warm: Manifest | None
+) -> Manifest:
+    cfg, store, ui, rec = run.cfg, run.store, run.ui, run.record
+    steps, start = cfg.loop.steps, rec["plan"]["start_slot"]
+    evals = (steps // cfg.loop.eval_every if cfg.loop.eval_every else 0) + 1 + int(cfg.loop.eval_base)
+    ui.steps_start(steps, evals)
+    prev: Manifest | None = None
+    for step in range(steps):
+        t0 = time.perf_counter()
+        sigma = sigma_schedule(step, steps, cfg.aqn) if cfg.aqn.enabled else 0.0
+        batch = runplan.step_prompts(problems, start + step, cfg.loop.prompts_per_step, cfg.loop.seed)
+        r = rollout_task(cfg, batch, quantized, prev or warm, sigma, step, store, engine)
+        s = score_task(cfg, r, store)
+        t = train_task(cfg, quantized, s, prev, step, store, init=warm if prev is None else None)
+        entry = _step_record(step, sigma, r, s, t)
+        rec["steps"].append(entry)
+        run.logger.info(
+            "step %d/%d sigma=%.2e reward=%.3f accuracy=%.3f", step + 1, steps, sigma,
+            s.metrics.get("reward_mean", float("nan")), s.metrics.get("accuracy", float("nan")),
+        )  # fmt: skip
+        ui.step(step, entry, time.perf_counter() - t0, all(run.cached(m) for m in (r, s, t)))
+        prev = t
+        if step + 1 < steps and cfg.loop.eval_every and (step + 1) % cfg.loop.eval_every == 0:
+            _evaluate(run, quantized, t, engine, step + 1)
+        run.save()
+    ui.steps_end()
+    assert prev is not None  # loop.steps >= 1
+    return prev
+
+
+def _evaluate(
+    run: _Run, quantized: Manifest, adapter: Manifest | None, engine: LazyEngine, step: int
+) -> Manifest:
+    t0 = time.perf_counter()
+    ev = evaluate_task(run.cfg, quantized, adapter, run.store, engine)
+    entry = _eval_entry(step, adapter, ev)
+    run.record["evaluations"].append(entry)
+    who = f"adapter after step {step}" if adapter else "base, no adapter"
+    run.ui.stage(
+        "evaluate", f"{who}: accuracy {entry['accuracy']:.3f}", time.perf_counter() - t0, run.cached(ev)
+    )
+    return ev
+
+
+def _register(
+    run: _Run, quantized: Manifest, final: Manifest, final_eval: Manifest, engine: LazyEngine
+) -> None:
+    rec = run.record
+    lineage = {
+        "base_digest": _base_digest(quantized),
+        "quant_recipe": config_hash(quantized.extra.get("recipe", {}))[:16],
+        "dataset_digest": rec["data"]["dataset_digest"],
+        "code_version": package_version(),
+        "flow_run_id": str(flow_run.get_id()),
+        "run_id": run.run_id,
+        "engine_mode": engine.mode,
+    }
+    if run.night is not None:
+        lineage.update(
+            night=run.night.isoformat(), warm_start=str((rec["plan"].get("warm_start") or {}).get("version"))
+        )
+    history = [{k: v for k, v in h.items() if k != "manifests"} for h in rec["steps"]]
+    t0 = time.perf_counter()
+    reg = register_task(run.cfg, final, final_eval, lineage, history, run.work, run.store)
+    rec["registration"] = {**reg.extra, **reg.metrics}
+    promoted = "champion" if reg.metrics.get("promoted") else "not promoted"
+    run.ui.stage("register", f"{reg.extra.get('model_name')} v{reg.metrics.get('version')}, {promoted}",
+                 time.perf_counter() - t0, run.cached(reg))  # fmt: skip
+
+
+@flow(name="qerl-rl", log_prints=True)
+def rl_flow(
+    config: dict[str, Any], work_dir: str, nightly: bool = False, night: str | None = None
+) -> dict[str, Any]:
+    """One QeRL run (see the module docstring); returns the run record.
+
+    ``nightly``: a nightly run for the night Prefect scheduled this flow run for; ``night``
+    (``YYYY-MM-DD``) names the night explicitly (and implies ``nightly``)."""
+    cfg = RunConfig.model_validate(config)
+    run = _Run(cfg, default_work_dir(work_dir), _resolve_night(nightly, night))
+    rec = run.record
+    run.save()
+    engine = None
+    try:
+        quantized, twin = _prepare_base(run)
+        engine = LazyEngine(cfg.rollout, quantized, twin)  # started by the first stage that generates
+        rec["engine_mode"] = engine.mode
+        run.logger.info("run %s: engine mode %s, work dir %s", run.run_id, engine.mode, run.work)
+        problems = _load_data(run, quantized, twin)
+        warm = _plan(run, quantized, problems)
+        final = _train_loop(run, quantized, engine, problems, warm)
+        final_eval = _evaluate(run, quantized, final, engine, cfg.loop.steps)
+        baseline = _evaluate(run, quantized, None, engine, 0) if cfg.loop.eval_base else None
+        _register(run, quantized, final, final_eval, engine)
+        rec["final_adapter"] = str(final.dir / "adapter")
+        rec["baseline_accuracy"] = baseline.metrics.get("accuracy") if baseline else None
+        rec["final_accuracy"] = final_eval.metrics.get("accuracy")
+        rec["status"] = "completed"
+        if run.night is not None:  # only a completed night consumes its slice
+            cursor = runplan.DataCursor(run.work, cfg.loop.name)
+            rec["plan"]["cursor_after"] = cursor.advance(
+                rec["plan"]["stream"], rec["plan"]["end_slot"], run.run_id
+            )
+    except BaseException as err:
+        rec["status"] = "failed"
+        rec["error"] = f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        run.save()
+        if engine is not None:
+            engine.close()
+        _publish(rec)
+    return rec
+
+
+def _resolve_night(nightly: bool, night: str | None) -> _dt.date | None:
+    """The night of a nightly run: explicit, else the scheduled start of this Prefect flow run."""
+    if night:
+        return runplan.parse_night(night)
+    if not nightly:
+        return None
+    scheduled = flow_run.scheduled_start_time
+    if scheduled is None:
+        raise runplan.RunPlanError(
+            "a nightly run needs a night: pass night=YYYY-MM-DD or run it from the deployment"
+        )
+    return runplan.parse_night(scheduled)
+
+
 def _step_record(step: int, sigma: float, r: Manifest, s: Manifest, t: Manifest) -> dict[str, Any]:
     metrics: dict[str, Any] = {"step": step, "sigma": sigma}
     metrics.update({f"rollout_{k}": v for k, v in r.metrics.items() if isinstance(v, int | float)})
@@ -139,6 +394,15 @@ def _step_record(step: int, sigma: float, r: Manifest, s: Manifest, t: Manifest)
     metrics.update({f"train_{k}": v for k, v in t.metrics.items() if isinstance(v, int | float | bool)})
     metrics["manifests"] = {"rollout": r.key, "score": s.key, "train": t.key}
     return metrics
+
+
+def _eval_entry(step: int, adapter: Manifest | None, ev: Manifest) -> dict[str, Any]:
+    return {
+        "step": step,
+        "adapter": adapter.key if adapter else None,
+        "accuracy": float(ev.metrics.get("accuracy", float("nan"))),
+        "manifest": str(ev.dir),
+    }
 
 
 def _summary_markdown(record: dict[str, Any]) -> str:
@@ -156,90 +420,6 @@ def _summary_markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@flow(name="qerl-rl", log_prints=True)
-def rl_flow(config: dict[str, Any], work_dir: str) -> dict[str, Any]:
-    """One QeRL run (see the module docstring); returns the run record."""
-    cfg = RunConfig.model_validate(config)
-    work = default_work_dir(work_dir)
-    store = ArtifactStore(work / "store")
-    logger = get_run_logger()
-    rid = run_id_for(cfg)
-    record: dict[str, Any] = {
-        "run_id": rid, "config": cfg.model_dump(mode="json"), "status": "running", "steps": [],
-        "evaluations": [], "flow_run_id": flow_run.get_id(), "code_version": package_version(),
-        "started_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-    }  # fmt: skip
-    _save_record(work, record)
-    engine = None
-    try:
-        src = base_task(cfg, store)
-        quantized = quantize_task(cfg, src, store)
-        twin = None if _has_cuda() else twin_task(cfg, quantized, store)
-        engine = LazyEngine(cfg.rollout, quantized, twin)  # started by the first stage that generates
-        record["engine_mode"] = engine.mode
-        logger.info("run %s: base %s, engine mode %s, work dir %s", rid, src, engine.mode, work)
-        problems = load_problems(cfg.data, "train")
-        prev: Manifest | None = None
-        steps = cfg.loop.steps
-        for step in range(steps):
-            sigma = sigma_schedule(step, steps, cfg.aqn) if cfg.aqn.enabled else 0.0
-            batch = step_prompts(problems, step, cfg.loop.prompts_per_step, cfg.loop.seed)
-            r = rollout_task(cfg, batch, quantized, prev, sigma, step, store, engine)
-            s = score_task(cfg, r, store)
-            t = train_task(cfg, quantized, s, prev, step, store)
-            record["steps"].append(_step_record(step, sigma, r, s, t))
-            logger.info(
-                "step %d/%d sigma=%.2e reward=%.3f accuracy=%.3f", step + 1, steps, sigma,
-                s.metrics.get("reward_mean", float("nan")), s.metrics.get("accuracy", float("nan")),
-            )  # fmt: skip
-            prev = t
-            last = step + 1 == steps
-            if last or (cfg.loop.eval_every and (step + 1) % cfg.loop.eval_every == 0):
-                ev = evaluate_task(cfg, quantized, t, store, engine)
-                record["evaluations"].append(_eval_entry(step + 1, t, ev))
-            _save_record(work, record)
-        baseline = None
-        if cfg.loop.eval_base:
-            baseline = evaluate_task(cfg, quantized, None, store, engine)
-            record["evaluations"].append(_eval_entry(0, None, baseline))
-        final_eval = evaluate_task(cfg, quantized, prev, store, engine)
-        lineage = {
-            "base_digest": quantized.extra.get("base_digest", quantized.inputs.get("base")),
-            "quant_recipe": config_hash(quantized.extra.get("recipe", {}))[:16],
-            "dataset_digest": problems_digest(problems),
-            "code_version": package_version(),
-            "flow_run_id": str(flow_run.get_id()),
-            "run_id": rid,
-            "engine_mode": engine.mode,
-        }
-        history = [{k: v for k, v in h.items() if k != "manifests"} for h in record["steps"]]
-        reg = register_task(cfg, prev, final_eval, lineage, history, work, store)
-        record["registration"] = {**reg.extra, **reg.metrics}
-        record["final_adapter"] = str(prev.dir / "adapter")
-        record["baseline_accuracy"] = baseline.metrics.get("accuracy") if baseline else None
-        record["final_accuracy"] = final_eval.metrics.get("accuracy")
-        record["status"] = "completed"
-    except BaseException as err:
-        record["status"] = "failed"
-        record["error"] = f"{type(err).__name__}: {err}"
-        raise
-    finally:
-        _save_record(work, record)
-        if engine is not None:
-            engine.close()
-        _publish(record)
-    return record
-
-
-def _eval_entry(step: int, adapter: Manifest | None, ev: Manifest) -> dict[str, Any]:
-    return {
-        "step": step,
-        "adapter": adapter.key if adapter else None,
-        "accuracy": float(ev.metrics.get("accuracy", float("nan"))),
-        "manifest": str(ev.dir),
-    }
-
-
 def _publish(record: dict[str, Any]) -> None:
     """Prefect artifacts: a markdown summary and the evaluation table.
 
@@ -253,9 +433,3 @@ def _publish(record: dict[str, Any]) -> None:
             create_table_artifact(rows, key=f"{key}-evaluation", description="evaluations")
     except Exception as err:  # noqa: BLE001
         log.warning("could not publish Prefect artifacts for %s: %s", record.get("run_id"), err)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

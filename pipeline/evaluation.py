@@ -45,6 +45,10 @@ class EvalConfig(StrictModel):
     benchmark: BenchmarkConfig = Field(
         default_factory=BenchmarkConfig, description="dataset, split, limit and prompt template"
     )
+    also: list[BenchmarkConfig] = Field(
+        default_factory=list,
+        description="further benchmarks evaluated and reported beside the main one (which alone decides promotion)",
+    )
     k: int = Field(4, ge=1, description="samples per item (avg@k)")
     temperature: float = Field(0.6, ge=0.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)

@@ -1,8 +1,16 @@
 """Prompt templates: a reasoning part, then a final answer in a form the reward extractor reads.
 
 Templates are ours (not copied from a recipe). Each names the answer format it asks for, which is
-the extraction mode the scorer should use (``boxed``, ``answer_tags`` or ``gsm8k``). They are
-rendered through the tokenizer's chat template when it has one, else as plain text.
+the extraction mode the scorer should use (``boxed``, ``answer_tags``, ``gsm8k`` or
+``last_number``), and how it is rendered: every template here is a chat template (``render:
+chat``): its messages go through the tokenizer's own chat template (ChatML for Qwen and SmolLM2,
+the tiny test models' too), with the generation prompt added. A tokenizer without a chat template
+is an error naming the template, not a silent switch to plain text, which an instruct model would
+read as a different task. The engines encode a chat-rendered prompt without adding special tokens
+again (``pipeline.engines.encode_prompt``).
+
+``number`` is for small instruct models (SmolLM2-135M): they rarely follow a ``\boxed{}`` or
+``####`` instruction, but do end with the number, so the scorer takes the last number.
 """
 
 from __future__ import annotations
@@ -14,22 +22,33 @@ TEMPLATES: dict[str, dict[str, str]] = {
         "system": "You are a careful math solver.",
         "user": "{question}\nThink step by step, then give the final answer as \\boxed{{...}}.",
         "answer_format": "boxed",
+        "render": "chat",
     },
     "answer_tags": {
         "system": "You are a careful math solver.",
         "user": "{question}\nReason briefly, then write the final answer inside <answer></answer>.",
         "answer_format": "answer_tags",
+        "render": "chat",
     },
     "gsm8k": {
         "system": "You are a careful math solver.",
         "user": "{question}\nShow your work and end with a line '#### <number>'.",
         "answer_format": "gsm8k",
+        "render": "chat",
+    },
+    # a small instruct model's own system prompt (its chat template's default) and a plain request
+    "number": {
+        "system": "",
+        "user": "{question}\nGive the final answer as a number at the end.",
+        "answer_format": "last_number",
+        "render": "chat",
     },
     # The embedded demo's tiny model: short, so a 128-wide model can learn it.
     "terse": {
         "system": "",
         "user": "{question}",
         "answer_format": "answer_tags",
+        "render": "chat",
     },
 }
 
@@ -50,9 +69,15 @@ def messages_for(question: str, template: str) -> list[dict[str, str]]:
 def render_prompt(tokenizer: Any, question: str, template: str) -> str:
     """The prompt text the model sees (chat template applied, generation prompt added)."""
     messages = messages_for(question, template)
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "\n\n".join(m["content"] for m in messages) + "\n"
+    if TEMPLATES[template]["render"] != "chat":
+        raise ValueError(f"template '{template}': unknown render mode '{TEMPLATES[template]['render']}'")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"prompt template '{template}' renders through the tokenizer's chat template, and this "
+            f"tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has none: use an "
+            "instruct/chat model, or add a chat template (chat_template.jinja) to the model directory"
+        )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def answer_format(template: str) -> str:

@@ -10,7 +10,11 @@ both), and write
   extracted, correct, reward, status, finish_reason, completion_tokens;
 * ``items.parquet`` - one row per item: id, n_samples, n_correct, rate;
 * ``summary.json`` - benchmark id (name/split@digest of the exact items), n_items, k, accuracy
-  (avg@k), stderr, ci95, pass@k, adapter digest, engine mode and sampling.
+  (avg@k), stderr, ci95, pass@k, adapter digest, engine mode and sampling;
+* for each further benchmark of ``eval.also`` (a training task's held-out split beside the real
+  benchmark, say) the same two tables under ``also/<name>-<split>/`` and its summary in the main
+  summary's ``also`` list; its accuracy is in the metrics as ``accuracy_<name>_<split>``. The main
+  benchmark alone is the artifact's ``accuracy``, the number registration compares.
 
 The cache key covers the eval and reward configs, the engine mode, the base and adapter digests and
 the digest of the problems themselves, so a changed dataset file re-evaluates.
@@ -28,7 +32,7 @@ from pathlib import Path
 from pipeline import evaluation as ev
 from pipeline import prompts, rewards
 from pipeline.artifacts import MANIFEST, ArtifactError, ArtifactStore, BuildResult, Manifest, code_version
-from pipeline.data import dataset_name, load_problems, problems_digest
+from pipeline.data import DataConfig, dataset_name, load_problems, problems_digest
 from pipeline.engines import RolloutEngine, SamplingSpec
 from pipeline.rewards import RewardConfig, score_batch
 
@@ -44,6 +48,64 @@ def _write_parquet(path: Path, rows: list[dict]) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+def _evaluate(
+    bench_cfg: DataConfig,
+    problems: list,
+    engine: RolloutEngine,
+    sampling: SamplingSpec,
+    n: int,
+    seed: int,
+    reward_cfg: RewardConfig,
+) -> tuple[list[dict], list[dict], dict]:
+    """Generate n samples per problem and score them: (per-sample rows, per-item rows, summary)."""
+    # the engine's own tokenizer: the one its prompts are encoded with
+    texts = [prompts.render_prompt(engine.tokenizer, p["question"], bench_cfg.template) for p in problems]
+    outputs = engine.generate(texts, n, sampling, seed)
+    if len(outputs) != len(problems):
+        raise RuntimeError(f"engine returned {len(outputs)} groups for {len(problems)} prompts")
+    for i, group in enumerate(outputs):
+        if len(group) != n:
+            raise RuntimeError(
+                f"engine returned {len(group)} samples for item {problems[i]['id']}, expected {n}"
+            )
+    flat = [(p, j, c) for p, group in zip(problems, outputs, strict=True) for j, c in enumerate(group)]
+    scores = score_batch(
+        [c.completion_text for _, _, c in flat], [p["answer"] for p, _, _ in flat], reward_cfg
+    )
+    rows = [
+        {
+            "id": p["id"],
+            "question": p["question"],
+            "answer": p["answer"],
+            "sample": j,
+            "completion_text": c.completion_text,
+            "extracted": s.extracted,
+            "correct": bool(s.correct),
+            "reward": float(s.reward),
+            "status": str(s.status),
+            "finish_reason": c.finish_reason,
+            "completion_tokens": len(c.completion_ids),
+        }
+        for (p, j, c), s in zip(flat, scores, strict=True)
+    ]
+    correct = [[bool(s.correct) for s in scores[i * n : (i + 1) * n]] for i in range(len(problems))]
+    items = ev.per_item([p["id"] for p in problems], correct)
+    digest = problems_digest(problems)
+    name, split = dataset_name(bench_cfg)
+    summary = {
+        **ev.summarize(correct),
+        "benchmark": ev.benchmark_id(bench_cfg, digest),
+        "benchmark_name": name,
+        "split": split,
+        "dataset": bench_cfg.dataset,
+        "template": bench_cfg.template,
+        "benchmark_digest": digest,
+        "truncated_fraction": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
+        "score_status": dict(collections.Counter(r["status"] for r in rows)),
+    }
+    return rows, items, summary
+
+
 def run(
     cfg: ev.EvalConfig,
     base: Manifest,
@@ -53,16 +115,17 @@ def run(
     engine: RolloutEngine,
     reward_cfg: RewardConfig,
 ) -> Manifest:
-    """Evaluate ``engine`` (serving ``base``) with the adapter (or none) on ``cfg.benchmark``."""
+    """Evaluate ``engine`` (serving ``base``) with the adapter (or none) on ``cfg.benchmark``, and on
+    each of ``cfg.also`` (reported beside it; the main benchmark alone is the artifact's accuracy)."""
     if (adapter_dir is None) != (adapter_digest is None):
         raise ValueError(
             f"adapter_dir {adapter_dir} and adapter_digest {adapter_digest} must be given together"
         )
-    problems = load_problems(cfg.benchmark)
-    digest = problems_digest(problems)
-    bench = ev.benchmark_id(cfg.benchmark, digest)
-    name, split = dataset_name(cfg.benchmark)
-    inputs = {"base": base.digest, "benchmark": digest, "adapter": adapter_digest or "none"}
+    benches = [(b, load_problems(b)) for b in [cfg.benchmark, *cfg.also]]
+    digests = [problems_digest(p) for _, p in benches]
+    bench = ev.benchmark_id(cfg.benchmark, digests[0])
+    inputs = {"base": base.digest, "benchmark": digests[0], "adapter": adapter_digest or "none"}
+    inputs.update({f"also_{i}": d for i, d in enumerate(digests[1:])})
     config = {
         "eval": cfg.model_dump(mode="json"),
         "reward": reward_cfg.model_dump(mode="json"),
@@ -78,80 +141,38 @@ def run(
     n = cfg.n_samples
 
     def build(tmp: Path) -> BuildResult:
-        # the engine's own tokenizer: the one its prompts are encoded with
-        texts = [
-            prompts.render_prompt(engine.tokenizer, p["question"], cfg.benchmark.template) for p in problems
-        ]
         engine.set_adapter(adapter_dir, adapter_digest)
         engine.set_noise(0.0, cfg.seed)  # evaluation sees the clean quantized weights
-        log.info(
-            "evaluating %s: %d items x %d samples (%s), engine %s",
-            bench,
-            len(problems),
-            n,
-            sampling,
-            engine.mode,
-        )
-        outputs = engine.generate(texts, n, sampling, cfg.seed)
-        if len(outputs) != len(problems):
-            raise RuntimeError(f"engine returned {len(outputs)} groups for {len(problems)} prompts")
-        for i, group in enumerate(outputs):
-            if len(group) != n:
-                raise RuntimeError(
-                    f"engine returned {len(group)} samples for item {problems[i]['id']}, expected {n}"
-                )
-        flat = [(p, j, c) for p, group in zip(problems, outputs, strict=True) for j, c in enumerate(group)]
-        scores = score_batch(
-            [c.completion_text for _, _, c in flat], [p["answer"] for p, _, _ in flat], reward_cfg
-        )
-        rows = [
-            {
-                "id": p["id"],
-                "question": p["question"],
-                "answer": p["answer"],
-                "sample": j,
-                "completion_text": c.completion_text,
-                "extracted": s.extracted,
-                "correct": bool(s.correct),
-                "reward": float(s.reward),
-                "status": str(s.status),
-                "finish_reason": c.finish_reason,
-                "completion_tokens": len(c.completion_ids),
-            }
-            for (p, j, c), s in zip(flat, scores, strict=True)
-        ]
-        correct = [[bool(s.correct) for s in scores[i * n : (i + 1) * n]] for i in range(len(problems))]
-        items = ev.per_item([p["id"] for p in problems], correct)
+        summaries = []
+        for i, (bench_cfg, problems) in enumerate(benches):
+            name = ev.benchmark_id(bench_cfg, digests[i])
+            log.info("evaluating %s: %d items x %d samples (%s), engine %s", name, len(problems), n,
+                     sampling, engine.mode)  # fmt: skip
+            rows, items, summary = _evaluate(bench_cfg, problems, engine, sampling, n, cfg.seed, reward_cfg)
+            out = tmp if i == 0 else tmp / "also" / f"{summary['benchmark_name']}-{summary['split']}"
+            out.mkdir(parents=True, exist_ok=True)
+            _write_parquet(out / "results.parquet", rows)
+            _write_parquet(out / "items.parquet", items)
+            log.info("%s: avg@%d = %.4f +- %.4f (%d items)", name, n, summary["accuracy"], summary["stderr"],
+                     len(items))  # fmt: skip
+            summaries.append(summary)
         summary = {
-            **ev.summarize(correct),
-            "benchmark": bench,
-            "benchmark_name": name,
-            "split": split,
-            "dataset": cfg.benchmark.dataset,
-            "benchmark_digest": digest,
+            **summaries[0],
             "adapter_digest": adapter_digest,
             "engine_mode": engine.mode,
             "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "greedy": cfg.greedy},
             "max_new_tokens": cfg.max_new_tokens,
-            "truncated_fraction": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
-            "score_status": dict(collections.Counter(r["status"] for r in rows)),
+            "also": summaries[1:],
         }
-        _write_parquet(tmp / "results.parquet", rows)
-        _write_parquet(tmp / "items.parquet", items)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        log.info(
-            "%s: avg@%d = %.4f +- %.4f (%d items)",
-            bench,
-            n,
-            summary["accuracy"],
-            summary["stderr"],
-            len(items),
-        )
-        return BuildResult(
-            mode=engine.mode,
-            metrics={k: summary[k] for k in ("accuracy", "stderr", "n_items", "k")},
-            extra={"benchmark": bench, "benchmark_name": name, "split": split},
-        )
+        metrics = {k: summary[k] for k in ("accuracy", "stderr", "n_items", "k")}
+        for other in summaries[1:]:
+            tag = f"{other['benchmark_name']}_{other['split']}"
+            metrics.update({f"accuracy_{tag}": other["accuracy"], f"stderr_{tag}": other["stderr"]})
+        extra = {"benchmark": bench, "benchmark_name": summary["benchmark_name"], "split": summary["split"]}
+        if summaries[1:]:
+            extra["also"] = [o["benchmark"] for o in summaries[1:]]
+        return BuildResult(mode=engine.mode, metrics=metrics, extra=extra)
 
     manifest, cached = store.produce(STAGE, config, inputs, code, build)
     if cached:

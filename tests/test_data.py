@@ -263,3 +263,32 @@ def test_dataset_names_in_reports():
     assert dataset_name(DataConfig(dataset="gsm8k", split="test")) == ("gsm8k", "test")
     assert dataset_name(DataConfig(dataset="/d/gsm8k/test.jsonl", split="train")) == ("gsm8k", "test")
     assert dataset_name(DataConfig(dataset="/d/my_set.parquet", split="test")) == ("my_set", "test")
+
+
+def test_templates_render_through_the_chat_template_explicitly():
+    from pipeline.prompts import TEMPLATES, answer_format, render_prompt
+
+    class Chat:
+        chat_template = "{{ chatml }}"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert not tokenize and add_generation_prompt
+            return (
+                "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+                + "<|im_start|>assistant\n"
+            )
+
+    class Plain:
+        chat_template = None
+        name_or_path = "plain-base"
+
+    assert all(spec["render"] == "chat" for spec in TEMPLATES.values())
+    text = render_prompt(Chat(), "What is 2 + 3?", "number")
+    assert text == (
+        "<|im_start|>user\nWhat is 2 + 3?\nGive the final answer as a number at the end.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert answer_format("number") == "last_number"
+    # no silent plain-text fallback for a tokenizer without a chat template
+    with pytest.raises(ValueError, match=r"template 'boxed' renders through .* \(plain-base\) has none"):
+        render_prompt(Plain(), "q", "boxed")

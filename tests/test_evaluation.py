@@ -199,6 +199,37 @@ def test_evaluate_stage(base, tmp_path):
         evaluate.run(cfg, base_manifest, adapter, None, store, engine, RewardConfig(workers=1))
 
 
+def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
+    """eval.also: a second benchmark (a local GSM8K-layout file) is scored and reported beside the main
+    one, whose accuracy alone stays the artifact's."""
+    from stages import evaluate
+
+    store, base_manifest, tokenizer = base
+    (tmp_path / "gsm8k").mkdir()
+    rows = [
+        {"question": f"Ann has {i} pens. How many?", "answer": f"She has {i}.\n#### {i}"} for i in range(4)
+    ]
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = apply_overrides(
+        ev.EvalConfig(),
+        {"benchmark": {"limit": 3}, "k": 2, "also": [{"dataset": "gsm8k", "root": str(tmp_path)}]},
+    )
+    problems = load_problems(cfg.benchmark) + load_problems(cfg.also[0])
+    engine = FakeEngine({p["question"]: p["answer"] for p in problems}, tokenizer)
+    manifest = evaluate.run(cfg, base_manifest, None, None, store, engine, RewardConfig(workers=1))
+    summary = json.loads(manifest.file("summary.json").read_text())
+    main = [min(i % 3, 2) / 2 for i in range(3)]  # FakeEngine: item i right on samples j < i % (n+1)
+    assert summary["accuracy"] == pytest.approx(sum(main) / 3) and summary["benchmark"].startswith(
+        "arithmetic/"
+    )
+    (other,) = summary["also"]
+    assert other["benchmark"].startswith("gsm8k/test@") and other["n_items"] == 4
+    assert other["accuracy"] == pytest.approx(sum(min(i % 3, 2) / 2 for i in range(4)) / 4)
+    assert manifest.metrics["accuracy_gsm8k_test"] == other["accuracy"]
+    assert manifest.metrics["accuracy"] == summary["accuracy"]
+    assert len(pq.read_table(manifest.file("also/gsm8k-test/results.parquet"))) == 8
+
+
 def test_evaluate_rejects_short_engine_output(base):
     from stages import evaluate
 
