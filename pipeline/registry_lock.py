@@ -164,9 +164,15 @@ def server_lock(name: str, timeout_s: float = 120.0, lease_s: float = SERVER_LOC
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     holder = f"{socket.gethostname()}:{os.getpid()}"
-    mine = str(client.create_model_version(
-        model, source=f"qerl-lock:/{name}", tags={"holder": holder}, description="waiting"
-    ).version)  # fmt: skip
+    # a ticket has no files: it is READY at once (await_creation_for=0 skips a poll and its log line)
+    ticket = client.create_model_version(
+        model,
+        source=f"qerl-lock:/{name}",
+        tags={"holder": holder},
+        description="waiting",
+        await_creation_for=0,
+    )
+    mine = str(ticket.version)
     beat = _Heartbeat(model, mine, lease_s / 3)
     beat.start()
     try:
