@@ -45,8 +45,9 @@ def cuda():
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.cpu().contiguous(), b.cpu().contiguous()
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    a, b = a.cpu().contiguous(), b.cpu().contiguous()  # bytes: NaN payloads and -0.0 count
+    same_kind = a.shape == b.shape and a.dtype == b.dtype
+    return same_kind and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 # -- the kit, checked on any machine ------------------------------------------------------------------
@@ -87,7 +88,9 @@ def test_kit_imports_no_prefect_mlflow_or_vllm():
 def test_compiled_kernels_divide_with_ieee_rounding(tmp_path):
     """Triton lowers float32 ``/`` on NVIDIA GPUs to ``div.full.f32``/``div.approx.f32`` (up to 2 ulp
     off; triton-lang/triton#10661), which the interpreter never shows. Compile the kernels for an
-    H100 (sm_90) here, no GPU needed, and read the PTX: only correctly rounded division may remain."""
+    H100 (sm_90) here, no GPU needed (ptxas included), and read the PTX: only correctly rounded division
+    may remain. Before the kernels used ``tl.math.div_rn`` this found div.full.f32 in all three and
+    div.approx.f32 in the quantizer."""
     code = """
 import json, re
 from triton import compile
@@ -103,9 +106,10 @@ sigs = {
 }
 ops = {}
 for name, (sig, const) in sigs.items():
-    ptx = compile(ASTSource(fn=getattr(k, name), signature=sig, constexprs=const),
-                  target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    ops[name] = sorted(set(re.findall(r"\\b(?:div|rcp)\\.[a-z0-9.]+", ptx)))
+    asm = compile(ASTSource(fn=getattr(k, name), signature=sig, constexprs=const),
+                  target=GPUTarget("cuda", 90, 32)).asm
+    assert asm.get("cubin"), name  # ptxas assembled it for sm_90 too
+    ops[name] = sorted(set(re.findall(r"\\b(?:div|rcp)\\.[a-z0-9.]+", asm["ptx"])))
 print(json.dumps(ops))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
