@@ -211,6 +211,8 @@ def test_cli_gc_dry_run_then_real(tmp_path, capsys):
     assert "freed 8.8 KiB" in capsys.readouterr().out
     assert main(["gc", "--work-dir", str(tmp_path)]) == 0
     assert "nothing to delete" in capsys.readouterr().out
+    assert main(["gc", "--work-dir", str(tmp_path / "nowhere")]) == 2
+    assert "no artifact store under" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
 
 
 def test_a_reader_racing_a_prune_does_not_discard_the_artifact(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import shutil
 import signal
@@ -454,6 +455,22 @@ def test_tracking_server_backend(mlflow_server, tmp_path):
     race_cfg = reg.RegistryConfig(tracking_uri=uri, model_name="srv-race")
     reg.open_tracking(race_cfg, tmp_path)
     check_race(race_cfg, tmp_path, env={"QERL_TEST_URI": uri})
+
+    # the register stage, as the flow runs it, through the server
+    from pipeline.artifacts import ArtifactStore
+    from stages import register as register_stage
+    from tests.test_register import HISTORY, LINEAGE, fake_eval, fake_train
+
+    store = ArtifactStore(tmp_path / "store")
+    stage_cfg = reg.RegistryConfig(tracking_uri=uri, model_name="srv-stage")
+    m = register_stage.run(stage_cfg, fake_train(store, "srv"), fake_eval(store, 0.5), LINEAGE, HISTORY, tmp_path,
+                           True, store)  # fmt: skip
+    record = json.loads(m.file("registration.json").read_text())
+    assert m.mode == "mlflow-server" and record["tracking_backend"] == "server"
+    assert record["source"].startswith("mlflow-artifacts:/") and record["aliases"] == [
+        "challenger",
+        "champion",
+    ]
 
 
 @pytest.mark.slow
