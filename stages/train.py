@@ -16,6 +16,19 @@ retrains from there. Re-running a step gives the same bytes on CPU (seeded shuff
 deterministic kernels). The manifest's ``mode`` says how the base ran: "nvfp4-torch-reference"
 (CPU: PyTorch dequantizer), "nvfp4-triton" (CUDA) or "hf-<dtype>" for an unquantized base (used by
 benchmarks and tests); a non-finite update is reported in the metrics (``skipped``), not hidden.
+
+Resident policy. Rebuilding the policy from disk every step (base load, peft wrap, optimizer) costs
+seconds per step for a 7B base, so the state a step leaves behind stays in this process, keyed by
+what determines it: base digest, train config, device, and the digest of the checkpoint it was
+saved as. The next step reuses it only when its ``prev`` is exactly that checkpoint (same digest)
+on the same base and config; anything else (a resume after a crash, a changed config, another
+chain) reloads from the store, which stays the record: every step still writes its checkpoint.
+The resident state equals what ``load_checkpoint`` would rebuild bit for bit (parameters, AdamW
+moments and step counts, scheduler, step/update counters); the one thing other stages touch in
+between is the global torch RNG, so it is reset to the value saved with the checkpoint, as a
+reload does. A step that fails mid-way drops the resident state (``train_step`` mutates it in
+place). Whether a step reused or reloaded is logged at INFO and recorded in the manifest's
+``extra["policy"]``. ``drop_resident_policy()`` frees it (end of a run, tests).
 """
 
 from __future__ import annotations
@@ -23,7 +36,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +51,7 @@ import pipeline.training
 from pipeline.artifacts import ArtifactError, ArtifactStore, BuildResult, Manifest, code_version
 from pipeline.training import (
     TrainConfig,
+    TrainState,
     init_state,
     load_checkpoint,
     load_rollout_batch,
@@ -56,6 +74,61 @@ def _pad_id(base_dir: Path) -> int:
             if isinstance(value, int):
                 return value
     return 0
+
+
+@dataclass
+class _Resident:
+    """The state after a step, with what it was built from and the checkpoint it was saved as."""
+
+    key: dict[str, Any]  # base digest, train config, device
+    digest: str  # the saved checkpoint's manifest digest: the state equals that checkpoint
+    state: TrainState
+    rng: dict[str, Any]  # torch RNG state(s) as saved with the checkpoint
+
+
+_resident: _Resident | None = None
+_resident_lock = threading.Lock()
+
+
+def drop_resident_policy() -> bool:
+    """Free the resident policy (if any); returns whether there was one."""
+    global _resident
+    with _resident_lock:
+        had, _resident = _resident is not None, None
+    return had
+
+
+def _take_resident(key: dict[str, Any], prev: Manifest | None) -> tuple[TrainState | None, str]:
+    """The resident state if it is exactly ``prev`` on this base/config (taken out of the cache:
+    the step mutates it), else None; always with the reason, for the log."""
+    global _resident
+    with _resident_lock:
+        held, _resident = _resident, None
+    if prev is None:
+        return None, "step 0: fresh LoRA"
+    if held is None:
+        return None, "no resident policy in this process"
+    if held.digest != prev.digest:
+        return None, f"resident policy is checkpoint {held.digest[:12]}, prev is {prev.digest[:12]}"
+    if held.key != key:
+        changed = sorted(k for k in key if held.key.get(k) != key[k])
+        return None, f"resident policy was built with a different {', '.join(changed)}"
+    _restore_rng(held.rng)
+    return held.state, f"resident policy reused (checkpoint {prev.digest[:12]})"
+
+
+def _rng_state() -> dict[str, Any]:
+    rng: dict[str, Any] = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _restore_rng(rng: dict[str, Any]) -> None:
+    """Put the global RNG back where the checkpoint left it (other stages may have drawn from it)."""
+    torch.set_rng_state(rng["torch_cpu"])
+    if "torch_cuda" in rng:
+        torch.cuda.set_rng_state_all(rng["torch_cuda"])
 
 
 def _mode(state_format: str, cfg: TrainConfig, device: str) -> str:
@@ -88,19 +161,28 @@ def run(
         "prev": prev.digest if prev is not None else "none",
     }
     config = {"train": cfg.model_dump(mode="json"), "step": step}
+    resident_key = {"base": base.digest, "train": config["train"], "device": device}
+    built: dict[str, Any] = {}
 
     def build(tmp: Path) -> BuildResult:
-        if prev is None:
+        t0 = time.perf_counter()
+        state, reason = _take_resident(resident_key, prev)
+        reused = state is not None
+        if state is None and prev is None:
             state = init_state(base.dir, cfg, device)
-        else:
+        elif state is None:
             state = load_checkpoint(base.dir, cfg, prev.dir, device)
-            if state.step != step:
-                raise ArtifactError(
-                    f"{prev.dir} holds the state after {state.step} steps, but step {step} was asked"
-                )
+        t_load = time.perf_counter() - t0
+        how = "" if reused else ("; policy built" if prev is None else "; policy reloaded from the store")
+        log.info("train step %d: %s%s (%.2f s)", step, reason, how, t_load)
+        if state.step != step:
+            raise ArtifactError(
+                f"{prev.dir} holds the state after {state.step} steps, but step {step} was asked"
+            )
         batch = load_rollout_batch(scored_path, temperature=cfg.temperature)
         metrics = train_step(state, batch, cfg, pad_id=_pad_id(base.dir))
         save_checkpoint(state, tmp)
+        built.update(state=state, rng=_rng_state())
         mode = _mode(state.base_format, cfg, device)
         if metrics["skipped"]:
             log.warning(
@@ -126,10 +208,16 @@ def run(
                 "steps_done": state.step,
                 "updates_done": state.updates,
                 "adapter": "adapter",
+                "policy": "resident" if reused else "loaded",
+                "policy_load_s": round(t_load, 3),
             },
         )
 
     manifest, cached = store.produce(STAGE, config, inputs, code, build)
     if cached:
         log.info("train step %d: cached at %s", step, manifest.dir)
+    elif built:
+        global _resident
+        with _resident_lock:
+            _resident = _Resident(resident_key, manifest.digest, built["state"], built["rng"])
     return manifest
