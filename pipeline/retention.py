@@ -12,8 +12,9 @@ the run config's ``store`` section, defaults here):
   ``keep_optimizer_last`` (the last one is what a resume continues from);
 - with ``keep_adapters_every = E > 0``, the adapters of steps that are not a multiple of E; the last
   step's, every evaluated step's, every registered one's and every step whose optimizer is kept stay;
-- everything in ``store/trash`` (corrupt artifacts moved aside) and build folders in ``store/tmp``
-  whose producer is dead (its key's lock is free).
+- everything in ``store/trash`` (corrupt artifacts moved aside) older than ten minutes (a younger
+  entry may be a prune still moving files), and build folders in ``store/tmp`` whose producer is
+  dead (its key's lock is free).
 
 What is never deleted: anything of a *live* run (status ``running`` and updated within
 ``live_window_h``: gc cannot know which of its files the running process holds, so all of them stay),
@@ -54,6 +55,7 @@ log = logging.getLogger("qerl.retention")
 TRAIN_STAGE = "train"
 REGISTER_STAGE = "register"
 OPTIMIZER_FILES = ("optimizer.safetensors",)  # what pipeline.training.save_checkpoint writes
+TRASH_MIN_AGE_S = 600.0  # younger trash entries may still be filling (a prune in progress)
 
 
 class RetentionConfig(StrictModel):
@@ -260,9 +262,13 @@ def _tmp_lock_name(folder: Path) -> str | None:
     return f"{parts[0]}-{parts[1]}" if len(parts) == 3 and len(parts[1]) == 32 else None
 
 
-def _sweeps(store: ArtifactStore, notes: list[str]) -> list[Deletion]:
+def _sweeps(store: ArtifactStore, notes: list[str], now: _dt.datetime) -> list[Deletion]:
     out = []
     for entry in sorted((store.root / "trash").iterdir()):
+        # a fresh entry may be a prune (or a gc) still moving files into it: leave it to the next gc
+        if now.timestamp() - entry.lstat().st_mtime < TRASH_MIN_AGE_S:
+            notes.append(f"kept {entry}: moved to trash less than {TRASH_MIN_AGE_S:.0f} s ago")
+            continue
         out.append(Deletion("trash", entry, _tree_bytes(entry), "moved aside earlier (corrupt or pruned)"))
     for entry in sorted((store.root / "tmp").iterdir()):
         name = _tmp_lock_name(entry)
@@ -309,7 +315,7 @@ def plan(
         _mark_run(marks, record, policy, protect_only)
     result.deletions += _pruning(store, marks, registered_train_digests(store))
     if only_run is None:
-        result.deletions += _sweeps(store, result.notes)
+        result.deletions += _sweeps(store, result.notes, now or _dt.datetime.now(_dt.UTC))
     return result
 
 
@@ -321,9 +327,13 @@ def apply(work: str | Path, gc_plan: GcPlan) -> int:
         if d.kind == "prune":
             freed += store.prune(d.stage, d.key, d.files, d.reason)
         elif d.kind == "trash":
-            if d.path.exists():
-                freed += _tree_bytes(d.path)
-                shutil.rmtree(d.path) if d.path.is_dir() else d.path.unlink()
+            claimed = d.path.with_name(f"{d.path.name}.gc-{uuid.uuid4().hex[:8]}")
+            try:  # claim it first: a second gc running at the same time skips what this one took
+                os.replace(d.path, claimed)
+            except FileNotFoundError:
+                continue
+            freed += _tree_bytes(claimed)
+            shutil.rmtree(claimed) if claimed.is_dir() else claimed.unlink()
         elif d.kind == "tmp":
             name = _tmp_lock_name(d.path)
             with _try_lock(store, name or "") as free:

@@ -168,8 +168,10 @@ def test_gc_sweeps_trash_and_dead_builds_only(tmp_path):
     for d in (dead, busy):
         d.mkdir()
         (d / "optimizer.safetensors").write_bytes(b"x" * 500)
+    assert any("less than 600 s ago" in n for n in retention.plan(tmp_path).notes)  # may still be filling
+    later = _dt.datetime.now(_dt.UTC) + _dt.timedelta(hours=1)
     with store.lock(f"train-{'b' * 32}"):  # a producer holds its key's lock while it builds
-        gc_plan = retention.plan(tmp_path)
+        gc_plan = retention.plan(tmp_path, now=later)
         kinds = sorted((d.kind, d.path.name) for d in gc_plan.deletions)
         assert [k for k, _ in kinds] == ["tmp", "trash"] and kinds[0][1] == dead.name
         assert any("its build is running" in n for n in gc_plan.notes)
@@ -194,7 +196,7 @@ def test_crash_between_manifest_and_delete_is_harmless(tmp_path, monkeypatch):
     monkeypatch.setattr("pipeline.artifacts.os.replace", real_replace)
     hit = store.get("train", steps[0].key, verify="full")  # marked pruned, file still there: fine
     assert hit is not None and "optimizer.safetensors" in hit.pruned
-    gc_plan = retention.plan(tmp_path)  # the leftover is collected on the next gc
+    gc_plan = retention.plan(tmp_path, now=_dt.datetime.now(_dt.UTC) + _dt.timedelta(hours=1))  # next gc
     retention.apply(tmp_path, gc_plan)
     assert not (steps[0].dir / "optimizer.safetensors").exists()
     assert store.get("train", steps[0].key) is not None
