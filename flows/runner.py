@@ -12,6 +12,7 @@ a concurrency limit of one, so a nightly run that overruns delays the next inste
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 from pathlib import Path
 from typing import Any
@@ -29,29 +30,42 @@ def prepare_environment(work: Path) -> None:
     os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.5")
     # The temporary server's default 20 s start-up budget is too tight on a loaded 2-core box.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    # else the temporary server writes its memo under ~/.prefect, which need not exist (a warning each run)
+    os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(work / "prefect" / "memo_store.toml"))
     # vLLM's CPU backend reads this at import; small keeps two cores' worth of RAM free.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def run(cfg: RunConfig, work: Path) -> dict[str, Any]:
-    """Run (or continue: stages are cached) the flow for ``cfg`` in ``work``; returns the run record."""
+def run(cfg: RunConfig, work: Path, night: dt.date | None = None) -> dict[str, Any]:
+    """Run (or continue: stages are cached) the flow for ``cfg`` in ``work``; returns the run record.
+
+    ``night``: run that night's nightly run (warm start, the data cursor's next slice) instead of
+    the plain run of ``cfg``."""
     prepare_environment(work)
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     from flows.rl import rl_flow
 
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        return rl_flow(config=cfg.model_dump(mode="json"), work_dir=str(work))
+        return rl_flow(
+            config=cfg.model_dump(mode="json"), work_dir=str(work), night=night.isoformat() if night else None
+        )
 
 
-def resume(run_id: str, work: Path) -> dict[str, Any]:
-    """Re-run a recorded run with its own config: completed stages come from the store."""
+def recorded_run(run_id: str, work: Path) -> tuple[RunConfig, dt.date | None]:
+    """The config and night of a recorded run (what ``resume`` re-runs)."""
     from flows.rl import load_run_record
 
     record = load_run_record(work, run_id)
-    cfg = RunConfig.model_validate(record["config"])
-    return run(cfg, work)
+    night = record.get("night")
+    return RunConfig.model_validate(record["config"]), dt.date.fromisoformat(night) if night else None
+
+
+def resume(run_id: str, work: Path) -> dict[str, Any]:
+    """Re-run a recorded run with its own config (and night): completed stages come from the store."""
+    cfg, night = recorded_run(run_id, work)
+    return run(cfg, work, night)
 
 
 def schedule(cfg: RunConfig, work: Path, cron: str) -> None:
@@ -74,7 +88,8 @@ def schedule(cfg: RunConfig, work: Path, cron: str) -> None:
 
 
 def nightly_deployment(cfg: RunConfig, work: Path, cron: str) -> Any:
-    """The deployment object (cron schedule, concurrency 1, parameters = config + work dir)."""
+    """The deployment object (cron schedule, concurrency 1, parameters = config + work dir + nightly):
+    each scheduled flow run is the nightly run of its scheduled date (see ``flows.rl``)."""
     from prefect.deployments.runner import EntrypointType
 
     from flows.rl import rl_flow
@@ -83,7 +98,7 @@ def nightly_deployment(cfg: RunConfig, work: Path, cron: str) -> Any:
         name=DEPLOYMENT_NAME,
         cron=cron,
         concurrency_limit=1,
-        parameters={"config": cfg.model_dump(mode="json"), "work_dir": str(work)},
+        parameters={"config": cfg.model_dump(mode="json"), "work_dir": str(work), "nightly": True},
         description=f"nightly QeRL run '{cfg.loop.name}'",
         tags=["qerl", cfg.loop.name],
         entrypoint_type=EntrypointType.MODULE_PATH,

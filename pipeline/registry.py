@@ -429,3 +429,19 @@ def version_info(cfg: RegistryConfig, version: str) -> dict[str, Any]:
         "aliases": sorted(mv.aliases),
     }
 
+
+def download_adapter(version: ModelVersion, dest: str | Path) -> Path:
+    """Copy a registered version's adapter folder (its ``source``) to ``dest``; returns ``dest``.
+
+    Goes through MLflow's artifact layer, so a local file store, ``mlflow-artifacts:`` behind a
+    tracking server and cloud stores all work; the nightly warm start reads the champion this way."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        got = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=tmp))
+        if not (got / "adapter_config.json").is_file():
+            raise RegistryError(
+                f"{version.name} v{version.version}: source {version.source} holds no peft adapter"
+            )
+        got.rename(dest)  # same filesystem: an atomic rename, dest appears complete or not at all
+    return dest

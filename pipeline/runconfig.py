@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ModelWrapValidatorHandler, model_validator
 
@@ -67,6 +67,11 @@ class LoopConfig(StrictModel):
     eval_every: int = Field(0, ge=0, description="evaluate every E steps (0: only at the end)")
     eval_base: bool = Field(True, description="also evaluate the base without adapter (the baseline)")
     seed: int = 0
+    warm_start: Literal["champion", "base"] = Field(
+        "champion",
+        description="nightly runs: step 0 starts from the registered champion's adapter (fresh optimizer) "
+        "or from the bare base",
+    )
 
 
 class RunConfig(StrictModel):

@@ -49,8 +49,10 @@ __all__ = [
     "TrainConfig",
     "TrainState",
     "completion_logprobs",
+    "check_adapter_shape",
     "init_state",
     "is_nvfp4_checkpoint",
+    "load_adapter_weights",
     "load_checkpoint",
     "load_rollout_batch",
     "accumulate_gradients",
@@ -401,10 +403,19 @@ def _trainable(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def init_state(base_dir: str | Path, cfg: TrainConfig, device: str = "cpu") -> TrainState:
-    """A fresh policy (LoRA initialised from ``cfg.seed``), optimizer and schedule at step 0."""
+def init_state(
+    base_dir: str | Path, cfg: TrainConfig, device: str = "cpu", init_adapter: str | Path | None = None
+) -> TrainState:
+    """A fresh policy (LoRA initialised from ``cfg.seed``), optimizer and schedule at step 0.
+
+    ``init_adapter``: a peft adapter folder whose weights replace the fresh LoRA (a warm start: the
+    optimizer and schedule still start fresh)."""
+    if init_adapter is not None:
+        check_adapter_shape(init_adapter, cfg)
     torch.manual_seed(cfg.seed)
     model, base_format = _build_model(Path(base_dir), cfg, device)
+    if init_adapter is not None:
+        load_adapter_weights(model, init_adapter, device)
     params = [p for _, p in _trainable(model)]
     optimizer = torch.optim.AdamW(
         params,
@@ -626,18 +637,9 @@ def save_checkpoint(state: TrainState, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def load_checkpoint(
-    base_dir: str | Path, cfg: TrainConfig, ckpt_dir: str | Path, device: str = "cpu"
-) -> TrainState:
-    """Rebuild the training state saved by ``save_checkpoint`` on top of ``base_dir``."""
-    from peft import set_peft_model_state_dict
-
-    ckpt_dir = Path(ckpt_dir)
-    meta_path = ckpt_dir / "trainer_state.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"no trainer_state.json in {ckpt_dir}")
-    meta = json.loads(meta_path.read_text())
-    adapter_cfg = json.loads((ckpt_dir / "adapter" / "adapter_config.json").read_text())
+def check_adapter_shape(adapter_dir: str | Path, cfg: TrainConfig) -> None:
+    """Raise unless the adapter folder was trained with this config's LoRA rank, alpha and targets."""
+    adapter_cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
     want = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "target_modules": sorted(cfg.target_modules)}
     have = {
         "r": adapter_cfg.get("r"),
@@ -645,16 +647,34 @@ def load_checkpoint(
         "target_modules": sorted(adapter_cfg.get("target_modules") or []),
     }
     if want != have:
-        raise ValueError(f"{ckpt_dir}/adapter was trained with {have}, the config asks for {want}")
-    state = init_state(base_dir, cfg, device)
-    adapter = load_file(str(ckpt_dir / "adapter" / "adapter_model.safetensors"), device=device)
-    result = set_peft_model_state_dict(state.model, adapter)
-    names = [n for n, _ in _trainable(state.model)]
+        raise ValueError(f"{adapter_dir} was trained with {have}, the config asks for {want}")
+
+
+def load_adapter_weights(model: Any, adapter_dir: str | Path, device: str = "cpu") -> None:
+    """Load a saved peft adapter's weights into ``model``'s LoRA parameters (every one, nothing else)."""
+    from peft import set_peft_model_state_dict
+
+    adapter = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"), device=device)
+    result = set_peft_model_state_dict(model, adapter)
+    names = [n for n, _ in _trainable(model)]
     if result.unexpected_keys or len(adapter) != len(names):
         raise ValueError(
-            f"{ckpt_dir}/adapter holds {len(adapter)} tensors for {len(names)} LoRA parameters "
+            f"{adapter_dir} holds {len(adapter)} tensors for {len(names)} LoRA parameters "
             f"(unexpected: {result.unexpected_keys[:5]})"
         )
+
+
+def load_checkpoint(
+    base_dir: str | Path, cfg: TrainConfig, ckpt_dir: str | Path, device: str = "cpu"
+) -> TrainState:
+    """Rebuild the training state saved by ``save_checkpoint`` on top of ``base_dir``."""
+    ckpt_dir = Path(ckpt_dir)
+    meta_path = ckpt_dir / "trainer_state.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"no trainer_state.json in {ckpt_dir}")
+    meta = json.loads(meta_path.read_text())
+    state = init_state(base_dir, cfg, device, init_adapter=ckpt_dir / "adapter")
+    names = [n for n, _ in _trainable(state.model)]
     if names != meta["param_names"]:
         raise ValueError(f"{ckpt_dir}: optimizer was saved for different parameters than the model now has")
     tensors = load_file(str(ckpt_dir / "optimizer.safetensors"), device=device)

@@ -1,0 +1,161 @@
+"""Nightly runs: a new run per night, warm start from the champion, the data cursor, promotion on a win.
+
+Three "nights" are driven in one process through ``flows.runner.run(..., night=...)`` (what the
+deployment does with Prefect's scheduled date), on the transformers engine and a tiny model.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import runplan
+from pipeline.artifacts import Manifest
+
+LONG_ID = "math500-13"
+
+
+def _dataset(path: Path) -> Path:
+    rows = [{"problem": f"{a} + {a + 1} =", "answer": str(2 * a + 1)} for a in range(13)]
+    rows.append({"problem": " ".join(["a very long question"] * 60) + " 1 + 1 =", "answer": "2"})  # LONG_ID
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _night_config(model_dir: Path, data: Path) -> dict:
+    from test_flow import tiny_run_config
+
+    cfg = tiny_run_config(model_dir)
+    cfg["data"] = {"dataset": str(data), "template": "terse"}
+    cfg["loop"].update(name="nightly", steps=2, prompts_per_step=2)
+    # A random tiny model earns reward 0 everywhere, so GRPO's gradient is 0; AdamW's decoupled weight
+    # decay still moves the LoRA weights, so each night ends with an adapter of its own.
+    cfg["train"]["weight_decay"] = 0.1
+    return cfg
+
+
+def _rollout_ids(work: Path, record: dict) -> list[str]:
+    ids = []
+    for step in record["steps"]:
+        table = pq.read_table(
+            work / "store" / "objects" / "rollout" / step["manifests"]["rollout"] / "rollouts.parquet"
+        )
+        ids += sorted(set(table.column("prompt_id").to_pylist()))
+    return ids
+
+
+def _manifest(work: Path, stage: str, key: str) -> dict:
+    return json.loads((work / "store" / "objects" / stage / key / "manifest.json").read_text())
+
+
+@pytest.mark.slow
+def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_model_factory, tmp_path):
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from flows import runner
+    from pipeline.runconfig import RunConfig
+
+    model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
+    cfg = RunConfig.model_validate(_night_config(model, _dataset(tmp_path / "data.jsonl")))
+    work = tmp_path / "work"
+    nights = [dt.date(2026, 1, 1), dt.date(2026, 1, 2), dt.date(2026, 1, 3)]
+    records = []
+    for i, night in enumerate(nights):
+        if i == 1:
+            # Every tiny-model accuracy is 0.0, so no night can beat the champion on merit: lower the
+            # champion's recorded accuracy so that night 2's equal score is a win by the margin rule.
+            MlflowClient().set_model_version_tag("qerl-adapter", "1", "eval_accuracy", "-1.0")
+        records.append(runner.run(cfg, work, night))
+
+    # each night is its own run, id carrying the date
+    assert [r["run_id"].rsplit("-", 1)[1] for r in records] == ["20260101", "20260102", "20260103"]
+    assert len({r["run_id"] for r in records}) == 3 and all(r["status"] == "completed" for r in records)
+    # three registered versions; the champion moved on night 1 (no champion) and night 2 (a win), not
+    # on night 3 (a tie with the champion is no win)
+    assert [str(r["registration"]["version"]) for r in records] == ["1", "2", "3"]
+    assert [bool(r["registration"]["promoted"]) for r in records] == [True, True, False]
+    assert str(MlflowClient().get_model_version_by_alias("qerl-adapter", "champion").version) == "2"
+
+    # the data advances: disjoint slices, the cursor after the last night, the long prompt dropped
+    assert [r["plan"]["start_slot"] for r in records] == [0, 2, 4]
+    used = [_rollout_ids(work, r) for r in records]
+    assert all(len(u) == 4 for u in used)
+    assert max(Counter(i for u in used for i in u).values()) == 1, used
+    assert LONG_ID not in {i for u in used for i in u}
+    assert all(r["data"]["dropped_too_long"] == 1 and r["data"]["kept"] == 13 for r in records)
+    cursor = json.loads((work / "cursors" / "nightly.json").read_text())
+    assert [s["next_slot"] for s in cursor["streams"].values()] == [6]
+
+    # warm start from the champion of the night before: none, v1, v2; in rollout and train alike
+    assert records[0]["plan"]["warm_start"] == {"from": "base", "version": None}
+    for record, version in zip(records[1:], ["1", "2"], strict=True):
+        warm = record["plan"]["warm_start"]
+        assert warm["from"] == "champion" and warm["version"] == version
+        first = record["steps"][0]["manifests"]
+        assert _manifest(work, "rollout", first["rollout"])["inputs"]["adapter"] == warm["digest"]
+        assert _manifest(work, "train", first["train"])["inputs"]["init_adapter"] == warm["digest"]
+    # the champion's weights really are the next night's starting point
+    warm_dirs = {
+        Manifest.load(d).digest: d for d in (work / "store" / "objects" / runplan.WARM_START_STAGE).glob("*")
+    }
+    for champion, record in zip(records[:2], records[1:], strict=True):
+        fetched = warm_dirs[record["plan"]["warm_start"]["digest"]] / "adapter" / "adapter_model.safetensors"
+        assert (
+            fetched.read_bytes()
+            == (Path(champion["final_adapter"]) / "adapter_model.safetensors").read_bytes()
+        )
+
+    # resuming night 2 is night 2: same slice, same warm start (v1, though v2 is champion now), nothing rebuilt
+    builds = (work / "store" / "builds.jsonl").read_text().count("\n")
+    again = runner.resume(records[1]["run_id"], work)
+    assert again["plan"]["start_slot"] == 2 and again["plan"]["warm_start"]["version"] == "1"  # champion: v2
+    assert again["final_adapter"] == records[1]["final_adapter"]
+    assert (work / "store" / "builds.jsonl").read_text().count("\n") == builds
+    assert json.loads((work / "cursors" / "nightly.json").read_text()) == cursor
+
+
+def test_data_slices_wrap_into_a_new_shuffled_epoch():
+    problems = [{"id": str(i)} for i in range(7)]
+    per_epoch = runplan.slots_per_epoch(len(problems), 2)  # 3 whole slots, one problem sits out
+    assert per_epoch == 3
+    epoch0 = [p["id"] for s in range(3) for p in runplan.step_prompts(problems, s, 2, seed=0)]
+    epoch1 = [p["id"] for s in range(3, 6) for p in runplan.step_prompts(problems, s, 2, seed=0)]
+    assert (
+        len(set(epoch0)) == 6 and len(set(epoch1)) == 6 and epoch0 != epoch1
+    )  # reshuffled, no repeats within
+    assert runplan.data_slice(2, 3, len(problems), 2)["epochs"] == [0, 1]
+    assert runplan.data_slice(0, 3, len(problems), 2)["epochs"] == [0]
+
+
+def test_cursor_advances_only_forward_and_atomically(tmp_path):
+    cursor = runplan.DataCursor(tmp_path, "nightly")
+    assert cursor.position("s") == 0
+    assert cursor.advance("s", 4, "night-1") == 4
+    assert cursor.advance("s", 2, "night-0-resumed") == 4  # re-completing an older night never rewinds
+    assert cursor.position("s") == 4 and cursor.position("other-stream") == 0
+    assert not list((tmp_path / "cursors").glob("*.tmp"))
+
+
+def test_night_parsing_and_the_scheduled_date(monkeypatch):
+    import flows.rl as rl
+
+    assert runplan.parse_night("2026-03-04") == dt.date(2026, 3, 4)
+    assert runplan.parse_night(
+        dt.datetime(2026, 3, 4, 23, 30, tzinfo=dt.timezone(dt.timedelta(hours=-5)))
+    ) == dt.date(2026, 3, 5)
+    with pytest.raises(runplan.RunPlanError, match="not a date"):
+        runplan.parse_night("tomorrow-ish")
+
+    class FakeFlowRun:
+        scheduled_start_time = dt.datetime(2026, 5, 6, 2, 0, tzinfo=dt.UTC)
+
+    monkeypatch.setattr(rl, "flow_run", FakeFlowRun)
+    assert rl._resolve_night(True, None) == dt.date(2026, 5, 6)  # the deployment's scheduled date
+    assert rl._resolve_night(True, "2026-01-01") == dt.date(2026, 1, 1)
+    assert rl._resolve_night(False, None) is None  # a plain run
