@@ -60,17 +60,18 @@ if ((DRY)); then
   say "dry run: carried wheels not installed (the CPU environment has everything)"
 elif compgen -G ".gpu-wheels/*.whl" >/dev/null; then
   rm -rf .gpu-site
-  if "$PY" -m pip --version >/dev/null 2>&1; then
-    "$PY" -m pip install --quiet --no-index --no-deps --disable-pip-version-check --target .gpu-site \
-      .gpu-wheels/*.whl >>"$LOG" 2>&1 || { say "pip could not install .gpu-wheels (see $LOG)"; exit 1; }
+  if "$PY" -m pip install --quiet --no-index --no-deps --disable-pip-version-check --target .gpu-site \
+    .gpu-wheels/*.whl >>"$LOG" 2>&1; then
     say "installed $(ls .gpu-wheels/*.whl | wc -l) carried wheels into .gpu-site with pip"
   else
-    # no pip in the image: a wheel is a zip laid out for site-packages (none of ours has scripts/data)
+    # no pip (or one that refuses): a wheel is a zip laid out for site-packages (ours have no data/scripts)
+    say "pip could not install .gpu-wheels (see $LOG): unpacking them into .gpu-site instead"
+    rm -rf .gpu-site
     "$PY" -c "import sys, zipfile; [zipfile.ZipFile(w).extractall('.gpu-site') for w in sys.argv[1:]]" \
       .gpu-wheels/*.whl || exit 1
-    say "no pip: unpacked $(ls .gpu-wheels/*.whl | wc -l) carried wheels into .gpu-site"
   fi
   export PYTHONPATH="$ROOT/.gpu-site:$PYTHONPATH"
+  "$PY" -c "import pydantic, pytest" 2>>"$LOG" || { say "pydantic/pytest still not importable (see $LOG)"; exit 1; }
 else
   say "no .gpu-wheels/*.whl here: using the image's packages only (run scripts/fetch_gpu_wheels.sh and carry .gpu-wheels)"
 fi
