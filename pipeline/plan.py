@@ -19,10 +19,12 @@ How the activation bytes are counted (per token of one layer, bf16 compute, tran
 layer with SDPA under a padding mask): each RMSNorm keeps its float32 upcast (4H bytes, twice), the
 two norm outputs feed the projections (2H each), attention keeps q after RoPE (2H), k and v
 repeated to every head for SDPA (2H each), its output and the contiguous o_proj input (2H each);
-the MLP keeps gate, up, SiLU(gate) and their product (2I each). Backward of the MLP holds about
-three more [tokens, I] gradients at once (6I). So ``ACT_BYTES_H = 26`` and ``ACT_BYTES_I = 14``
-bytes per hidden and per intermediate element. The k/v projections' own outputs before the repeat
-(4 x kv_dim) and the LoRA down-projections (r per target) are added exactly.
+the MLP keeps gate, up, SiLU(gate) and their product (2I each): ``SAVED_BYTES_H = 22`` and
+``SAVED_BYTES_I = 8`` bytes per hidden and per intermediate element. The k/v projections' own outputs
+before the repeat (4 x kv_dim) and the LoRA down-projections (r per target) are added exactly.
+Back-propagating the layer holds about three [tokens, I] gradients (6I) and two [tokens, H] ones
+(4H) at once: ``GRAD_BYTES_H = 4``, ``GRAD_BYTES_I = 6``. With checkpointing one layer is saved
+and back-propagated at a time; without it every layer's saved tensors live until backward reaches it.
 
 Departures and why: vLLM's side cannot be measured on the project's GPU machines (no vLLM wheel
 fits there), so its activation peak and CUDA-graph pool are estimates from its profiling rule
@@ -54,10 +56,10 @@ __all__ = [
 
 GiB = 1 << 30
 BF16 = 2
-# Activation bytes per token of one decoder layer, per hidden and per intermediate element (see the
-# module docstring for the tensors they count).
-ACT_BYTES_H = 26
-ACT_BYTES_I = 14
+# Activation bytes per token of one decoder layer, per hidden and per intermediate element, saved for
+# backward and held while back-propagating it (see the module docstring for the tensors they count).
+SAVED_BYTES_H, SAVED_BYTES_I = 22, 8
+GRAD_BYTES_H, GRAD_BYTES_I = 4, 6
 # fp32 LoRA weight + fp32 gradient + two fp32 AdamW moments, and the bf16 copy autocast caches
 LORA_STATE_BYTES = 16
 LORA_AUTOCAST_BYTES = 2
@@ -222,14 +224,15 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[st
     return shape.layers * sum(rank * (proj[t][0] + proj[t][1]) for t in targets)
 
 
-def layer_act_bytes_per_token(shape: ModelShape, rank: int, n_targets: int) -> int:
-    """Saved activations plus backward transients of one decoder layer, per token (bf16 compute)."""
-    return (
-        ACT_BYTES_H * shape.hidden
-        + ACT_BYTES_I * shape.intermediate
-        + 4 * shape.kv_dim
-        + 2 * rank * n_targets
-    )
+def layer_saved_bytes_per_token(shape: ModelShape, rank: int, n_targets: int) -> int:
+    """What one decoder layer saves for backward, per token (bf16 compute)."""
+    h, i = shape.hidden, shape.intermediate
+    return SAVED_BYTES_H * h + SAVED_BYTES_I * i + 4 * shape.kv_dim + 2 * rank * n_targets
+
+
+def layer_grad_bytes_per_token(shape: ModelShape) -> int:
+    """The gradients alive at once while one decoder layer is back-propagated, per token."""
+    return GRAD_BYTES_H * shape.hidden + GRAD_BYTES_I * shape.intermediate
 
 
 def _largest_projection(shape: ModelShape) -> int:
@@ -257,12 +260,13 @@ def trainer_peak(
     n_lora = lora_params(shape, rank, targets)
     lora = n_lora * (LORA_STATE_BYTES + (LORA_AUTOCAST_BYTES if autocast else 0))
     tokens = batch * seq_len
-    layer = tokens * layer_act_bytes_per_token(shape, rank, len(targets))
+    layer_saved = tokens * layer_saved_bytes_per_token(shape, rank, len(targets))
+    layer_grads = tokens * layer_grad_bytes_per_token(shape)
     if checkpointing:
         saved = shape.layers * tokens * shape.hidden * BF16  # each layer's input
-        working = layer  # the layer being recomputed and back-propagated
+        working = layer_saved + layer_grads  # the layer being recomputed and back-propagated
     else:
-        saved, working = shape.layers * layer, 0
+        saved, working = shape.layers * layer_saved, layer_grads
     # the decoded weight (a slice of at most CHUNK_ELEMENTS) and the next one being decoded
     dequant = 2 * min(_largest_projection(shape), CHUNK_ELEMENTS) * BF16 if base == "nvfp4" else 0
     # logprob head: the saved completion states and their gradient, and one slab's logits in bf16
@@ -405,6 +409,11 @@ def plan_memory(
     plan.total = reserved + trainer + CUDA_CONTEXT_GIB * GiB
     plan.fits = plan.total <= gpu_bytes and plan.kv_tokens >= rollout.max_model_len
     plan.advice = _advice(plan, run, reserved, kv, kv_per_token, trainer)
+    if "float32" in (train.dtype, rollout.dtype):
+        plan.advice.append(
+            "float32 compute (train.dtype / rollout.dtype): this plan counts activations and the KV cache in "
+            "bf16, so expect up to twice those rows"
+        )
     return plan
 
 
