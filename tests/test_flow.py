@@ -85,6 +85,21 @@ def _qerl(args: list[str], work: Path, fault: str | None = None) -> subprocess.C
     return subprocess.CompletedProcess(cmd, code, out_path.read_text(), err_path.read_text())
 
 
+def _assert_console(proc: subprocess.CompletedProcess, work: Path, engine_lines: tuple[str, ...]) -> None:
+    """The console has the stage and step lines and ends with the summary; the chatter of Prefect,
+    httpx and the engine (``engine_lines``: substrings of its INFO lines) is in run.log only."""
+    console = proc.stdout + proc.stderr
+    for line in ("quantize", "data ", "step 1/", "evaluate", "register"):
+        assert line in proc.stderr, (line, proc.stderr[-2000:])
+    assert proc.stdout.strip().splitlines()[-1].startswith("  MLflow UI:"), proc.stdout[-1000:]
+    (log_path,) = (work / "runs").glob("*/run.log")
+    log_text = log_path.read_text()
+    for chatter in ("httpx: HTTP Request", "prefect.flow_runs", "Starting temporary server", *engine_lines):
+        assert chatter not in console, (chatter, console[-3000:])
+        assert chatter in log_text, (chatter, log_text[-3000:])
+    assert len(console.splitlines()) < 40, console
+
+
 def _final_adapter(work: Path) -> bytes:
     (record_path,) = (work / "runs").glob("*/run.json")
     record = json.loads(record_path.read_text())
@@ -114,6 +129,7 @@ def test_vllm_run_end_to_end(flow_model, tmp_path):
     proc = _qerl(["run", "--config", str(cfg_path)], tmp_path / "work")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vllm-nvfp4-emulated" in proc.stdout and "MLflow UI" in proc.stdout
+    _assert_console(proc, tmp_path / "work", ("vLLM engine up", "Initializing a V1 LLM engine"))
     (record_path,) = (tmp_path / "work" / "runs").glob("*/run.json")
     record = json.loads(record_path.read_text())
     assert record["engine_mode"] == "vllm-nvfp4-emulated"
@@ -133,6 +149,7 @@ def test_killed_runs_resume_to_the_identical_adapter(flow_model, tmp_path):
 
     clean = _qerl(args, tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr[-3000:]
+    _assert_console(clean, tmp_path / "clean", ("qerl.stages.rollout: rollout step 0",))
     reference = _final_adapter(tmp_path / "clean")
 
     crashed = tmp_path / "crashed"
@@ -183,7 +200,7 @@ def test_run_config_rejects_bad_keys_and_mismatches(tmp_path):
 
 
 def test_step_prompts_cover_the_dataset_in_turn():
-    from flows.rl import step_prompts
+    from pipeline.runplan import step_prompts
 
     items = list(range(10))
     first_epoch = [x for step in range(5) for x in step_prompts(items, step, 2, seed=0)]
@@ -217,6 +234,7 @@ def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
     assert deployment.schedules[0].schedule.cron == "0 2 * * *"
     assert deployment.concurrency_limit == 1
     assert deployment.parameters["work_dir"] == str(tmp_path)
+    assert deployment.parameters["nightly"] is True  # each scheduled run is the night of its date
     assert deployment.entrypoint == "flows.rl.rl_flow"
 
 

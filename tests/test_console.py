@@ -1,0 +1,107 @@
+"""The console of ``qerl run``: lines for people on the terminal, libraries' chatter in run.log.
+
+The end-to-end checks (a real CLI run, vLLM included) are in tests/test_flow.py (``_assert_console``);
+these are the fast ones: the session's routing in a child process, the filter, the step lines, the ETA.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from flows import console
+
+SCRIPT = textwrap.dedent(
+    """
+    import logging, subprocess, sys
+    from pathlib import Path
+    from flows import console
+
+    run_dir = Path(sys.argv[1])
+    with console.session(run_dir, verbose=sys.argv[2] == "v") as ui:
+        logging.getLogger("httpx").info("HTTP Request: GET /api/health")
+        logging.getLogger("vllm.engine").info("Initializing a V1 LLM engine")
+        logging.getLogger("prefect.task_runs").error("Task run failed: boom")
+        logging.getLogger("qerl.runplan").warning("3 prompts dropped")
+        print("a library printing to stdout")
+        subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('child process chatter\\\\n')"])
+        console.current().stage("quantize", "NVFP4", 1.0)
+        console.current().steps_start(2, 1)
+        console.current().step(0, {"reward_mean": 0.5, "accuracy": 0.25, "rollout_tokens_per_s": 100.0}, 2.0, False)
+        console.current().step(1, {"reward_mean": 0.75, "accuracy": 0.5}, 2.0, False)
+    print("RESULT LINE")
+    """
+)
+
+
+def _session(tmp_path: Path, verbose: bool) -> tuple[subprocess.CompletedProcess, str]:
+    run_dir = tmp_path / ("v" if verbose else "q") / "runs" / "r1"
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(run_dir), "v" if verbose else "q"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc, (run_dir / console.LOG_NAME).read_text()
+
+
+def test_session_routes_chatter_to_run_log_and_keeps_lines_for_people(tmp_path):
+    proc, log_text = _session(tmp_path, verbose=False)
+    terminal = proc.stdout + proc.stderr
+    for chatter in (
+        "HTTP Request",
+        "Initializing a V1 LLM engine",
+        "a library printing",
+        "child process chatter",
+    ):
+        assert chatter not in terminal, chatter
+        assert chatter in log_text, chatter
+    assert "ERROR prefect.task_runs: Task run failed: boom" in proc.stderr  # errors of anyone
+    assert "WARNING qerl.runplan: 3 prompts dropped" in proc.stderr  # our own warnings
+    assert "quantize" in proc.stderr and "step 2/2  reward 0.750  acc 0.500" in proc.stderr
+    assert (
+        "step 1/2  reward 0.500  acc 0.250  100 tok/s  2.0 s  ETA 4s" in proc.stderr
+    )  # 1 step + 1 eval left, 2 s each
+    assert proc.stdout.splitlines()[-1] == "RESULT LINE"
+
+
+def test_verbose_session_brings_the_chatter_back(tmp_path):
+    proc, log_text = _session(tmp_path, verbose=True)
+    for chatter in (
+        "HTTP Request",
+        "Initializing a V1 LLM engine",
+        "a library printing",
+        "child process chatter",
+    ):
+        assert chatter in proc.stdout + proc.stderr, chatter
+    assert "HTTP Request" in log_text  # and the file still has the log
+
+
+def test_console_filter_passes_own_warnings_and_anyones_errors():
+    keep = console._ConsoleFilter()
+
+    def rec(name: str, level: int) -> logging.LogRecord:
+        return logging.LogRecord(name, level, __file__, 1, "m", None, None)
+
+    assert keep.filter(rec("qerl.engines", logging.WARNING))
+    assert not keep.filter(rec("qerl.engines", logging.INFO))
+    assert not keep.filter(rec("vllm.config", logging.WARNING))
+    assert keep.filter(rec("vllm.engine", logging.ERROR))
+    assert not keep.filter(rec("httpx", logging.INFO))
+
+
+def test_eta_counts_built_steps_and_pending_evaluations():
+    ui = console.RunConsole()
+    ui.steps_start(10, 2)
+    assert ui.eta() is None  # nothing measured yet
+    ui.step(0, {}, 0.01, cached=True)  # cached steps do not count towards the rate
+    ui.step(1, {}, 4.0, cached=False)
+    assert ui.eta() == 8 * 4.0 + 2 * 4.0
+    ui.stage("evaluate", "adapter", 10.0)
+    assert ui.eta() == 8 * 4.0 + 1 * 10.0
+    assert console.fmt_duration(3725) == "1h02m" and console.fmt_duration(75) == "1m15s"
