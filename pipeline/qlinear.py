@@ -12,9 +12,10 @@ packed buffers are saved for backward, so no dequantized copy of the base lives 
 backward (the QLoRA trade: one extra decode per layer per step for ~3.5x less base-weight memory). On
 CPU the decode is the numba kernel (``kernels.nvfp4.dequantize``, backend logged once), ~8x faster
 than the torch reference, written into a per-thread scratch buffer reused by every layer; a layer
-larger than ``CHUNK_ELEMENTS`` is decoded and multiplied in slices (output rows in forward, 16-aligned
-input columns in backward, so every output element is still one dot product in one GEMM), so the dense
-weight alive at any time is at most one slice. The base takes no gradient: its tensors are buffers,
+larger than ``slice_elements(device)`` is decoded and multiplied in slices (output rows in forward,
+16-aligned input columns in backward, so every output element is still one dot product in one GEMM),
+so the dense weight alive at any time is at most one slice: 16 MiB on the CPU, whole layers on CUDA
+(see ``slice_elements`` for why). The base takes no gradient: its tensors are buffers,
 never parameters. peft's LoRA wraps the module through peft's custom-module registry
 (``register_with_peft``) using peft's own ``lora.Linear``, so saved adapters are ordinary peft adapters
 (same keys and config as for an ``nn.Linear`` base).
@@ -49,15 +50,34 @@ __all__ = [
     "load_quantized_for_training",
     "quantized_linear_names",
     "register_with_peft",
+    "slice_elements",
 ]
 
 _PACKED, _SCALE, _GSCALE = "weight_packed", "weight_scale", "weight_global_scale"
 
 
-# Dense elements of one dequantized weight slice (16 MiB in bf16). A layer larger than this is decoded
-# and multiplied slice by slice, so the transient dense weight per layer is at most one slice (a 7B
-# MLP projection, 68M elements, takes 9 slices); every projection of a 0.5B model fits in one.
+# Dense elements of one dequantized weight slice, per device type (``slice_elements``). A layer larger
+# than this is decoded and multiplied slice by slice, so the transient dense weight per layer is at most
+# one slice. CPU: 16 MiB in bf16 (a 7B MLP projection, 68M elements, takes 9 slices; every projection of
+# a 0.5B model fits in one). CUDA: 512 MiB in bf16, i.e. every projection up to 72B in one GEMM.
 CHUNK_ELEMENTS = 1 << 23
+CHUNK_ELEMENTS_CUDA = 1 << 28
+
+
+def slice_elements(device: torch.device | str) -> int:
+    """Largest dense weight slice decoded at once on ``device`` (by ``device.type``: "cuda", else CPU's).
+
+    Why they differ: on the CPU the decoded slice lives in a per-thread scratch buffer that stays
+    resident for the whole run, so it is kept at 16 MiB, and a CPU GEMM runs just as fast on a slice
+    (its blocking works on tiles far smaller than that). On a GPU the dense tile is a transient of
+    the caching allocator, a few hundred MB at most (Qwen2.5-32B's largest projection, 27648 x 5120,
+    is 283 MB in bf16), while slicing costs: 9 GEMMs with a narrow N instead of one for a 7B MLP
+    projection (a kernel launch, a dequantizer launch and a partial wave of tiles each) and, in
+    backward, column slices whose output is written with a stride. So CUDA decodes whole layers
+    (every projection of the catalogue's models, up to 72B's 29568 x 8192, is below ``1 << 28``).
+    """
+    return CHUNK_ELEMENTS_CUDA if torch.device(device).type == "cuda" else CHUNK_ELEMENTS
+
 
 _scratch = threading.local()
 
@@ -233,7 +253,7 @@ class NVFP4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return _NVFP4LinearFn.apply(
-            x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias, CHUNK_ELEMENTS
+            x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias, slice_elements(x.device)
         )
 
     @property

@@ -14,10 +14,28 @@ so ``minibatch_size=4, grad_accum=1`` and ``2, 2`` give the same gradient. Logpr
 gradient norm discards that update's gradients (adapter and optimizer state untouched, the schedule
 not advanced) and is counted in the metrics.
 
-Departures: TRL computes the ratio against recomputed "old" logprobs; we use the sampler's (see
-pipeline.grpo) unless ``grpo.tis_cap`` asks for recomputation. The warmup is ``(u+1)/warmup`` so the
-first update does not run at lr 0 (transformers' convention wastes it). Python's and NumPy's RNGs are
-not saved: nothing in training draws from them.
+Old logprobs (the ratio's anchor, ``grpo.anchor: trainer``, and the sampler-mismatch metrics): the
+trainer's logprob of every sampled token under the parameters the RL step starts from, kept per
+sample at its own completion length and scattered by row into whichever (reshuffled, differently
+padded) minibatch trains it. Until the step's first optimizer update the forward pass being trained
+runs on exactly those parameters, so its ``logp.detach()`` *is* the old logprob and costs nothing:
+the samples of the first update take theirs from it. Only samples first trained after an update (more
+than one update per step, or ``mu > 1``) need a no-grad forward beforehand (``step_context``, in row
+order, one minibatch at a time): with the 7B preset's 4 updates of 32 samples, 96 of 128 samples;
+with one update per step, none. (0.75 of a forward per sample against about 4 forward-equivalents for a
+checkpointed forward and backward: about 19% more compute for the 7B preset.) Every pass is in a fixed
+order and draws from the torch RNG only through dropout, whose state the checkpoint restores, so a
+resumed run stays bit-identical. Each step's metrics include the sampler/trainer mismatch
+(``mismatch_kl``, ``mismatch_abs``, ``mismatch_out``, ``tis_capped``; see ``train_step``).
+
+Device settings (``logprob_chunk_elements``, ``optimizer_impl`` and ``pipeline.qlinear.slice_elements``
+choose by ``device.type``): the CPU keeps small slabs and the for-loop AdamW, which bound resident
+memory at no speed cost there; CUDA takes large slabs and the fused AdamW kernel (reasons at each).
+
+Departures: the ratio's anchor is the trainer's recomputed logprob, as in TRL, but with a truncated
+importance weight against the sampler and dual clip on by default (see pipeline.grpo for why).
+The warmup is ``(u+1)/warmup`` so the first update does not run at lr 0 (transformers' convention
+wastes it). Python's and NumPy's RNGs are not saved: nothing in training draws from them.
 """
 
 from __future__ import annotations
@@ -30,7 +48,7 @@ import shutil
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,7 +58,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.artifacts import atomic_write_json
 from pipeline.config import StrictModel
-from pipeline.grpo import GRPOConfig, group_advantages, grpo_token_objective
+from pipeline.grpo import GRPOConfig, group_advantages, grpo_token_objective, mismatch_sums
 
 log = logging.getLogger("qerl.training")
 
@@ -55,7 +73,9 @@ __all__ = [
     "load_adapter_weights",
     "load_checkpoint",
     "load_rollout_batch",
+    "logprob_chunk_elements",
     "accumulate_gradients",
+    "optimizer_impl",
     "save_checkpoint",
     "step_context",
     "train_step",
@@ -192,8 +212,26 @@ def _collate(
     }
 
 
-# Logit elements (positions x vocabulary) computed at a time by the fused lm_head + log-softmax.
-LOGPROB_CHUNK_ELEMENTS = 1 << 21
+# Logit elements (positions x vocabulary) computed at a time by the fused lm_head + log-softmax, per
+# device type (``logprob_chunk_elements``). Each slab re-reads the whole lm_head weight.
+LOGPROB_CHUNK_ELEMENTS = 1 << 21  # CPU: 8 MiB per float32 temporary
+LOGPROB_CHUNK_ELEMENTS_CUDA = 1 << 26  # CUDA: ~441 positions of a 152k vocabulary, ~1.1 GiB of temporaries
+
+
+def logprob_chunk_elements(device: torch.device | str) -> int:
+    """Slab size of the fused logprob head on ``device`` (by ``device.type``: "cuda", else the CPU's).
+
+    Why they differ: every slab is one GEMM ``[rows, H] x [H, V]`` that reads the whole lm_head (1.1 GB
+    at Qwen2.5-7B's 152k x 3584 in bf16), doing ``2 * rows`` FLOPs per weight byte. A CPU core is
+    compute-bound from a handful of rows, so the CPU keeps small slabs (13 positions at 152k), which
+    bound the resident float32 temporaries (the peak the CPU benchmark and ``qerl plan`` measure). On
+    an H100 (about 990 bf16 TFLOP/s against 3.35 TB/s, a ridge near 300 FLOPs per byte) 13-row slabs
+    would be bandwidth-bound: a 4 x 1024-token minibatch would re-read the head 316 times per pass
+    (0.34 TB, ~0.1 s, against ~5 ms of arithmetic). ``1 << 26`` elements are 441 rows at 152k (10
+    slabs for that minibatch), past the ridge, for about 1.1 GiB of transients (bf16 logits plus four
+    float32 temporaries, 18 bytes per element), small beside an 80 GB device's budget.
+    """
+    return LOGPROB_CHUNK_ELEMENTS_CUDA if torch.device(device).type == "cuda" else LOGPROB_CHUNK_ELEMENTS
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -327,7 +365,7 @@ def completion_logprobs(
     hidden = hidden[:, L - C - 1 : L - 1].contiguous()
     targets = mb["completion_ids"].to(device)
     return _TokenLogprobs.apply(
-        hidden, head.weight, head.bias, targets, temperature, with_entropy, LOGPROB_CHUNK_ELEMENTS
+        hidden, head.weight, head.bias, targets, temperature, with_entropy, logprob_chunk_elements(device)
     )
 
 
@@ -343,7 +381,6 @@ class TrainState:
     updates: int = 0  # optimizer updates applied
     base_dir: str = ""
     base_format: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def is_nvfp4_checkpoint(model_dir: str | Path) -> bool:
@@ -403,6 +440,23 @@ def _trainable(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def optimizer_impl(device: torch.device | str) -> dict[str, bool]:
+    """AdamW's implementation switches for ``device`` (by ``device.type``).
+
+    CUDA: ``fused=True``, one kernel for every parameter's update instead of several elementwise
+    launches per LoRA tensor (hundreds of small tensors: 7 projections x 2 x layers), deterministic
+    like the others. CPU: ``foreach=False``, the per-parameter loop, which allocates no multi-tensor
+    temporaries; there is no launch overhead to save.
+    """
+    return {"fused": True} if torch.device(device).type == "cuda" else {"foreach": False}
+
+
+def _with_impl(groups: list[dict[str, Any]], device: torch.device | str) -> list[dict[str, Any]]:
+    """Param groups with this device's implementation switches (a checkpoint may come from another)."""
+    impl = optimizer_impl(device)
+    return [{**g, "fused": impl.get("fused"), "foreach": impl.get("foreach")} for g in groups]
+
+
 def init_state(
     base_dir: str | Path, cfg: TrainConfig, device: str = "cpu", init_adapter: str | Path | None = None
 ) -> TrainState:
@@ -423,7 +477,7 @@ def init_state(
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
-        foreach=False,
+        **optimizer_impl(device),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     return TrainState(model, optimizer, scheduler, base_dir=str(base_dir), base_format=base_format)
@@ -450,12 +504,42 @@ class _StepContext:
     row_mask: torch.Tensor
     lengths: torch.Tensor
     max_len: int
-    old_logp: dict[int, torch.Tensor]
     pad_id: int
+    # The trainer's logprobs of each sample's completion under the step's starting parameters
+    # (unpadded, one entry per row), filled by ``step_context`` and by the first update's forward.
+    old_logp: dict[int, torch.Tensor]
+    updated: bool = False  # an optimizer step has changed the parameters since the step began
 
 
-def step_context(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_id: int = 0) -> _StepContext:
-    """Everything fixed for the whole RL step: advantages, masks, normalisers, old logprobs (TIS)."""
+def _old_logprobs(
+    model: Any, batch: RolloutBatch, rows: list[int], cfg: TrainConfig, pad_id: int, row_mask: torch.Tensor
+) -> dict[int, torch.Tensor]:
+    """No-grad logprobs of ``rows`` (in this order, ``minibatch_size`` at a time), each unpadded."""
+    out: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for i in range(0, len(rows), cfg.minibatch_size):
+            chunk = rows[i : i + cfg.minibatch_size]
+            mb = _collate(batch, chunk, row_mask, pad_id)
+            lp, _ = completion_logprobs(model, mb, cfg.temperature, lora_autocast=cfg.lora_autocast)
+            for b, r in enumerate(chunk):
+                out[r] = lp[b, : len(batch.completion_ids[r])].clone()
+    return out
+
+
+def step_context(
+    state: TrainState,
+    batch: RolloutBatch,
+    cfg: TrainConfig,
+    pad_id: int = 0,
+    *,
+    first_update: list[list[int]] | None = None,
+) -> _StepContext:
+    """Everything fixed for the whole RL step: advantages, masks, normalisers, old logprobs.
+
+    ``first_update``: the minibatches of the step's first optimizer update; their samples' old
+    logprobs come from that update's own forward (same parameters, no extra pass). Every other
+    sample's are computed here, before any update. ``None``: all samples' are computed here.
+    """
     g = cfg.grpo
     n = len(batch)
     if n == 0:
@@ -467,16 +551,24 @@ def step_context(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_i
     if g.mask_truncated:
         row_mask = row_mask * (1.0 - torch.tensor(batch.truncated, dtype=torch.float32))
     max_len = g.max_completion_length or int(lengths.max().item()) or 1
-    old_logp: dict[int, torch.Tensor] = {}
-    if g.tis_cap is not None:  # the trainer's own logprobs before any update of this step
-        with torch.no_grad():
-            for i in range(0, n, cfg.minibatch_size):
-                rows = list(range(i, min(n, i + cfg.minibatch_size)))
-                mb = _collate(batch, rows, row_mask, pad_id)
-                lp, _ = completion_logprobs(state.model, mb, cfg.temperature, lora_autocast=cfg.lora_autocast)
-                for b, r in enumerate(rows):
-                    old_logp[r] = lp[b].cpu()
-    return _StepContext(batch, rewards, adv, row_mask, lengths, max_len, old_logp, pad_id)
+    free = {r for mb in first_update or [] for r in mb}
+    rows = [r for r in range(n) if r not in free]
+    old_logp = _old_logprobs(state.model, batch, rows, cfg, pad_id, row_mask)
+    return _StepContext(batch, rewards, adv, row_mask, lengths, max_len, pad_id, old_logp)
+
+
+def _scatter_old(ctx: _StepContext, rows: list[int], logp: torch.Tensor) -> torch.Tensor:
+    """The minibatch's [B, C] old logprobs by row; a row without one takes this forward's (which are
+    the old ones as long as no update has happened in this step) and keeps it for later minibatches."""
+    old = logp.detach().clone()
+    for b, r in enumerate(rows):
+        length = len(ctx.batch.completion_ids[r])
+        if r not in ctx.old_logp:
+            if ctx.updated:
+                raise RuntimeError(f"row {r} has no old logprobs and the parameters already changed")
+            ctx.old_logp[r] = old[b, :length].clone()
+        old[b, :length] = ctx.old_logp[r].to(old.device)
+    return old
 
 
 def accumulate_gradients(
@@ -489,8 +581,12 @@ def accumulate_gradients(
     into ``totals``.
     """
     g = cfg.grpo
-    n_seq = sum(len(mb) for mb in update)
-    n_tok = float(sum(ctx.row_mask[r] * ctx.lengths[r] for mb in update for r in mb))
+    rows_all = [r for mb in update for r in mb]
+    n_rows = len(rows_all)
+    n_seq = sum(1 for r in rows_all if ctx.row_mask[r] * ctx.lengths[r] > 0)  # fully masked rows are dropped
+    n_tok = float(sum(ctx.row_mask[r] * ctx.lengths[r] for r in rows_all))
+    # bnpo: each minibatch's token mean, averaged over the minibatches that have tokens
+    n_mb = max(1, sum(1 for mb in update if any(ctx.row_mask[r] * ctx.lengths[r] > 0 for r in mb)))
     update_loss, finite = 0.0, True
     for rows in update:
         mb = _collate(ctx.batch, rows, ctx.row_mask, ctx.pad_id)
@@ -502,46 +598,69 @@ def accumulate_gradients(
         if g.beta > 0.0:
             with torch.no_grad(), model.disable_adapter():
                 ref, _ = completion_logprobs(model, mb, cfg.temperature, lora_autocast=cfg.lora_autocast)
-        old = None
-        if ctx.old_logp:
-            old = torch.zeros_like(logp)
-            for b, r in enumerate(rows):
-                old[b, : ctx.old_logp[r].shape[0]] = ctx.old_logp[r]
         loss, stats = grpo_token_objective(
             logp,
             mb["sampler_logp"].to(device),
             ctx.adv[rows].to(device),
             mb["mask"].to(device),
             g,
-            old_logp=old,
+            old_logp=_scatter_old(ctx, rows, logp),
             ref_logp=ref,
             num_sequences=n_seq,
             num_tokens=n_tok,
             max_len=ctx.max_len,
+            num_rows=n_rows,
         )
-        if g.loss_type == "bnpo":  # per-minibatch token mean, averaged over the accumulated minibatches
-            loss = loss / len(update)
+        if g.loss_type == "bnpo":
+            loss = loss / n_mb
         finite = finite and bool(torch.isfinite(loss.detach()))
         loss.backward()
         update_loss += float(loss.detach())
-        for k in ("tokens", "clip_low", "clip_high", "kl", "ratio"):
-            totals[k] += stats[k]
-        totals["entropy"] += float((entropy * mb["mask"].to(device)).sum())
+        for k in ("tokens", "clip_low", "clip_high", "clip_dual", "kl", "ratio"):
+            totals[k] = totals.get(k, 0.0) + stats[k]
+        totals["entropy"] = totals.get("entropy", 0.0) + float((entropy * mb["mask"].to(device)).sum())
     return update_loss, finite
 
 
+def _mismatch_metrics(ctx: _StepContext, cfg: TrainConfig) -> dict[str, float]:
+    """Sampler vs trainer (old logprobs) over every trained token of the step, once per sample."""
+    rows = [r for r in range(len(ctx.batch)) if ctx.row_mask[r] * ctx.lengths[r] > 0]
+    if not rows:
+        return {"mismatch_kl": 0.0, "mismatch_abs": 0.0, "mismatch_out": 0.0, "tis_capped": 0.0}
+    old = torch.cat([ctx.old_logp[r].float().cpu() for r in rows])
+    sampler = torch.cat([torch.tensor(ctx.batch.sampler_logprobs[r], dtype=torch.float32) for r in rows])
+    g = cfg.grpo
+    sums = mismatch_sums(old, sampler, g.eps_low, g.eps_high, g.tis_cap if g.anchor == "trainer" else None)
+    tok = sums["mismatch_tokens"]
+    return {
+        "mismatch_kl": sums["mismatch_k3"] / tok,
+        "mismatch_abs": sums["mismatch_abs"] / tok,
+        "mismatch_out": sums["mismatch_out"] / tok,
+        "tis_capped": sums["tis_capped"] / tok,
+    }
+
+
 def train_step(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_id: int = 0) -> dict[str, Any]:
-    """Apply one RL step's update(s) in place; returns the step's metrics."""
+    """Apply one RL step's update(s) in place; returns the step's metrics.
+
+    Besides loss, gradient norm, clip shares (``clip_frac_low``/``high``/``dual``), entropy and KL, the
+    sampler-vs-trainer mismatch over the step's trained tokens (trainer = old logprobs): ``mismatch_kl``
+    (k3 estimate of KL(sampler || trainer)), ``mismatch_abs`` (mean ``|logp_trainer - logp_sampler|``),
+    ``mismatch_out`` (share with ``pi_trainer / pi_sampler`` outside ``[1 - eps_low, 1 + eps_high]``:
+    what the sampler anchor would clip before any update) and ``tis_capped`` (share where the TIS cap
+    binds; 0 without TIS).
+    """
     t0 = time.perf_counter()
     model = state.model
     model.train()
-    ctx = step_context(state, batch, cfg, pad_id)
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.step)
+    updates = _update_groups(len(batch), cfg, generator)
+    ctx = step_context(state, batch, cfg, pad_id, first_update=updates[0] if updates else None)
     params = [p for _, p in _trainable(model)]
     n, rewards, adv, lengths, row_mask = len(batch), ctx.rewards, ctx.adv, ctx.lengths, ctx.row_mask
-    totals = {"tokens": 0.0, "clip_low": 0.0, "clip_high": 0.0, "kl": 0.0, "ratio": 0.0, "entropy": 0.0}
+    totals = dict.fromkeys(("tokens", "clip_low", "clip_high", "clip_dual", "kl", "ratio", "entropy"), 0.0)
     losses, norms, skipped, lrs = [], [], 0, []
-    for update in _update_groups(n, cfg, generator):
+    for update in updates:
         update_loss, finite = accumulate_gradients(model, ctx, update, cfg, totals)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         if not finite or not bool(torch.isfinite(norm)):
@@ -556,6 +675,7 @@ def train_step(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_id:
             continue
         lrs.append(state.optimizer.param_groups[0]["lr"])
         state.optimizer.step()
+        ctx.updated = True
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
         state.updates += 1
@@ -568,9 +688,11 @@ def train_step(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_id:
         "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
         "clip_frac_low": totals["clip_low"] / tok,
         "clip_frac_high": totals["clip_high"] / tok,
+        "clip_frac_dual": totals["clip_dual"] / tok,
         "entropy": totals["entropy"] / tok,
         "kl": totals["kl"] / tok,
         "ratio_mean": totals["ratio"] / tok,
+        **_mismatch_metrics(ctx, cfg),
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if n > 1 else 0.0,
         "adv_abs_mean": float(adv.abs().mean()),
@@ -682,7 +804,8 @@ def load_checkpoint(
     for key, value in tensors.items():
         _, idx, name = key.split(".", 2)
         opt_state.setdefault(int(idx), {})[name] = value
-    state.optimizer.load_state_dict({"state": opt_state, "param_groups": meta["param_groups"]})
+    groups = _with_impl(meta["param_groups"], device)
+    state.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
     state.scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None]})
     torch.set_rng_state(torch.tensor(meta["rng"]["torch_cpu"], dtype=torch.uint8))
     if "torch_cuda" in meta["rng"] and torch.cuda.is_available():

@@ -16,6 +16,7 @@ from pipeline.grpo import (
     group_advantages,
     grpo_token_objective,
     k3_kl,
+    mismatch_sums,
     per_token_loss,
     tis_weights,
 )
@@ -118,7 +119,7 @@ def test_clip_masks():
 
 
 def test_objective_combines_kl_and_counts():
-    cfg = GRPOConfig(beta=0.5, loss_type="bnpo")
+    cfg = GRPOConfig(beta=0.5, loss_type="bnpo", anchor="sampler", tis_cap=None)
     logp = torch.log(torch.tensor([[0.5, 0.5]]))
     sampler = torch.log(torch.tensor([[0.5, 0.25]]))  # rho = [1, 2]
     ref = torch.log(torch.tensor([[0.25, 0.5]]))
@@ -145,8 +146,114 @@ def test_objective_tis_uses_old_logp():
 def test_config_defaults_and_rejections():
     cfg = GRPOConfig()
     assert (cfg.eps_low, cfg.eps_high, cfg.beta, cfg.loss_type) == (0.2, 0.28, 0.0, "dapo")
-    assert cfg.mask_truncated and cfg.tis_cap is None and cfg.scale_rewards == "group"
+    assert cfg.mask_truncated and cfg.scale_rewards == "group"
+    assert (cfg.anchor, cfg.tis_cap, cfg.dual_clip) == ("trainer", 2.0, 3.0)
     with pytest.raises(ConfigError, match="valid keys"):
         load_config(GRPOConfig, overrides=["epsilon=0.1"])
     with pytest.raises(ConfigError, match="tis_cap"):
         load_config(GRPOConfig, overrides=["tis_cap=0.5"])
+    with pytest.raises(ConfigError, match="dual_clip"):
+        load_config(GRPOConfig, overrides=["dual_clip=1.0"])
+    # the sampler anchor has no trainer/sampler weight to truncate: the default cap must be turned off
+    with pytest.raises(ConfigError, match=r"tis_cap=2.0 needs grpo.anchor: trainer"):
+        load_config(GRPOConfig, overrides=["anchor=sampler"])
+    old = load_config(GRPOConfig, overrides=["anchor=sampler", "tis_cap=null", "dual_clip=null"])
+    assert (old.anchor, old.tis_cap, old.dual_clip) == ("sampler", None, None)
+    plain_ppo = load_config(GRPOConfig, overrides=["tis_cap=null"])  # trainer anchor without TIS: allowed
+    assert plain_ppo.anchor == "trainer" and plain_ppo.tis_cap is None
+
+
+def test_aggregations_with_a_fully_masked_row():
+    # rows: 3 tokens, 1 token, and a truncated row whose mask is all zero (its values must not matter)
+    tok = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    # grpo: per-sequence means 6/3 = 2 and 4/1 = 4 over the 2 sequences that have tokens = 3
+    # (dividing by all 3 rows would give 2: the masked row would dilute the others)
+    assert aggregate(tok, mask, "grpo").item() == pytest.approx(3.0)
+    # bnpo / dapo: token sum 1+2+3+4 = 10 over 4 unmasked tokens
+    assert aggregate(tok, mask, "bnpo").item() == pytest.approx(2.5)
+    assert aggregate(tok, mask, "dapo").item() == pytest.approx(2.5)
+    # dr_grpo: token sum over the constant rows x max_len = 3 x 3 (every row counts, see the module notes)
+    assert aggregate(tok, mask, "dr_grpo").item() == pytest.approx(10 / 9)
+    # step-level normalisers: 4 contributing sequences; 8 tokens; 4 rows of budget 5
+    assert aggregate(tok, mask, "grpo", num_sequences=4).item() == pytest.approx(6 / 4)
+    assert aggregate(tok, mask, "dapo", num_tokens=8).item() == pytest.approx(10 / 8)
+    assert aggregate(tok, mask, "dr_grpo", num_rows=4, max_len=5).item() == pytest.approx(10 / 20)
+    # every row masked: a zero loss, not 0/0
+    assert aggregate(tok, torch.zeros(3, 3), "grpo").item() == 0.0
+    # grpo, bnpo and dapo equal the batch without the masked row (a dropped sample)
+    for loss_type in ("grpo", "bnpo", "dapo"):
+        assert aggregate(tok, mask, loss_type).item() == pytest.approx(
+            aggregate(tok[:2], mask[:2], loss_type).item()
+        )
+
+
+def test_dual_clip_caps_negative_advantage_tokens():
+    # rho = [5, 2, 0.5], clip range [0.8, 1.28], dual clip c = 3
+    logp = torch.log(torch.tensor([[5.0, 2.0, 0.5]])).requires_grad_()
+    old = torch.zeros(1, 3)
+    # A = -1: ordinary clipped loss max(rho, clip(rho)) = [5, 2, 0.8]; dual clip min(., 3) = [3, 2, 0.8]
+    loss, _ = per_token_loss(logp, old, torch.tensor([-1.0]), 0.2, 0.28, dual_clip=3.0)
+    assert torch.allclose(loss, torch.tensor([[3.0, 2.0, 0.8]]))
+    loss.sum().backward()
+    # d/dlogp: 0 where the dual cap binds, rho * |A| = 2 where unclipped, 0 on the clipped branch
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, 2.0, 0.0]]))
+    # without dual clip the first token's loss is 5 (unbounded in rho)
+    plain, _ = per_token_loss(logp.detach(), old, torch.tensor([-1.0]), 0.2, 0.28)
+    assert torch.allclose(plain, torch.tensor([[5.0, 2.0, 0.8]]))
+    # A = +2: dual clip does not apply: -[1.28 * 2, 1.28 * 2, 0.5 * 2]
+    pos, _ = per_token_loss(logp.detach(), old, torch.tensor([2.0]), 0.2, 0.28, dual_clip=3.0)
+    assert torch.allclose(pos, -torch.tensor([[2.56, 2.56, 1.0]]))
+    # the objective counts where it binds
+    cfg = GRPOConfig(anchor="sampler", tis_cap=None)
+    _, stats = grpo_token_objective(logp.detach(), old, torch.tensor([-1.0]), torch.ones(1, 3), cfg)
+    assert stats["clip_dual"] == 1 and stats["clip_low"] == 1  # rho 5 (dual), rho 0.5 (low)
+
+
+def _perturbed_tokens() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two rows of two tokens, the trainer at p = 0.5 everywhere. Row 0 (A = +1): the sampler put
+    0.25 on its first token (trainer/sampler = 2 > 1.28); row 1 (A = -1): 0.8 (ratio 0.625 < 0.8):
+    both beyond the clip range in the direction that clips, as AQN noise can. Second tokens agree."""
+    logp = torch.log(torch.full((2, 2), 0.5))
+    sampler = torch.log(torch.tensor([[0.25, 0.5], [0.8, 0.5]]))
+    return logp, sampler, torch.tensor([1.0, -1.0])
+
+
+def test_default_anchor_gives_perturbed_tokens_a_gradient():
+    """Issue item 5: with the default config (trainer anchor, TIS 2, dual clip 3) the tokens the sampler
+    disagrees on are trained; with the old sampler anchor their gradient is exactly zero."""
+    logp0, sampler, adv = _perturbed_tokens()
+    mask = torch.ones(2, 2)
+
+    def grad(cfg: GRPOConfig) -> tuple[float, torch.Tensor]:
+        logp = logp0.clone().requires_grad_()
+        # first update of the step: old = this forward's own logprobs, so rho = 1
+        loss, _ = grpo_token_objective(logp, sampler, adv, mask, cfg, old_logp=logp.detach())
+        loss.backward()
+        return loss.item(), logp.grad
+
+    # default: per token -w * A * rho with w = min(trainer/sampler, 2) = [[2, 1], [0.625, 1]], dapo / 4
+    loss, g = grad(GRPOConfig())
+    assert loss == pytest.approx((-2 - 1 + 0.625 + 1) / 4, abs=1e-6)
+    assert torch.allclose(g, torch.tensor([[-2.0, -1.0], [0.625, 1.0]]) / 4, atol=1e-6)
+    # old behaviour: rho against the sampler = [[2, 1], [0.625, 1]]; row 0 token 0 takes the clipped
+    # branch -1.28, row 1 token 0 takes 0.8 (A = -1): both constants. Loss (-1.28 - 1 + 0.8 + 1) / 4
+    loss_s, g_s = grad(GRPOConfig(anchor="sampler", tis_cap=None))
+    assert loss_s == pytest.approx((-1.28 - 1 + 0.8 + 1) / 4, abs=1e-6)
+    assert torch.equal(g_s[:, 0], torch.zeros(2))
+    assert torch.allclose(g_s[:, 1], torch.tensor([-1.0, 1.0]) / 4, atol=1e-6)
+
+
+def test_mismatch_sums_by_hand():
+    # trainer 0.5 on three tokens, sampler [0.25, 0.8, 0.5]: w = trainer/sampler = [2, 0.625, 1]
+    old = torch.log(torch.full((3,), 0.5))
+    sampler = torch.log(torch.tensor([0.25, 0.8, 0.5]))
+    sums = mismatch_sums(old, sampler, 0.2, 0.28, tis_cap=1.5)
+    d = [math.log(2.0), math.log(0.625), 0.0]
+    assert sums["mismatch_tokens"] == 3
+    # k3 of KL(sampler || trainer) per token: w - log w - 1
+    assert sums["mismatch_k3"] == pytest.approx((2 - d[0] - 1) + (0.625 - d[1] - 1), abs=1e-6)
+    assert sums["mismatch_abs"] == pytest.approx(abs(d[0]) + abs(d[1]), abs=1e-6)
+    assert sums["mismatch_out"] == 2  # 2 > 1.28 and 0.625 < 0.8
+    assert sums["tis_capped"] == 1  # only 2 > 1.5
+    assert mismatch_sums(old, sampler, 0.2, 0.28, tis_cap=None)["tis_capped"] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pyarrow as pa
@@ -421,3 +422,184 @@ def test_lora_autocast_computes_the_adapter_in_the_base_dtype(tiny_model_dir):
     assert torch.allclose(mixed, full_fp32, atol=0.1)
     grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
     assert grads and all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
+
+
+# -- old logprobs, the trainer anchor, masked rows, device settings (issue 15: items 3, 5, 8, 10) -----
+
+
+def _handmade_batch(state, lengths, rewards, groups=None, shift=None, truncated=None) -> RolloutBatch:
+    """Completions of the given lengths (fixed ids); the sampler's logprobs are the policy's own (each
+    row computed alone) plus ``shift(row, token)``, the way a noisy (AQN) sampler would differ."""
+    from pipeline.training import _collate, completion_logprobs
+
+    gen = torch.Generator().manual_seed(7)
+    n = len(lengths)
+    batch = RolloutBatch(
+        prompt_ids=[PROMPTS[i % 2] for i in range(n)],
+        completion_ids=[torch.randint(3, 200, (k,), generator=gen).tolist() for k in lengths],
+        sampler_logprobs=[[0.0] * k for k in lengths],
+        truncated=list(truncated or [False] * n),
+        rewards=list(rewards),
+        group_ids=list(groups or [0] * n),
+    )
+    with torch.no_grad():
+        for r in range(n):
+            lp, _ = completion_logprobs(state.model, _collate(batch, [r], torch.ones(n), 0), 1.0)
+            batch.sampler_logprobs[r] = [
+                float(lp[0, t]) + (shift(r, t) if shift else 0.0) for t in range(lengths[r])
+            ]
+    return batch
+
+
+def _nonzero_lora_b(state) -> None:
+    with torch.no_grad():
+        for n, p in state.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+
+
+def test_tis_with_reshuffled_minibatches_of_other_widths(nvfp4_base, monkeypatch):
+    """Issue item 3: 4 rows of different lengths in minibatches of 2 over mu = 2 passes (reshuffled, so
+    a row lands in minibatches of other padded widths); with TIS on (the default). Every minibatch's
+    old logprobs must be the step-start policy's, row by row, not the current one's."""
+    import pipeline.training as training
+
+    cfg = TrainConfig(**TINY, lr=5e-2, minibatch_size=2, mu=2, grpo={"tis_cap": 2.0})
+    state = init_state(nvfp4_base, cfg)
+    _nonzero_lora_b(state)
+    batch = _handmade_batch(state, [5, 1, 4, 2], [1.0, 0.0, 0.0, 1.0], shift=lambda r, t: 0.05 * (t - 1))
+    start = [
+        torch.tensor(lp) - torch.tensor([0.05 * (t - 1) for t in range(len(lp))])
+        for lp in batch.sampler_logprobs
+    ]
+
+    seen = []
+    original = training._scatter_old
+
+    def spy(ctx, rows, logp):
+        old = original(ctx, rows, logp)
+        seen.append((list(rows), old.detach().clone(), logp.detach().clone()))
+        return old
+
+    monkeypatch.setattr(training, "_scatter_old", spy)
+    metrics = train_step(state, batch, cfg)
+    assert metrics["updates"] == 4 and not metrics["skipped"]
+    assert len(seen) == 4 and {len({*r}) for r, _, _ in seen} == {2}
+    for rows, old, _ in seen:
+        for b, r in enumerate(rows):
+            k = len(batch.completion_ids[r])
+            assert torch.allclose(old[b, :k], start[r], atol=1e-5), (r, old[b, :k], start[r])
+    # the later minibatches ran on moved parameters: their own logprobs differ from the anchor
+    rows, old, logp = seen[-1]
+    k = [len(batch.completion_ids[r]) for r in rows]
+    assert max(float((old[b, : k[b]] - logp[b, : k[b]]).abs().max()) for b in range(len(rows))) > 1e-3
+    # the mismatch metrics see the 0.05 * (t - 1) shifts: mean |shift| over the 12 tokens
+    shifts = [abs(0.05 * (t - 1)) for k in (5, 1, 4, 2) for t in range(k)]
+    assert metrics["mismatch_abs"] == pytest.approx(sum(shifts) / 12, abs=1e-5)
+
+
+def test_default_anchor_trains_tokens_an_aqn_sampler_disagrees_on(nvfp4_base):
+    """Issue item 5: the sampler's logprobs are off by 1 nat on every token, in the direction the
+    clip cuts (lower where A > 0: trainer/sampler = e > 1.28; higher where A < 0: 1/e < 0.8). With the
+    default config those tokens are trained (TIS-weighted); with the old sampler anchor the whole
+    gradient is exactly zero, so the noise acted as clipping."""
+    cfg = TrainConfig(**TINY)
+    state = init_state(nvfp4_base, cfg)
+    _nonzero_lora_b(state)
+    rewards = [1.0, 0.0, 1.0, 0.0]
+    batch = _handmade_batch(state, [3, 4, 2, 3], rewards, shift=lambda r, t: -1.0 if rewards[r] else 1.0)
+    totals: dict[str, float] = {}
+
+    def grads(c: TrainConfig) -> list[torch.Tensor]:
+        state.model.zero_grad(set_to_none=True)
+        accumulate_gradients(state.model, step_context(state, batch, c), [list(range(4))], c, totals)
+        return [p.grad for p in state.model.parameters() if p.requires_grad]
+
+    old = grads(TrainConfig(**TINY, grpo={"anchor": "sampler", "tis_cap": None, "dual_clip": None}))
+    assert all(g is not None and torch.count_nonzero(g) == 0 for g in old)
+    new = grads(cfg)
+    assert max(float(g.abs().max()) for g in new) > 1e-4
+
+    before = lora_tensors(state)
+    metrics = train_step(state, batch, cfg)
+    assert metrics["grad_norm"] > 0 and any(
+        not torch.equal(before[n], p) for n, p in lora_tensors(state).items()
+    )
+    # mismatch over the 12 tokens: |delta| = 1 everywhere, all outside the clip range; TIS binds where
+    # trainer/sampler = e > 2 (the 5 tokens of the A > 0 rows); k3 = e^d - d - 1: e - 2 (5) and 1/e (7)
+    assert metrics["mismatch_abs"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["mismatch_out"] == 1.0 and metrics["tis_capped"] == pytest.approx(5 / 12)
+    assert metrics["mismatch_kl"] == pytest.approx((5 * (math.e - 2) + 7 / math.e) / 12, abs=1e-4)
+    assert metrics["clip_frac_high"] == 0.0 and metrics["clip_frac_low"] == 0.0  # rho = 1 on the first update
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo"])
+def test_a_truncated_row_is_a_dropped_sample(nvfp4_base, loss_type):
+    """Issue item 8: adding a truncated (fully masked) row, in a group of its own, leaves the grpo,
+    dapo and bnpo gradients as they were; dr_grpo's constant normaliser counts it (rows x max_len)."""
+    cfg = TrainConfig(**TINY, grpo={"loss_type": loss_type, "max_completion_length": 6})
+    state = init_state(nvfp4_base, cfg)
+    _nonzero_lora_b(state)
+    kept = _handmade_batch(state, [3, 4, 2, 5], [1.0, 0.0, 0.0, 1.0], shift=lambda r, t: 0.1)
+    extra = _handmade_batch(
+        state,
+        [3, 4, 2, 5, 6],
+        [1.0, 0.0, 0.0, 1.0, 1.0],
+        [0, 0, 0, 0, 9],
+        lambda r, t: 0.1,
+        [False] * 4 + [True],
+    )
+
+    def grads(batch: RolloutBatch) -> list[torch.Tensor]:
+        state.model.zero_grad(set_to_none=True)
+        ctx = step_context(state, batch, cfg)
+        accumulate_gradients(state.model, ctx, [list(range(len(batch)))], cfg, {})
+        return [p.grad.clone() for p in state.model.parameters() if p.requires_grad]
+
+    g4, g5 = grads(kept), grads(extra)
+    scale = 4 / 5 if loss_type == "dr_grpo" else 1.0
+    assert max(float(a.abs().max()) for a in g4) > 1e-4
+    assert max(float((b - scale * a).abs().max()) for a, b in zip(g4, g5, strict=True)) < 1e-6
+
+
+def test_device_settings_are_chosen_by_device_type():
+    """Issue item 10: the CPU keeps its memory-bounding settings; CUDA gets large slabs, whole-layer
+    decode and fused AdamW (the CUDA path itself runs in tests/test_gpu.py on a GPU machine)."""
+    from pipeline.qlinear import CHUNK_ELEMENTS, CHUNK_ELEMENTS_CUDA, slice_elements
+    from pipeline.training import (
+        LOGPROB_CHUNK_ELEMENTS,
+        LOGPROB_CHUNK_ELEMENTS_CUDA,
+        _with_impl,
+        logprob_chunk_elements,
+        optimizer_impl,
+    )
+
+    assert logprob_chunk_elements("cpu") == LOGPROB_CHUNK_ELEMENTS == 1 << 21
+    assert logprob_chunk_elements(torch.device("cuda", 1)) == LOGPROB_CHUNK_ELEMENTS_CUDA == 1 << 26
+    assert slice_elements("cpu") == CHUNK_ELEMENTS and slice_elements("cuda:0") == CHUNK_ELEMENTS_CUDA
+    # every projection of a 72B Qwen2.5 decodes in one piece on CUDA
+    assert 29568 * 8192 <= CHUNK_ELEMENTS_CUDA and 18944 * 3584 > CHUNK_ELEMENTS
+    assert optimizer_impl("cpu") == {"foreach": False} and optimizer_impl("cuda") == {"fused": True}
+    # a checkpoint's param groups take the loading device's switches
+    saved = [{"lr": 1e-5, "fused": True, "foreach": None, "params": [0]}]
+    assert _with_impl(saved, "cpu") == [{"lr": 1e-5, "fused": None, "foreach": False, "params": [0]}]
+    assert _with_impl(saved, "cuda")[0]["fused"] is True
+
+
+def test_cpu_policy_uses_the_cpu_settings(nvfp4_base, monkeypatch):
+    import pipeline.training as training
+
+    cfg = TrainConfig(**TINY)
+    state = init_state(nvfp4_base, cfg)
+    group = state.optimizer.param_groups[0]
+    assert group["foreach"] is False and not group["fused"]
+    mb = training._collate(_handmade_batch(state, [2], [1.0]), [0], torch.ones(1), 0)
+    asked = []
+
+    def chunk(device):
+        asked.append(torch.device(device).type)
+        return 1 << 21
+
+    monkeypatch.setattr(training, "logprob_chunk_elements", chunk)
+    training.completion_logprobs(state.model, mb, 1.0)
+    assert asked == ["cpu"]
