@@ -46,6 +46,7 @@ import torch
 
 import kernels.nvfp4
 import pipeline.grpo
+import pipeline.logprobs
 import pipeline.qlinear
 import pipeline.training
 from pipeline.artifacts import ArtifactError, ArtifactStore, BuildResult, Manifest, code_version
@@ -159,7 +160,12 @@ def run(
     scored_path = scored.file(SCORED_FILE)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     code = code_version(
-        sys.modules[__name__], pipeline.training, pipeline.grpo, pipeline.qlinear, kernels.nvfp4
+        sys.modules[__name__],
+        pipeline.training,
+        pipeline.logprobs,
+        pipeline.grpo,
+        pipeline.qlinear,
+        kernels.nvfp4,
     )
     inputs = {
         "base": base.digest,

@@ -325,7 +325,7 @@ def test_train_stage_chains_and_caches(nvfp4_base, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_token_logprobs_equal_plain_log_softmax(dtype, bias):
     """The slab-wise lm_head + logprob/entropy Function gives the plain expression's values and gradients."""
-    from pipeline.training import _TokenLogprobs
+    from pipeline.logprobs import _TokenLogprobs
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 11, 16, generator=g).to(dtype)
@@ -587,6 +587,7 @@ def test_device_settings_are_chosen_by_device_type():
 
 
 def test_cpu_policy_uses_the_cpu_settings(nvfp4_base, monkeypatch):
+    import pipeline.logprobs as logprobs
     import pipeline.training as training
 
     cfg = TrainConfig(**TINY)
@@ -600,6 +601,6 @@ def test_cpu_policy_uses_the_cpu_settings(nvfp4_base, monkeypatch):
         asked.append(torch.device(device).type)
         return 1 << 21
 
-    monkeypatch.setattr(training, "logprob_chunk_elements", chunk)
+    monkeypatch.setattr(logprobs, "logprob_chunk_elements", chunk)
     training.completion_logprobs(state.model, mb, 1.0)
     assert asked == ["cpu"]
