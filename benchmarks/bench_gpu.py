@@ -5,7 +5,7 @@ What, on one CUDA GPU, side by side in one run:
 1. Train: one GRPO update (``pipeline.training.train_step``: LoRA r=32 / alpha 64 on all seven
    projections, gradient checkpointing, bf16 compute, AdamW, one minibatch) on a batch like the
    paper's: 8 sequences (2 prompts x 4 samples) of 256 prompt + 1,024 completion tokens. Models:
-   random weights at the shapes of Qwen2.5-7B, -14B and -32B (``pipeline.plan.CATALOGUE``), built
+   random weights at the shapes of Qwen2.5-7B, -14B and -32B (``pipeline.plan.KNOWN_SHAPES``), built
    directly on the GPU, nothing downloaded. The NVFP4 arm quantizes each projection on the GPU with
    the dispatcher (the Triton kernel on CUDA; q/k/v and gate/up share one global scale, as the quantize
    stage does) and trains on ``NVFP4Linear``; the bf16 arm keeps plain ``nn.Linear`` weights. Each
@@ -129,7 +129,7 @@ def build_model(shape: Any, base: str, device: str) -> Any:
     return model
 
 
-def lora_state(model: Any, cfg: Any) -> Any:
+def lora_state(model: Any, cfg: Any, device: str) -> Any:
     """The train state around an in-memory base, as ``pipeline.training.init_state`` builds it from a
     checkpoint (gradient checkpointing, peft LoRA with NVFP4Linear registered, AdamW, schedule)."""
     import warnings
@@ -138,7 +138,7 @@ def lora_state(model: Any, cfg: Any) -> Any:
     from peft import LoraConfig, get_peft_model
 
     from pipeline.qlinear import register_with_peft
-    from pipeline.training import TrainState, _lr_lambda
+    from pipeline.training import TrainState, _lr_lambda, optimizer_impl
 
     torch.manual_seed(cfg.seed)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -154,7 +154,7 @@ def lora_state(model: Any, cfg: Any) -> Any:
         model = get_peft_model(model, lora)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False
+        params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, **optimizer_impl(device)
     )
     return TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg)))
 
@@ -217,7 +217,7 @@ def train_arm(shape: Any, base: str, device: str, b: dict, steps: int) -> dict:
         cfg = TrainConfig(
             lora_r=b["rank"], lora_alpha=2 * b["rank"], gradient_checkpointing=True, dtype="bfloat16"
         )
-        state = lora_state(model, cfg)
+        state = lora_state(model, cfg, device)
         out["phase"] = "sampler logprobs"
         batch = make_batch(state, shape.vocab, b)
         out["phase"] = "warm-up update"
@@ -272,7 +272,7 @@ def kernel_bench(device: str, dry: bool) -> dict:
     import torch.nn.functional as F
 
     from kernels import nvfp4
-    from pipeline.plan import CATALOGUE
+    from pipeline.plan import KNOWN_SHAPES
     from pipeline.qlinear import NVFP4Linear
 
     iters = 3 if dry else 20
@@ -290,8 +290,8 @@ def kernel_bench(device: str, dry: bool) -> dict:
         {"tiny": (256, 128)}
         if dry
         else {
-            "7b gate_proj": CATALOGUE["qwen2.5-7b"].projections()["gate_proj"],
-            "32b gate_proj": CATALOGUE["qwen2.5-32b"].projections()["gate_proj"],
+            "7b gate_proj": KNOWN_SHAPES["qwen2.5-7b"].projections()["gate_proj"],
+            "32b gate_proj": KNOWN_SHAPES["qwen2.5-32b"].projections()["gate_proj"],
         }
     )
     for name, (o, i) in shapes.items():
@@ -305,7 +305,7 @@ def kernel_bench(device: str, dry: bool) -> dict:
         if dry
         else {
             k: v
-            for k, v in CATALOGUE["qwen2.5-7b"].projections().items()
+            for k, v in KNOWN_SHAPES["qwen2.5-7b"].projections().items()
             if k in ("q_proj", "gate_proj", "down_proj")
         }
     )
@@ -330,7 +330,7 @@ def kernel_bench(device: str, dry: bool) -> dict:
 
 
 def _child(args: argparse.Namespace) -> None:
-    from pipeline.plan import CATALOGUE, ModelShape
+    from pipeline.plan import KNOWN_SHAPES, ModelShape
 
     device = "cuda" if not args.dry_run else "cpu"
     b = DRY if args.dry_run else PAPER
@@ -338,7 +338,7 @@ def _child(args: argparse.Namespace) -> None:
     if args.child == "kernels":
         result = kernel_bench(device, args.dry_run)
     else:
-        shape = ModelShape(**TINY_SHAPE) if args.dry_run else CATALOGUE[f"qwen2.5-{args.model}"]
+        shape = ModelShape(**TINY_SHAPE) if args.dry_run else KNOWN_SHAPES[f"qwen2.5-{args.model}"]
         result = train_arm(shape, args.child, device, b, args.steps)
     Path(args.result).write_text(json.dumps(result))
 
@@ -369,7 +369,7 @@ def _gib(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**30:.2f}"
 
 
-def _plan_bytes(shape: Any, base: str, b: dict) -> int:
+def _plan_bytes(shape: Any, base: str, b: dict, device: str) -> int:
     from pipeline.plan import trainer_peak
 
     peak = trainer_peak(
@@ -379,6 +379,7 @@ def _plan_bytes(shape: Any, base: str, b: dict) -> int:
         seq_len=b["prompt"] + b["completion"],
         completion_len=b["completion"],
         rank=b["rank"],
+        device=device,
     )
     return sum(peak.values())
 
@@ -503,7 +504,7 @@ def main(args: argparse.Namespace) -> dict:
     import torch
 
     from pipeline.artifacts import atomic_write_json, atomic_write_text
-    from pipeline.plan import CATALOGUE, ModelShape
+    from pipeline.plan import KNOWN_SHAPES, ModelShape
 
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit(
@@ -537,7 +538,7 @@ def main(args: argparse.Namespace) -> dict:
             report["kernels"] = _run_child("kernels", None, args, Path(tmp))
             save()
         for model in models:
-            shape = ModelShape(**TINY_SHAPE) if args.dry_run else CATALOGUE[f"qwen2.5-{model}"]
+            shape = ModelShape(**TINY_SHAPE) if args.dry_run else KNOWN_SHAPES[f"qwen2.5-{model}"]
             for base in args.arms.split(","):
                 print(f"bench_gpu: {shape.name} {base} ...", flush=True)
                 arm = _run_child(base, model, args, Path(tmp))
@@ -549,7 +550,7 @@ def main(args: argparse.Namespace) -> dict:
                     prompt=b["prompt"],
                     completion=b["completion"],
                     rank=b["rank"],
-                    plan_bytes=_plan_bytes(shape, base, b),
+                    plan_bytes=_plan_bytes(shape, base, b, "cpu" if args.dry_run else "cuda"),
                 )
                 report["train"].append(arm)
                 save()
@@ -565,7 +566,9 @@ def main(args: argparse.Namespace) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (CI)")
-    parser.add_argument("--models", default="7b,14b,32b", help="Qwen2.5 sizes from pipeline.plan.CATALOGUE")
+    parser.add_argument(
+        "--models", default="7b,14b,32b", help="Qwen2.5 sizes from pipeline.plan.KNOWN_SHAPES"
+    )
     parser.add_argument("--arms", default="nvfp4,bf16")
     parser.add_argument(
         "--steps",

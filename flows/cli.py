@@ -49,7 +49,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="config.json, model dir, hub id or catalogue name (qwen2.5-7b ...); default: model.source",
+        help="config.json, model dir, hub id or known shape (qwen2.5-7b ...); default: model.source",
     )
     p.add_argument("--gpu-mem", required=True, help="one GPU's memory: 80 (GiB), 80GiB, 80GB or 81559MiB")
     p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/presets)")

@@ -1,6 +1,6 @@
 """The GPU memory budget of a colocated QeRL run (``qerl plan``): arithmetic, nothing is allocated.
 
-What: given a model's shape (its config.json, a hub id or a catalogue name), one GPU's memory and
+What: given a model's shape (its config.json, a hub id or a known shape's name), one GPU's memory and
 the run config, ``plan_memory`` adds up what one GPU holds while the trainer runs beside the live
 vLLM engine (the flow keeps the engine across RL steps, so both live in one process):
 
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CATALOGUE",
+    "KNOWN_SHAPES",
     "ModelShape",
     "Plan",
     "parse_memory",
@@ -134,7 +134,7 @@ def _qwen25(name: str, hidden: int, layers: int, heads: int, kv: int, inter: int
 
 
 # The Qwen2.5 family as its config.json files give it (the paper's models are 7B, 14B and 32B).
-CATALOGUE: dict[str, ModelShape] = {
+KNOWN_SHAPES: dict[str, ModelShape] = {
     s.name: s
     for s in (
         _qwen25("qwen2.5-0.5b", 896, 24, 14, 2, 4864, 151936, True),
@@ -148,27 +148,27 @@ CATALOGUE: dict[str, ModelShape] = {
 }
 
 
-def _catalogue_key(spec: str) -> str:
+def _shape_key(spec: str) -> str:
     """``Qwen/Qwen2.5-7B-Instruct`` -> ``qwen2.5-7b`` (the instruct and base models share a shape)."""
     key = spec.lower().rsplit("/", 1)[-1]
     return re.sub(r"-(instruct|base|chat)$", "", key)
 
 
 def resolve_model(spec: str) -> tuple[ModelShape, str]:
-    """(shape, where it came from) for a config.json path, a model directory, a catalogue name or a
-    hub id (whose config.json is fetched from the hub; the catalogue is tried first, offline)."""
+    """(shape, where it came from) for a config.json path, a model directory, a known shape's name or
+    a hub id (whose config.json is fetched from the hub; the known shapes are tried first, offline)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
         return ModelShape.from_config(json.loads(path.read_text()), path.parent.name), str(path)
-    key = _catalogue_key(spec)
-    if key in CATALOGUE:
-        return CATALOGUE[key], f"catalogue ({key})"
+    key = _shape_key(spec)
+    if key in KNOWN_SHAPES:
+        return KNOWN_SHAPES[key], f"known shape ({key})"
     if spec.count("/") != 1 or spec.startswith((".", "/")):
         raise ValueError(
-            f"model '{spec}' is not a config.json, a model directory, a hub id or one of the catalogue's "
-            f"{', '.join(CATALOGUE)}"
+            f"model '{spec}' is not a config.json, a model directory, a hub id or one of the known shapes "
+            f"{', '.join(KNOWN_SHAPES)}"
         )
     try:
         from huggingface_hub import hf_hub_download
@@ -250,11 +250,13 @@ def trainer_peak(
     targets: tuple[str, ...] | list[str] = PROJECTIONS,
     checkpointing: bool = True,
     autocast: bool = True,
+    device: str = "cuda",
 ) -> dict[str, int]:
     """Bytes the trainer holds at its peak, by component (what ``torch.cuda.max_memory_allocated``
-    sees; the CUDA context is separate). ``batch`` sequences of ``seq_len`` tokens per minibatch."""
-    from pipeline.qlinear import CHUNK_ELEMENTS
-    from pipeline.training import LOGPROB_CHUNK_ELEMENTS
+    sees; the CUDA context is separate). ``batch`` sequences of ``seq_len`` tokens per minibatch.
+    ``device`` picks the trainer's per-device slab sizes (the decoded weight, the logprob head)."""
+    from pipeline.logprobs import logprob_chunk_elements
+    from pipeline.qlinear import slice_elements
 
     weights = sum(base_bytes(shape, base).values())
     n_lora = lora_params(shape, rank, targets)
@@ -267,11 +269,11 @@ def trainer_peak(
         working = layer_saved + layer_grads  # the layer being recomputed and back-propagated
     else:
         saved, working = shape.layers * layer_saved, layer_grads
-    # the decoded weight (a slice of at most CHUNK_ELEMENTS) and the next one being decoded
-    dequant = 2 * min(_largest_projection(shape), CHUNK_ELEMENTS) * BF16 if base == "nvfp4" else 0
+    # the decoded weight (a whole layer on CUDA, a slice on the CPU) and the next one being decoded
+    dequant = 2 * min(_largest_projection(shape), slice_elements(device)) * BF16 if base == "nvfp4" else 0
     # logprob head: the saved completion states and their gradient, and one slab's logits in bf16
     # plus four float32 [slab, vocab] temporaries (upcast, log-softmax, one-hot gradient, its backward)
-    slab = min(LOGPROB_CHUNK_ELEMENTS, batch * completion_len * shape.vocab)
+    slab = min(logprob_chunk_elements(device), batch * completion_len * shape.vocab)
     head = 2 * batch * completion_len * shape.hidden * BF16 + slab * (BF16 + 4 * 4)
     return {
         "weights": weights,
@@ -491,7 +493,7 @@ def plan_for_run(
     spec = model or run.model.source
     if spec == "demo":
         raise ValueError(
-            "the demo's model is built at run time: name a model (config.json, hub id or catalogue)"
+            "the demo's model is built at run time: name a model (config.json, hub id or known shape)"
         )
     shape, _ = resolve_model(spec)
     heads = {"num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads}

@@ -410,9 +410,9 @@ def _bench_module():
 def test_bench_report_records_oom_and_merges_runs(tmp_path):
     """An arm that ran out of memory is a result row, and --merge keeps the other models' arms."""
     bench = _bench_module()
-    from pipeline.plan import CATALOGUE
+    from pipeline.plan import KNOWN_SHAPES
 
-    shape = CATALOGUE["qwen2.5-32b"].__dict__
+    shape = KNOWN_SHAPES["qwen2.5-32b"].__dict__
     arms = [
         {"shape": shape, "base": "nvfp4", "peak_bytes": 40 * 2**30, "weights_bytes": 20 * 2**30,
          "times": [9.0, 11.0], "loss": 0.1, "phase": "done", "plan_bytes": 41 * 2**30},

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline import plan
 from pipeline.config import ConfigError
-from pipeline.plan import CATALOGUE, ModelShape, parse_memory, plan_memory, resolve_model, trainer_peak
+from pipeline.plan import KNOWN_SHAPES, ModelShape, parse_memory, plan_memory, resolve_model, trainer_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelShape("small", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256)
@@ -31,7 +31,7 @@ def test_small_config_by_hand():
     assert plan.base_bytes(SMALL, "bf16")["linears"] == 2 * n * 2
     # LoRA r=4: r * (in + out) summed over the seven projections, two layers
     assert plan.lora_params(SMALL, 4, plan.PROJECTIONS) == 2 * 4 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
-    peak = trainer_peak(SMALL, base="nvfp4", batch=2, seq_len=10, completion_len=4, rank=4)
+    peak = trainer_peak(SMALL, base="nvfp4", batch=2, seq_len=10, completion_len=4, rank=4, device="cpu")
     assert peak["weights"] == sum(sizes.values())
     assert peak["lora_adamw"] == 8192 * (16 + 2)  # fp32 weight, grad, two moments + bf16 autocast copy
     assert peak["checkpointed_inputs"] == 2 * 20 * 64 * 2  # layers x tokens x hidden x bf16
@@ -42,10 +42,25 @@ def test_small_config_by_hand():
     head = 2 * 2 * 4 * 64 * 2 + (2 * 4 * 256) * (2 + 16)  # saved states + grad, one slab
     assert peak["peak_working_set"] == max(layer + dequant, head) == 105568
     no_ckpt = trainer_peak(
-        SMALL, base="bf16", batch=2, seq_len=10, completion_len=4, rank=4, checkpointing=False
+        SMALL, base="bf16", batch=2, seq_len=10, completion_len=4, rank=4, checkpointing=False, device="cpu"
     )
     assert no_ckpt["layer_activations"] == 2 * saved and no_ckpt["peak_working_set"] == max(grads, head)
     assert plan._kv_bytes_per_token(SMALL, 1) == 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, dim, bf16
+
+
+def test_trainer_peak_follows_the_trainer_per_device_slabs():
+    """On CUDA the trainer decodes whole layers and takes 1 << 26-element logprob slabs; on the CPU
+    16 MiB weight slices and 1 << 21-element slabs (pipeline.qlinear / pipeline.logprobs)."""
+    shape = KNOWN_SHAPES["qwen2.5-7b"]
+    kw = dict(base="nvfp4", batch=1, seq_len=64, completion_len=32, rank=8)
+    cpu, gpu = trainer_peak(shape, device="cpu", **kw), trainer_peak(shape, device="cuda", **kw)
+    head = 2 * 32 * 3584 * 2
+    assert cpu["peak_working_set"] == max(
+        64 * (26 * 3584 + 14 * 18944 + 4 * 512 + 2 * 8 * 7) + 2 * (1 << 23) * 2, head + (1 << 21) * 18
+    )
+    assert gpu["peak_working_set"] == max(
+        64 * (26 * 3584 + 14 * 18944 + 4 * 512 + 2 * 8 * 7) + 2 * (18944 * 3584) * 2, head + 32 * 152064 * 18
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,8 +75,8 @@ def test_small_config_by_hand():
 )
 def test_model_sizes_match_the_paper(name, base, paper_gb):
     """The QeRL paper's model sizes (GB, 10^9 bytes), within 2%. Its 32B bf16 figure (62.3 GB) is left
-    out: the catalogue's shape gives 65.5 GB, as the model card's 32.5B parameters in bf16 (65 GB) do."""
-    size = sum(plan.base_bytes(CATALOGUE[name], base).values()) / 1e9
+    out: the known shape gives 65.5 GB, as the model card's 32.5B parameters in bf16 (65 GB) do."""
+    size = sum(plan.base_bytes(KNOWN_SHAPES[name], base).values()) / 1e9
     assert size == pytest.approx(paper_gb, rel=0.02)
 
 
@@ -111,7 +126,9 @@ def test_trainer_peak_matches_the_cpu_benchmark():
     per-thread scratch buffers and Python objects, so the plan may be a little under the measurement
     and never far over it: within -10% / +5%. (It predicted 548 / 1022 MiB, -3.4% and -3.3%.)"""
     measured, b = _measured_cpu_peaks()
-    shape = ModelShape(**{**CATALOGUE["qwen2.5-0.5b"].__dict__, "layers": b["layers"], "vocab": b["vocab"]})
+    shape = ModelShape(
+        **{**KNOWN_SHAPES["qwen2.5-0.5b"].__dict__, "layers": b["layers"], "vocab": b["vocab"]}
+    )
     for arm in ("nvfp4", "bf16"):
         peak = trainer_peak(
             shape,
@@ -120,6 +137,7 @@ def test_trainer_peak_matches_the_cpu_benchmark():
             seq_len=b["prompt"] + b["completion"],
             completion_len=b["completion"],
             rank=b["rank"],
+            device="cpu",
         )
         predicted = sum(peak.values()) / 2**20
         assert 0.90 <= predicted / measured[arm] <= 1.05, (arm, predicted, measured[arm])
@@ -145,6 +163,7 @@ def test_trainer_peak_matches_the_gpu_benchmark():
             seq_len=arm["prompt"] + arm["completion"],
             completion_len=arm["completion"],
             rank=arm["rank"],
+            device="cuda",
         )
         ratio = sum(peak.values()) / arm["peak_bytes"]
         assert 0.8 <= ratio <= 1.2, (shape.name, arm["base"], ratio)
@@ -160,8 +179,8 @@ def test_plan_paper_claim_32b_nvfp4_fits_bf16_does_not():
     """The paper: Qwen2.5-32B trains on one 80 GB H100 with an NVFP4 base; bf16 LoRA does not fit."""
     run = _run(**{"rollout.gpu_memory_utilization": 0.45})
     gpu = parse_memory("80GiB")
-    nvfp4 = plan_memory(CATALOGUE["qwen2.5-32b"], gpu, run)
-    bf16 = plan_memory(CATALOGUE["qwen2.5-32b"], gpu, run, base="bf16")
+    nvfp4 = plan_memory(KNOWN_SHAPES["qwen2.5-32b"], gpu, run)
+    bf16 = plan_memory(KNOWN_SHAPES["qwen2.5-32b"], gpu, run, base="bf16")
     assert nvfp4.fits and not bf16.fits
     assert any("no rollout.gpu_memory_utilization works" in a for a in bf16.advice)
     # the rows add up to the total, and vLLM's rows to its reservation
@@ -172,13 +191,13 @@ def test_plan_paper_claim_32b_nvfp4_fits_bf16_does_not():
 
 def test_plan_advises_a_working_gpu_memory_utilization():
     run = _run()  # the preset's 0.3 leaves 32B no KV cache
-    p = plan_memory(CATALOGUE["qwen2.5-32b"], parse_memory(80), run)
+    p = plan_memory(KNOWN_SHAPES["qwen2.5-32b"], parse_memory(80), run)
     assert not p.fits
     advice = next(a for a in p.advice if a.startswith("set rollout.gpu_memory_utilization"))
     low, high = map(float, re.search(r"between ([\d.]+) and ([\d.]+)", advice).groups())
     for u in (low, high):
         assert plan_memory(
-            CATALOGUE["qwen2.5-32b"], parse_memory(80), _run(**{"rollout.gpu_memory_utilization": u})
+            KNOWN_SHAPES["qwen2.5-32b"], parse_memory(80), _run(**{"rollout.gpu_memory_utilization": u})
         ).fits
 
 
