@@ -279,3 +279,35 @@ def test_real_train_steps_resume_after_gc(tiny_model_dir, tmp_path):
     assert last.file("adapter/adapter_model.safetensors").read_bytes() == reference.read_bytes()
     with pytest.raises((ArtifactError, FileNotFoundError), match="optimizer.safetensors"):
         train.run(cfg, base, scored[3], again[0], 1, store)  # needs step 0's pruned optimizer state
+
+
+@pytest.mark.slow
+def test_gc_between_real_runs(tiny_model_factory, tmp_path, capsys):
+    """`qerl run`, `qerl gc`, `qerl run` again on the tiny model (transformers engine): gc follows the
+    run's own `store` section, and the re-run after it rebuilds nothing and ends on the same adapter."""
+    import torch
+    import yaml
+
+    from tests.test_flow import _final_adapter, _journal, _qerl, tiny_run_config
+
+    cfg = tiny_run_config(tiny_model_factory(arch="qwen2", dtype=torch.float32))
+    cfg["store"] = {"keep_optimizer_last": 1}
+    cfg["loop"]["steps"] = 2
+    cfg_path, work = tmp_path / "run.yaml", tmp_path / "work"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    first = _qerl(["run", "--config", str(cfg_path)], work)
+    assert first.returncode == 0, first.stderr[-3000:]
+    adapter, built = _final_adapter(work), len(_journal(work))
+
+    from flows.cli import main
+
+    assert main(["gc", "--work-dir", str(work)]) == 0
+    assert "gc: freed" in capsys.readouterr().out
+    (record_path,) = (work / "runs").glob("*/run.json")
+    keys = [s["manifests"]["train"] for s in json.loads(record_path.read_text())["steps"]]
+    pruned = [set(Manifest.load(work / "store" / "objects" / "train" / k).pruned) for k in keys]
+    assert pruned == [{"optimizer.safetensors"}] * (len(keys) - 1) + [set()]
+
+    again = _qerl(["run", "--config", str(cfg_path)], work)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(_journal(work)) == built and _final_adapter(work) == adapter
