@@ -349,6 +349,15 @@ def apply(work: str | Path, gc_plan: GcPlan) -> int:
 
 
 def prune_run(work: str | Path, run_id: str, policy: RetentionConfig | None = None) -> int:
-    """Apply retention to one run's past steps (the flow calls this after each step); bytes freed."""
+    """Apply retention to one run's past steps (the flow calls this after each step); bytes freed.
+
+    When gc cannot decide safely (another run's record or a register manifest is unreadable) this
+    deletes nothing and logs a warning instead of failing the run: space is worth less than the run.
+    """
     overrides = policy.model_dump() if policy is not None else None
-    return apply(work, plan(work, overrides=overrides, only_run=run_id))
+    try:
+        gc_plan = plan(work, overrides=overrides, only_run=run_id)
+    except RetentionError as err:
+        log.warning("retention skipped for run %s: %s", run_id, err)
+        return 0
+    return apply(work, gc_plan)

@@ -147,7 +147,7 @@ def test_a_run_shared_with_a_live_one_is_protected_and_overrides_apply(tmp_path)
         retention.plan(tmp_path)
 
 
-def test_prune_run_is_what_the_flow_calls_after_a_step(tmp_path):
+def test_prune_run_is_what_the_flow_calls_after_a_step(tmp_path, caplog):
     mine = fake_run(tmp_path, "mine", 4, status="running")  # live, but it is the caller
     other = fake_run(tmp_path, "other", 3)
     freed = retention.prune_run(tmp_path, "mine", retention.RetentionConfig(keep_optimizer_last=1))
@@ -155,7 +155,12 @@ def test_prune_run_is_what_the_flow_calls_after_a_step(tmp_path):
     assert [bool(pruned_names(m)) for m in mine] == [True, True, True, False]
     assert all(pruned_names(m) == set() for m in other)  # other runs are only protected, never pruned
     with pytest.raises(retention.RetentionError, match="no run record for 'nope'"):
-        retention.prune_run(tmp_path, "nope")
+        retention.plan(tmp_path, only_run="nope")
+    (tmp_path / "runs" / "broken").mkdir()
+    (tmp_path / "runs" / "broken" / "run.json").write_text("{not json")
+    with caplog.at_level("WARNING", logger="qerl.retention"):
+        assert retention.prune_run(tmp_path, "mine") == 0  # cannot decide safely: deletes nothing
+    assert "retention skipped for run mine: cannot read run record" in caplog.text
 
 
 def test_gc_sweeps_trash_and_dead_builds_only(tmp_path):
