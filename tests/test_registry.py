@@ -296,6 +296,24 @@ def test_promotion_decision_rule():
     assert not reg.promotion_decision(cfg, V("1", "c", 0.1), "2", "b", 0.9, True)[0]
 
 
+def check_versions_and_aliases(cfg: reg.RegistryConfig, root: Path, tag: str) -> tuple[str, str]:
+    """The same sequence on every backend: promote, keep a worse one, re-register idempotently,
+    promote manually; returns the two versions."""
+    v1 = register(cfg, root, f"{tag}1", 0.5)
+    assert reg.set_challenger(cfg, v1)
+    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.5, True)
+    v2 = register(cfg, root, f"{tag}2", 0.4)
+    assert not reg.maybe_promote(cfg, v2, "arith/test@x", 0.4, True)
+    assert champion(cfg) == v1
+    again, created = reg.register_adapter(
+        cfg, reg.start_run(cfg), make_adapter(root, f"{tag}1"), None, {"benchmark": "b"}, lineage(f"{tag}1")
+    )
+    assert (again, created) == (v1, False)
+    reg.promote(cfg, cfg.model_name, v2)
+    assert champion(cfg) == v2
+    return v1, v2
+
+
 # ---- PostgreSQL: a real server started for the test --------------------------------------------
 def _pg_bin() -> Path | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
@@ -346,18 +364,7 @@ def test_postgresql_backend(pg_uri, tmp_path):
     cfg = reg.RegistryConfig(tracking_uri=pg_uri, model_name="pg-adapter")
     reg.open_tracking(cfg, tmp_path)
     assert reg.backend_kind(pg_uri) == "postgresql"
-    v1 = register(cfg, tmp_path, "pg1", 0.5)
-    assert reg.set_challenger(cfg, v1)
-    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.5, True)
-    v2 = register(cfg, tmp_path, "pg2", 0.4)
-    assert not reg.maybe_promote(cfg, v2, "arith/test@x", 0.4, True)
-    assert champion(cfg) == v1
-    again, created = reg.register_adapter(
-        cfg, reg.start_run(cfg), make_adapter(tmp_path, "pg1"), None, {"benchmark": "b"}, lineage("pg1")
-    )
-    assert (again, created) == (v1, False)
-    reg.promote(cfg, cfg.model_name, v2)
-    assert champion(cfg) == v2
+    check_versions_and_aliases(cfg, tmp_path, "pg")
     # the advisory lock excludes a second holder
     with pytest.raises(reg.RegistryError, match="timed out"), reg.registry_lock(pg_uri, cfg.model_name):
         with reg.registry_lock(pg_uri, cfg.model_name, timeout_s=0.3):
@@ -425,27 +432,16 @@ def test_tracking_server_backend(mlflow_server, tmp_path):
     assert reg.backend_kind(uri) == "server"
     client = reg.MlflowClient()
     assert client.get_experiment_by_name(cfg.experiment).artifact_location.startswith("mlflow-artifacts:")
-    v1 = register(cfg, tmp_path, "srv1", 0.5)
+    v1, _ = check_versions_and_aliases(cfg, tmp_path, "srv")
     info = reg.version_info(cfg, v1)
     assert info["source"].startswith("mlflow-artifacts:/") and info["source"].endswith("/adapter")
     # uploaded through the server: the bytes sit in its artifacts destination, nothing local
     uploaded = sorted((root / "artifacts").rglob("adapter/adapter_model.safetensors"))
-    assert [p.read_bytes() for p in uploaded] == [b"srv1" * 8]
+    assert sorted(p.read_bytes() for p in uploaded) == [b"srv1" * 8, b"srv2" * 8]
     assert not (tmp_path / "mlartifacts").exists()
     local = client.download_artifacts(info["run_id"], "adapter", str(tmp_path / "dl"))
     assert sorted(os.listdir(local)) == ["adapter_config.json", "adapter_model.safetensors"]
 
-    assert reg.set_challenger(cfg, v1)
-    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.5, True)
-    v2 = register(cfg, tmp_path, "srv2", 0.4)
-    assert not reg.maybe_promote(cfg, v2, "arith/test@x", 0.4, True)
-    assert champion(cfg) == v1
-    again, created = reg.register_adapter(
-        cfg, reg.start_run(cfg), make_adapter(tmp_path, "srv1"), None, {"benchmark": "b"}, lineage("srv1")
-    )
-    assert (again, created) == (v1, False)
-    reg.promote(cfg, cfg.model_name, v2)
-    assert champion(cfg) == v2
     # the ticket lock excludes a second holder, and every ticket is gone afterwards
     with pytest.raises(reg.RegistryError, match="timed out.*held by ticket"), reg.registry_lock(uri, "srv-x"):
         with reg.registry_lock(uri, "srv-x", timeout_s=0.5):
