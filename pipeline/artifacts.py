@@ -368,6 +368,20 @@ class ArtifactStore:
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
+    @contextlib.contextmanager
+    def try_lock(self, name: str) -> Iterator[bool]:
+        """Non-blocking ``lock``: yields whether it was taken (held elsewhere: a build is running)."""
+        with open(self.root / "locks" / f"{name}.lock", "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
     # produce ----------------------------------------------------------------------------------
     def produce(
         self,

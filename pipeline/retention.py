@@ -33,9 +33,7 @@ instead; resuming a run never does, because its last checkpoint is always kept.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
-import fcntl
 import json
 import logging
 import os
@@ -241,21 +239,6 @@ def _pruning(store: ArtifactStore, marks: _Marks, registered: set[str]) -> list[
     return out
 
 
-@contextlib.contextmanager
-def _try_lock(store: ArtifactStore, name: str):  # noqa: ANN202 (a context manager of bool)
-    """Non-blocking ``store.lock``: yields whether it was taken (a held one means a live build)."""
-    with open(store.root / "locks" / f"{name}.lock", "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _tmp_lock_name(folder: Path) -> str | None:
     """``<stage>-<key>`` of a build folder ``tmp/<stage>-<key>-<nonce>`` (see ArtifactStore.produce)."""
     parts = folder.name.rsplit("-", 2)
@@ -275,9 +258,11 @@ def _sweeps(store: ArtifactStore, notes: list[str], now: _dt.datetime) -> list[D
         if name is None:
             notes.append(f"kept {entry}: not a build folder of this store")
             continue
-        with _try_lock(store, name) as free:
-            if free:
-                out.append(Deletion("tmp", entry, _tree_bytes(entry), "unfinished build of a dead process"))
+        with store.try_lock(name) as free:
+            if free:  # the lock name rides in ``key``: apply re-takes it before deleting
+                out.append(
+                    Deletion("tmp", entry, _tree_bytes(entry), "unfinished build of a dead process", key=name)
+                )
             else:
                 notes.append(f"kept {entry}: its build is running")
     return out
@@ -335,8 +320,7 @@ def apply(work: str | Path, gc_plan: GcPlan) -> int:
             freed += _tree_bytes(claimed)
             shutil.rmtree(claimed) if claimed.is_dir() else claimed.unlink()
         elif d.kind == "tmp":
-            name = _tmp_lock_name(d.path)
-            with _try_lock(store, name or "") as free:
+            with store.try_lock(d.key) as free:
                 if free and d.path.exists():  # re-checked: a producer may have started since the plan
                     aside = store.root / "trash" / f"gc-{d.path.name}-{uuid.uuid4().hex[:8]}"
                     os.replace(d.path, aside)
