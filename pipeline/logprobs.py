@@ -35,15 +35,21 @@ LOGPROB_CHUNK_ELEMENTS_CUDA = 1 << 26  # CUDA: ~441 positions of a 152k vocabula
 def logprob_chunk_elements(device: torch.device | str) -> int:
     """Slab size of the fused logprob head on ``device`` (by ``device.type``: "cuda", else the CPU's).
 
-    Why they differ: every slab is one GEMM ``[rows, H] x [H, V]`` that reads the whole lm_head (1.1 GB
-    at Qwen2.5-7B's 152k x 3584 in bf16), doing ``2 * rows`` FLOPs per weight byte. A CPU core is
-    compute-bound from a handful of rows, so the CPU keeps small slabs (13 positions at 152k), which
-    bound the resident float32 temporaries (the peak the CPU benchmark and ``qerl plan`` measure). On
-    an H100 (about 990 bf16 TFLOP/s against 3.35 TB/s, a ridge near 300 FLOPs per byte) 13-row slabs
-    would be bandwidth-bound: a 4 x 1024-token minibatch would re-read the head 316 times per pass
-    (0.34 TB, ~0.1 s, against ~5 ms of arithmetic). ``1 << 26`` elements are 441 rows at 152k (10
-    slabs for that minibatch), past the ridge, for about 1.1 GiB of transients (bf16 logits plus four
-    float32 temporaries, 18 bytes per element), small beside an 80 GB device's budget.
+    Why they differ: every slab is one GEMM ``[rows, H] x [H, V]`` that re-reads the whole lm_head
+    (1.1 GB at Qwen2.5-7B's 152k x 3584 in bf16), doing ``2 * rows`` FLOPs per weight byte, and leaves
+    about 18 bytes of transients per element (bf16 logits plus four float32 temporaries).
+
+    CPU: 13 positions at a 152k vocabulary, 38 MB of transients. This is a memory-for-speed trade,
+    kept because the CPU is the memory-bound machine here and the peaks the CPU train benchmark and
+    ``qerl plan`` report assume it: measured at the 0.5B head (151936 x 896, 256 positions, forward and
+    backward, 2 cores under load), 110-row slabs (``1 << 24``, 300 MB of transients) were 1.6-2.4x
+    faster (3.7-4.4 s against 5.9-10.5 s), so a CPU with memory to spare may raise it.
+
+    CUDA: on an H100 (about 990 bf16 TFLOP/s against 3.35 TB/s: a ridge near 300 FLOPs per byte)
+    13-row slabs are bandwidth-bound: a 4 x 1024-token minibatch at 7B would re-read the head 316
+    times per pass (0.34 TB, ~0.1 s, against ~5 ms of arithmetic). ``1 << 26`` elements are 441 rows
+    at 152k (10 slabs for that minibatch), past the ridge, for about 1.1 GiB of transients, small
+    beside an 80 GB device's budget.
     """
     return LOGPROB_CHUNK_ELEMENTS_CUDA if torch.device(device).type == "cuda" else LOGPROB_CHUNK_ELEMENTS
 

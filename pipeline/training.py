@@ -29,8 +29,9 @@ resumed run stays bit-identical. Each step's metrics include the sampler/trainer
 (``mismatch_kl``, ``mismatch_abs``, ``mismatch_out``, ``tis_capped``; see ``train_step``).
 
 Device settings (``optimizer_impl``, ``pipeline.logprobs.logprob_chunk_elements`` and
-``pipeline.qlinear.slice_elements`` choose by ``device.type``): the CPU keeps small slabs and the for-loop AdamW, which bound resident
-memory at no speed cost there; CUDA takes large slabs and the fused AdamW kernel (reasons at each).
+``pipeline.qlinear.slice_elements`` choose by ``device.type``): the CPU keeps small logprob slabs,
+16 MiB weight slices and the for-loop AdamW, which bound resident memory (the slabs and slices at a
+speed cost, measured at each); CUDA takes large slabs, whole-layer decode and the fused AdamW kernel.
 
 Departures: the ratio's anchor is the trainer's recomputed logprob, as in TRL, but with a truncated
 importance weight against the sampler and dual clip on by default (see pipeline.grpo for why).
