@@ -211,13 +211,17 @@ def _mark_run(marks: _Marks, record: dict[str, Any], policy: RetentionConfig, li
             marks.drop_adapter.setdefault(key, f"run {rid} step {step}: not a multiple of {every} steps")
 
 
-def _pruning(store: ArtifactStore, marks: _Marks, registered: set[str]) -> list[Deletion]:
+def _pruning(store: ArtifactStore, marks: _Marks, registered: set[str], notes: list[str]) -> list[Deletion]:
     out = []
     for key in sorted(set(marks.drop_opt) | set(marks.drop_adapter)):
         directory = store.path_for(TRAIN_STAGE, key)
         if not (directory / MANIFEST).is_file():
             continue  # already gone (a re-run rebuilds it if ever needed)
-        manifest = Manifest.load(directory)
+        try:
+            manifest = Manifest.load(directory)
+        except (ValueError, ArtifactError) as err:  # the next lookup moves it aside; not gc's to judge
+            notes.append(f"kept {directory}: unreadable manifest ({err})")
+            continue
         names, reasons = [], []
         if key in marks.drop_opt and key not in marks.keep_opt:
             names += [n for n in OPTIMIZER_FILES if n in manifest.files]
@@ -298,7 +302,7 @@ def plan(
         # with only_run, every other run only protects (as a live one does): none of its drops count
         protect_only = live or (only_run is not None and record["run_id"] != only_run)
         _mark_run(marks, record, policy, protect_only)
-    result.deletions += _pruning(store, marks, registered_train_digests(store))
+    result.deletions += _pruning(store, marks, registered_train_digests(store), result.notes)
     if only_run is None:
         result.deletions += _sweeps(store, result.notes, now or _dt.datetime.now(_dt.UTC))
     return result

@@ -139,6 +139,9 @@ def test_a_run_shared_with_a_live_one_is_protected_and_overrides_apply(tmp_path)
     )  # fmt: skip
     gc_plan = retention.plan(tmp_path, overrides={"keep_optimizer_last": 1})
     assert sorted(d.key for d in gc_plan.deletions) == sorted(m.key for m in done[1:3])
+    (done[1].dir / "manifest.json").write_text("{torn")  # unreadable: left for the lookup to discard
+    gc_plan = retention.plan(tmp_path, overrides={"keep_optimizer_last": 1})
+    assert [d.key for d in gc_plan.deletions] == [done[2].key] and "unreadable manifest" in gc_plan.notes[-1]
     with pytest.raises(retention.RetentionError, match="keep_optimizer_last"):
         retention.plan(tmp_path, overrides={"keep_optimizer_last": 0})
     (tmp_path / "runs" / "broken").mkdir()
