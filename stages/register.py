@@ -6,7 +6,10 @@ the train config as params, the adapter, its manifest and the evaluation table. 
 a version of ``cfg.model_name`` with lineage tags; a complete run's version becomes ``challenger``
 (unless a newer one already is) and ``champion`` when it beats the current champion (see
 ``pipeline.registry`` for the rule and its lock). A failed or partial run is still registered (its
-lineage is worth keeping, tagged ``complete=false``) but gets no alias.
+lineage is worth keeping, tagged ``complete=false``) but gets no alias. The adapter is copied into
+the MLflow run's artifacts (uploaded through the tracking server when the URI is ``http[s]://``), so
+a registered version never depends on the store's copy; ``qerl gc`` keeps that copy anyway (local
+evaluation reads it), recognising it by this stage's manifest, whose ``train`` input is its digest.
 
 Idempotence has two layers. The artifact store caches this stage by (registry config, train and
 evaluation digests, lineage, history, completeness), so an identical re-run does nothing. Because
