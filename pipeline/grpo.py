@@ -30,7 +30,7 @@ How (shapes: B sequences, T completion positions, ``mask`` 1 on real completion 
   absolute logprob gap, share outside the clip range, share where the TIS cap binds).
 
 Departures from the paper/TRL, and why:
-* QeRL (and this package before) took the ratio against the sampler's logprobs. Then a token on
+* This package used to take the ratio against the sampler's logprobs. Then a token on
   which the noisy or differently computed sampler disagrees with the trainer beyond the clip range
   is clipped from the first update on and gets no gradient at all, so AQN's noise acted as extra
   clipping rather than exploration, and with no dual clip a negative-advantage token with a large
