@@ -93,12 +93,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     COMMANDS["schedule"] = _cmd_schedule
 
 
-def _print_run(record: dict, work: str, out: Any = None) -> None:
+def _print_run(record: dict, work: str) -> None:
     """The run's result for people: the last thing ``qerl run``/``qerl resume`` prints."""
     from pathlib import Path
 
     def say(text: str) -> None:
-        print(text, file=out or sys.stdout, flush=True)
+        print(text, flush=True)
 
     reg = record.get("registration") or {}
     night = f", night {record['night']}" if record.get("night") else ""
@@ -126,7 +126,9 @@ def _run_with_console(args: argparse.Namespace, cfg: Any, work: Any, night: Any)
     from flows import console, runner
     from flows.rl import run_dir, run_id_for
 
-    with console.session(run_dir(work, run_id_for(cfg, night)), verbose=args.verbose):
+    rid = run_id_for(cfg, night)
+    with console.session(run_dir(work, rid), verbose=args.verbose) as ui:
+        ui.line(f"run {rid}: starting (details in {run_dir(work, rid) / console.LOG_NAME})")
         record = runner.run(cfg, work, night)
     _print_run(record, str(work))
     return 0

@@ -8,6 +8,10 @@ for ephemeral runs: it only serves crash detection by a server, and costs a seco
 Scheduling needs a real server (cron schedules are evaluated by its scheduler): ``qerl schedule``
 refuses to run without PREFECT_API_URL and says how to start one on loopback. The deployment has
 a concurrency limit of one, so a nightly run that overruns delays the next instead of overlapping.
+Its flow runs are nightly runs (``nightly=True``): each takes its night from the flow run's
+scheduled start, so every night is a new run (see ``flows.rl``); ``run(cfg, work, night)`` runs a
+given night by hand (``qerl run --night DATE``), and ``resume`` re-runs a recorded run with its own
+config and night.
 """
 
 from __future__ import annotations
