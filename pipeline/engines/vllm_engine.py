@@ -38,6 +38,7 @@ from pipeline.engines import (
     encode_prompt,
     sample_seed,
 )
+from pipeline.threads import restore, snapshot
 
 log = logging.getLogger("qerl.engines.vllm")
 
@@ -105,6 +106,11 @@ class VLLMEngine:
     """``vllm.LLM`` + LoRARequest per adapter version + AQN via the worker extension."""
 
     def __init__(self, cfg: RolloutConfig, model_dir: Path, mode: str):
+        # vLLM's import and start write this process's environment (LD_PRELOAD, NUMEXPR_MAX_THREADS,
+        # ... meant for its own processes) and, in-process, replace torch.set_num_threads with a
+        # no-op: all put back once it is up, so the trainer and later child processes keep their own
+        # thread settings (pipeline.threads)
+        threads_before = snapshot()
         import torch
         from transformers import AutoTokenizer
         from vllm import LLM
@@ -134,10 +140,17 @@ class VLLMEngine:
             _shield_llvmlite_from_vllm_scan()
             # Engine core and worker in this process: no subprocess re-importing torch and vLLM,
             # which is most of a CPU startup.
-            # Pinning OpenMP threads would pin the caller's own threads too (tests, the trainer).
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             kwargs["distributed_executor_backend"] = "uni"
-            log.info("vLLM engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor)")
+            log.info(
+                "vLLM engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor, no thread binding)"
+            )
+        elif not torch.cuda.is_available():
+            log.info(
+                "vLLM engine in worker processes: VLLM_CPU_OMP_THREADS_BIND=%s pins the worker's OpenMP "
+                "threads ('auto': one NUMA node, one core left to the engine process); this process's "
+                "threads keep their affinity",
+                os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+            )
         if cfg.kv_block_size or not torch.cuda.is_available():
             kwargs["block_size"] = cfg.kv_block_size or CPU_KV_BLOCK
         if cfg.enable_lora:
@@ -169,7 +182,10 @@ class VLLMEngine:
                     "VLLM_CPU_KVCACHE_SPACE=%s GiB overrides kv_cache_gib",
                     os.environ["VLLM_CPU_KVCACHE_SPACE"],
                 )
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            restore(threads_before, "vLLM engine start")
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
         self.last_prefix_stats: dict[str, int] = {}
         self._lora_ids: dict[str, int] = {}
@@ -311,6 +327,13 @@ class VLLMEngine:
             if callable(shutdown):
                 shutdown()
             del llm
+            if self.cfg.in_process:
+                # the in-process worker's gloo groups keep ~26 threads waking ~100 times a second each
+                # in this process after shutdown; the trainer's threads share the cores with them
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+                log.info("in-process vLLM closed: distributed groups destroyed")
 
 
 def _vllm_version() -> str:

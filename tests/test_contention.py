@@ -1,0 +1,120 @@
+"""The trainer's threads next to a vLLM engine (issue 12): what an engine start may not leave behind in
+the trainer's process, and one core per intra-op thread during a train step. Timings live in
+benchmarks/bench_contention.py; these tests check the state that decides them."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from pipeline.threads import (
+    THREAD_ENV,
+    intra_op_thread_ids,
+    pinned_intra_op_threads,
+    preserved_thread_state,
+    snapshot,
+)
+
+
+def _thread_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if THREAD_ENV.match(k)}
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:
+            pass
+    return names
+
+
+@pytest.fixture
+def two_threads():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two allowed CPUs")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.ones(1 << 20).add_(1)  # start the pool
+    yield
+    torch.set_num_threads(before)
+
+
+def test_intra_op_threads_get_one_cpu_each_and_it_is_undone(two_threads):
+    ids = intra_op_thread_ids(2)
+    assert ids is not None and ids[0] == threading.get_native_id()  # the master is this thread
+    tasks_before = set(os.listdir("/proc/self/task"))
+    free = {tid: os.sched_getaffinity(tid) for tid in ids.values()}
+    x = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    reference = x @ x
+    with pinned_intra_op_threads("cpu") as pins:
+        assert set(pins) == set(ids.values())
+        assert len(set(pins.values())) == 2
+        assert {tid: os.sched_getaffinity(tid) for tid in pins} == {t: {c} for t, c in pins.items()}
+        assert torch.equal(x @ x, reference)  # same static split of the work, same bits
+    assert {tid: os.sched_getaffinity(tid) for tid in ids.values()} == free
+    # the threads found are torch's own pool: running torch ops started no other thread
+    assert set(os.listdir("/proc/self/task")) == tasks_before
+    with pinned_intra_op_threads("cuda:0") as pins:
+        assert pins == {}
+
+
+def test_preserved_thread_state_undoes_what_the_block_changed(two_threads, monkeypatch, caplog):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    original = torch.set_num_threads
+    with caplog.at_level("INFO", logger="qerl.threads"), preserved_thread_state("a test block"):
+        os.environ["LD_PRELOAD"] = "/x/libgomp.so.1"  # what vLLM's CPU platform does
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+        torch.set_num_threads = lambda n: None  # what vLLM's in-process CPU worker does
+    assert torch.set_num_threads is original
+    assert "LD_PRELOAD" not in os.environ and os.environ["OMP_NUM_THREADS"] == "2"
+    assert torch.get_num_threads() == 2
+    assert "LD_PRELOAD='/x/libgomp.so.1' -> None" in caplog.text and "after a test block" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory(dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "in_process", [True, pytest.param(False, marks=pytest.mark.slow, id="multiprocess")], ids=str
+)
+def test_engine_start_leaves_the_trainer_thread_state_alone(model_dir, in_process, two_threads):
+    from pipeline.artifacts import Manifest
+    from pipeline.engines import RolloutConfig, SamplingSpec, build_engine
+
+    twin = Manifest(
+        stage="dequantize", key="test", config={}, inputs={}, code_version="test", files={}, created_at="",
+        mode="nvfp4-dequantized-twin", path=str(model_dir),
+    )  # fmt: skip
+
+    cfg = RolloutConfig(
+        dtype="float32", enforce_eager=True, max_new_tokens=4, max_model_len=64, kv_cache_gib=0.125,
+        template="terse", enable_lora=False, in_process=in_process,
+    )  # fmt: skip
+    before, env, setter = snapshot(), _thread_env(), torch.set_num_threads
+    for _ in range(2 if in_process else 1):  # in-process twice: a closed engine's groups are gone
+        engine = build_engine(cfg, None, twin)
+        try:
+            assert engine.generate(["1+1="], 1, SamplingSpec(max_new_tokens=4, logprobs=False), 0)
+            assert torch.set_num_threads is setter
+            assert _thread_env() == env
+            assert torch.get_num_threads() == before.torch_threads
+            after = {
+                tid: cpus for tid, cpus in snapshot().task_affinity.items() if tid in before.task_affinity
+            }
+            assert after == {t: c for t, c in before.task_affinity.items() if t in after}
+            torch.set_num_threads(1)  # the trainer still chooses its thread count
+            assert torch.get_num_threads() == 1
+            torch.set_num_threads(before.torch_threads)
+        finally:
+            engine.close()
+        assert not [n for n in _thread_names() if n.startswith(("gloo", "pt_gloo"))]
