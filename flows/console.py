@@ -100,10 +100,12 @@ class RunConsole:
 
     # -- estimates ------------------------------------------------------------------------------
     def eta(self) -> float | None:
-        """Seconds left in the run: steps at their mean built time, evaluations at theirs (or a step's)."""
+        """Seconds left in the run: steps at their mean built time (the first left out once there are
+        more: it includes the engine's start-up), evaluations at theirs (or a step's)."""
         if not self._step_times:
             return None
-        per_step = sum(self._step_times) / len(self._step_times)
+        times = self._step_times[1:] or self._step_times  # the first built step also starts the engine
+        per_step = sum(times) / len(times)
         per_eval = sum(self._eval_times) / len(self._eval_times) if self._eval_times else per_step
         return (self.steps_total - self.steps_done) * per_step + self.evals_left * per_eval
 

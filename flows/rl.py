@@ -191,7 +191,7 @@ def _prepare_base(run: _Run) -> tuple[Manifest, Manifest | None]:
     t0 = time.perf_counter()
     quantized = quantize_task(cfg, src, store)
     ui.stage(
-        "quantize", f"NVFP4 {quantized.mode or ''}".strip(), time.perf_counter() - t0, run.cached(quantized)
+        "quantize", f"NVFP4 checkpoint ({quantized.mode})", time.perf_counter() - t0, run.cached(quantized)
     )
     twin = None
     if runplan.needs_twin(cfg.rollout):

@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from flows import console
 
 SCRIPT = textwrap.dedent(
@@ -100,8 +102,25 @@ def test_eta_counts_built_steps_and_pending_evaluations():
     ui.steps_start(10, 2)
     assert ui.eta() is None  # nothing measured yet
     ui.step(0, {}, 0.01, cached=True)  # cached steps do not count towards the rate
-    ui.step(1, {}, 4.0, cached=False)
-    assert ui.eta() == 8 * 4.0 + 2 * 4.0
+    ui.step(1, {}, 40.0, cached=False)  # the first built step: engine start-up included
+    assert ui.eta() == 8 * 40.0 + 2 * 40.0
+    ui.step(2, {}, 4.0, cached=False)
+    assert ui.eta() == 7 * 4.0 + 2 * 4.0  # from then on the first is left out
     ui.stage("evaluate", "adapter", 10.0)
-    assert ui.eta() == 8 * 4.0 + 1 * 10.0
+    assert ui.eta() == 7 * 4.0 + 1 * 10.0
     assert console.fmt_duration(3725) == "1h02m" and console.fmt_duration(75) == "1m15s"
+
+
+@pytest.mark.slow
+def test_a_failed_run_shows_its_error_in_full_and_is_not_retried(tmp_path):
+    """A deterministic failure inside a task: the traceback and the message reach the console, once."""
+    from test_flow import _qerl
+
+    missing = tmp_path / "no-such-model"
+    proc = _qerl(["run", "--set", f"model.source={missing}"], tmp_path / "work")
+    assert proc.returncode == 2
+    assert "Traceback (most recent call last)" in proc.stderr and "in base_task" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("qerl run: error: model source")
+    (log_path,) = (tmp_path / "work" / "runs").glob("*/run.log")
+    assert log_path.read_text().count("not retried") == 1
+    assert "Retry 1/2" not in log_path.read_text()
