@@ -159,3 +159,43 @@ def test_night_parsing_and_the_scheduled_date(monkeypatch):
     assert rl._resolve_night(True, None) == dt.date(2026, 5, 6)  # the deployment's scheduled date
     assert rl._resolve_night(True, "2026-01-01") == dt.date(2026, 1, 1)
     assert rl._resolve_night(False, None) is None  # a plain run
+
+
+def test_warm_start_refuses_a_champion_of_another_base_or_lora_shape(tmp_path):
+    from pipeline import registry
+    from pipeline.artifacts import ArtifactStore
+    from pipeline.runconfig import RunConfig
+
+    cfg = RunConfig.model_validate(
+        {"registry": {"model_name": "warm-probe"}, "train": {"lora_r": 16, "lora_alpha": 32}}
+    )
+    work = tmp_path / "work"
+    store = ArtifactStore(work / "store")
+    uri, artifacts = registry.resolve_uris(cfg.registry, work)
+    reg = cfg.registry.model_copy(update={"tracking_uri": uri, "artifact_location": artifacts})
+    registry.open_tracking(reg, work)
+    assert runplan.warm_start_adapter(cfg, work, store, "base-A") is None  # no champion yet: the base
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    shape = {"r": 8, "lora_alpha": 16, "target_modules": list(cfg.train.target_modules)}
+    (adapter / "adapter_config.json").write_text(json.dumps(shape))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    lineage = {"base_digest": "base-A", "quant_recipe": "q", "dataset_digest": "d", "code_version": "c",
+               "flow_run_id": "f", "adapter_digest": "adapter-1"}  # fmt: skip
+    run_id = registry.start_run(reg, run_name="probe")
+    version, _ = registry.register_adapter(
+        reg, run_id, adapter, None, {"benchmark": "b", "accuracy": 0.5}, lineage
+    )
+    assert registry.maybe_promote(reg, version, "b", 0.5, complete=True)
+
+    with pytest.raises(runplan.RunPlanError, match="trained on base base-A, this run's base is base-B"):
+        runplan.warm_start_adapter(cfg, work, store, "base-B")
+    with pytest.raises(runplan.RunPlanError, match=r"cannot warm-start this run .*'r': 8"):
+        runplan.warm_start_adapter(cfg, work, store, "base-A")  # r=8 adapter, r=16 run
+    ok = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lora_r": 8, "lora_alpha": 16})})
+    warm = runplan.warm_start_adapter(ok, work, store, "base-A")
+    assert (
+        warm is not None and (warm.dir / "adapter" / "adapter_model.safetensors").read_bytes() == b"weights"
+    )
+    assert warm.extra["version"] == version
