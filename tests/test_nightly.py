@@ -199,3 +199,29 @@ def test_warm_start_refuses_a_champion_of_another_base_or_lora_shape(tmp_path):
         warm is not None and (warm.dir / "adapter" / "adapter_model.safetensors").read_bytes() == b"weights"
     )
     assert warm.extra["version"] == version
+
+
+def test_init_state_from_an_adapter_takes_its_weights_and_a_fresh_optimizer(tiny_model_dir, tmp_path):
+    import torch
+
+    from pipeline.training import TrainConfig, init_state, save_checkpoint
+
+    cfg = TrainConfig(lora_r=8, lora_alpha=16, dtype="float32")
+    donor = init_state(tiny_model_dir, cfg)
+    with torch.no_grad():
+        trainable = [p for p in donor.model.parameters() if p.requires_grad]
+        for i, p in enumerate(trainable):
+            p.add_(0.01 * (1 + i % 7))  # lora_B is zero at init: make every weight nonzero and distinct
+    save_checkpoint(donor, tmp_path / "ckpt")
+    want = {n: p.detach().clone() for n, p in donor.model.named_parameters() if p.requires_grad}
+
+    warm = init_state(
+        tiny_model_dir, cfg.model_copy(update={"seed": 1}), init_adapter=tmp_path / "ckpt" / "adapter"
+    )
+    got = {n: p.detach() for n, p in warm.model.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert warm.step == 0 and warm.updates == 0 and not warm.optimizer.state_dict()["state"]
+    with pytest.raises(ValueError, match="was trained with"):
+        init_state(
+            tiny_model_dir, cfg.model_copy(update={"lora_r": 16}), init_adapter=tmp_path / "ckpt" / "adapter"
+        )
