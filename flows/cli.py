@@ -20,7 +20,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--work-dir", default=None, help="work directory (default: $QERL_WORK_DIR or ./qerl-work)"
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging; run/resume: libraries' output on the terminal too (else only in run.log)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -131,7 +131,7 @@ class TerminalConsole(RunConsole):
         if self.tty:
             from tqdm import tqdm
 
-            fmt = "{desc} {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} [{elapsed}] {postfix}"
+            fmt = "{desc} {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} [{elapsed}]{postfix}"
             self._bar = tqdm(
                 total=total, file=self.stream, desc="steps", bar_format=fmt, dynamic_ncols=True, disable=False
             )
