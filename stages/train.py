@@ -151,8 +151,14 @@ def run(
     prev: Manifest | None,
     step: int,
     store: ArtifactStore,
+    init_adapter: tuple[Path, str] | None = None,
 ) -> Manifest:
-    """Produce (or find cached) the checkpoint after RL step ``step`` (0-based)."""
+    """Produce (or find cached) the checkpoint after RL step ``step`` (0-based).
+
+    ``init_adapter`` (adapter folder, its digest): step 0 starts from these LoRA weights instead of a
+    fresh LoRA (a nightly run's warm start); the digest joins the cache key."""
+    if init_adapter is not None and prev is not None:
+        raise ArtifactError(f"train step {step}: init_adapter is for step 0 only (prev is given)")
     if prev is None and step != 0:
         raise ArtifactError(f"train step {step} needs the previous train checkpoint (prev is None)")
     if prev is not None and prev.stage != STAGE:
@@ -172,6 +178,8 @@ def run(
         "scored": scored.digest,
         "prev": prev.digest if prev is not None else "none",
     }
+    if init_adapter is not None:  # only then: plain runs keep their cache keys
+        inputs["init_adapter"] = init_adapter[1]
     config = {"train": cfg.model_dump(mode="json"), "step": step}
     resident_key = {"base": base.digest, "train": config["train"], "device": device}
     built: dict[str, Any] = {}
@@ -188,7 +196,7 @@ def run(
         state, reason = _take_resident(resident_key, prev)
         reused = state is not None
         if state is None and prev is None:
-            state = init_state(base.dir, cfg, device)
+            state = init_state(base.dir, cfg, device, init_adapter=init_adapter[0] if init_adapter else None)
         elif state is None:
             state = load_checkpoint(base.dir, cfg, prev.dir, device)
         t_load = time.perf_counter() - t0
