@@ -22,6 +22,10 @@ Two kinds of run:
   trains on the next slice of the data cursor, evaluates, registers and promotes only on a win; the
   cursor advances when the night completes (``pipeline.runplan`` has the rules).
 
+A run of an ablation (``flows.ablate``, ``qerl ablate``) is a plain run with an ``ablation`` argument
+(its id, the arm, the MLflow parent run): these become lineage tags (``ablation_id``, ``arm``) and the
+registered version takes no alias, so an ablation never moves the champion.
+
 Run records: ``<work>/runs/<run_id>/run.json`` (config, night, data slice, warm start, status,
 per-step manifests, history, registration); the console's log is ``run.log`` beside it.
 """
@@ -150,17 +154,27 @@ def evaluate_task(
 @task(name="register", **RETRY_OPTS)
 def register_task(
     cfg: RunConfig, final: Manifest, evaluation: Manifest, lineage: dict[str, Any], history: list[dict[str, Any]],
-    work: Path, store: ArtifactStore,
+    work: Path, store: ArtifactStore, ablation: dict[str, Any] | None = None,
 ) -> Manifest:  # fmt: skip
-    return register.run(cfg.registry, final, evaluation, lineage, history, work, complete=True, store=store)
+    if ablation is None:
+        return register.run(
+            cfg.registry, final, evaluation, lineage, history, work, complete=True, store=store
+        )
+    parent = {"mlflow.parentRunId": ablation["parent_run_id"]} if ablation.get("parent_run_id") else {}
+    return register.run(
+        cfg.registry, final, evaluation, lineage, history, work, complete=True, store=store, promote=False,
+        run_tags=parent,
+    )  # fmt: skip
 
 
 # ---- the flow --------------------------------------------------------------------------------------
 class _Run:
     """One run's state as the flow goes: config, store, record, console, and the stage timing."""
 
-    def __init__(self, cfg: RunConfig, work: Path, night: _dt.date | None):
-        self.cfg, self.work, self.night = cfg, work, night
+    def __init__(
+        self, cfg: RunConfig, work: Path, night: _dt.date | None, ablation: dict[str, Any] | None = None
+    ):
+        self.cfg, self.work, self.night, self.ablation = cfg, work, night, ablation
         self.store = ArtifactStore(work / "store")
         self.run_id = run_id_for(cfg, night)
         self.ui = console.current()
@@ -171,7 +185,7 @@ class _Run:
         self.record: dict[str, Any] = {
             "run_id": self.run_id, "config": cfg.model_dump(mode="json"), "status": "running", "steps": [],
             "evaluations": [], "flow_run_id": flow_run.get_id(), "code_version": package_version(),
-            "night": night.isoformat() if night else None,
+            "night": night.isoformat() if night else None, "ablation": ablation,
             "started_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         }  # fmt: skip
 
@@ -190,11 +204,10 @@ def _prepare_base(run: _Run) -> tuple[Manifest, Manifest | None]:
     ui.stage("base", src, time.perf_counter() - t0)
     t0 = time.perf_counter()
     quantized = quantize_task(cfg, src, store)
-    ui.stage(
-        "quantize", f"NVFP4 checkpoint ({quantized.mode})", time.perf_counter() - t0, run.cached(quantized)
-    )
+    what = "unquantized base" if cfg.quantize.scheme == "none" else "NVFP4 checkpoint"
+    ui.stage("quantize", f"{what} ({quantized.mode})", time.perf_counter() - t0, run.cached(quantized))
     twin = None
-    if runplan.needs_twin(cfg.rollout):
+    if runplan.needs_twin(cfg.rollout, cfg.quantize.scheme):
         t0 = time.perf_counter()
         twin = twin_task(cfg, quantized, store)
         ui.stage("twin", f"dequantized {cfg.quantize.twin_dtype}", time.perf_counter() - t0, run.cached(twin))
@@ -316,9 +329,11 @@ def _register(
         lineage.update(
             night=run.night.isoformat(), warm_start=str((rec["plan"].get("warm_start") or {}).get("version"))
         )
+    if run.ablation is not None:
+        lineage.update(ablation_id=run.ablation["id"], arm=run.ablation["arm"])
     history = [{k: v for k, v in h.items() if k != "manifests"} for h in rec["steps"]]
     t0 = time.perf_counter()
-    reg = register_task(run.cfg, final, final_eval, lineage, history, run.work, run.store)
+    reg = register_task(run.cfg, final, final_eval, lineage, history, run.work, run.store, run.ablation)
     rec["registration"] = {**reg.extra, **reg.metrics}
     promoted = "champion" if reg.metrics.get("promoted") else "not promoted"
     run.ui.stage("register", f"{reg.extra.get('model_name')} v{reg.metrics.get('version')}, {promoted}",
@@ -327,14 +342,18 @@ def _register(
 
 @flow(name="qerl-rl", log_prints=True)
 def rl_flow(
-    config: dict[str, Any], work_dir: str, nightly: bool = False, night: str | None = None
-) -> dict[str, Any]:
+    config: dict[str, Any], work_dir: str, nightly: bool = False, night: str | None = None,
+    ablation: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """One QeRL run (see the module docstring); returns the run record.
 
     ``nightly``: a nightly run for the night Prefect scheduled this flow run for; ``night``
-    (``YYYY-MM-DD``) names the night explicitly (and implies ``nightly``)."""
+    (``YYYY-MM-DD``) names the night explicitly (and implies ``nightly``). ``ablation``: ``{"id",
+    "arm", "parent_run_id"}`` of the ablation this run belongs to (never promoted)."""
     cfg = RunConfig.model_validate(config)
-    run = _Run(cfg, default_work_dir(work_dir), _resolve_night(nightly, night))
+    if ablation is not None and (nightly or night):
+        raise runplan.RunPlanError("an ablation run is a plain run, not a nightly one")
+    run = _Run(cfg, default_work_dir(work_dir), _resolve_night(nightly, night), ablation)
     rec = run.record
     run.save()
     engine = None
@@ -366,6 +385,7 @@ def rl_flow(
         run.save()
         if engine is not None:
             engine.close()
+        train.drop_resident_policy()  # a serving process (qerl schedule) must not keep it across nights
         _publish(rec)
     return rec
 
