@@ -15,7 +15,7 @@ if [[ -f "$STAMP" ]] && cmp -s "$STAMP" "$REQS"; then
 fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-echo "[qerl] creating $VENV with $($PY --version) (pip's output: $VENV/bootstrap.log)" >&2
+echo "[qerl] setting up $VENV with $($PY --version) (pip's output: $VENV/bootstrap.log)" >&2
 [[ -d "$VENV" ]] || "$PY" -m venv "$VENV"
 LOG="$VENV/bootstrap.log"
 : >"$LOG"
