@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["quantize", "score", "rollout", "train", "gpu"]  # gpu.md: bench_gpu.py on a CUDA machine only
+# gpu.md comes from bench_gpu.py on a CUDA machine only
+ORDER = ["quantize", "score", "rollout", "train", "contention", "gpu"]
 
 HEADER = """# Benchmarks
 

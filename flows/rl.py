@@ -45,7 +45,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from flows import console
-from pipeline import runplan
+from pipeline import retention, runplan
 from pipeline.aqn import sigma_schedule
 from pipeline.artifacts import ArtifactStore, Manifest, atomic_write_json, default_work_dir, package_version
 from pipeline.config import config_hash
@@ -74,7 +74,8 @@ RETRY_OPTS: dict[str, Any] = {
 
 
 def run_id_for(cfg: RunConfig, night: _dt.date | None = None) -> str:
-    base = f"{cfg.loop.name}-{config_hash(cfg)[:10]}"
+    # the retention policy (``store``) says what to delete, not what to compute: not part of the identity
+    base = f"{cfg.loop.name}-{config_hash(cfg.model_dump(mode='json', exclude={'store'}))[:10]}"
     return f"{base}-{runplan.night_label(night)}" if night else base
 
 
@@ -293,6 +294,7 @@ def _train_loop(
         if step + 1 < steps and cfg.loop.eval_every and (step + 1) % cfg.loop.eval_every == 0:
             _evaluate(run, quantized, t, engine, step + 1)
         run.save()
+        retention.prune_run(run.work, run.run_id, cfg.store)  # after the save: the record names this step
     ui.steps_end()
     assert prev is not None  # loop.steps >= 1
     return prev

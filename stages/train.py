@@ -198,6 +198,8 @@ def run(
         if state is None and prev is None:
             state = init_state(base.dir, cfg, device, init_adapter=init_adapter[0] if init_adapter else None)
         elif state is None:
+            # a clear error if retention pruned what a reload needs (checked here: a cache hit needs none)
+            prev.require("adapter", "optimizer.safetensors", "trainer_state.json")
             state = load_checkpoint(base.dir, cfg, prev.dir, device)
         t_load = time.perf_counter() - t0
         how = "" if reused else ("; policy built" if prev is None else "; policy reloaded from the store")
