@@ -42,7 +42,54 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_gc(sub)
     _add_plan(sub)
+    _add_ablate(sub)
     return parser
+
+
+def _add_ablate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ablate", help="compare arms (bf16-lora, nvfp4-lora, nvfp4-aqn) over seeds: a run each, then a report"
+    )
+    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/presets)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    p.add_argument("--arms", required=True, help="comma-separated arms, e.g. bf16-lora,nvfp4-lora,nvfp4-aqn")
+    p.add_argument("--seeds", type=int, default=3, help="replicates per arm (default 3)")
+    p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples over items")
+    _common(p)
+    COMMANDS["ablate"] = _cmd_ablate
+
+
+def _cmd_ablate(args: argparse.Namespace) -> int:
+    """Run (or continue) an ablation with the console; the log is <work>/ablations/<id>/run.log."""
+    from pathlib import Path
+
+    from flows import console, runner
+    from pipeline.ablation import ablation_id, parse_arms
+    from pipeline.runconfig import load_run_config
+
+    cfg = load_run_config(args.config, args.set)
+    work = Path(_work_dir(args)).resolve()
+    arms = parse_arms(args.arms)  # a bad --arms fails before Prefect starts
+    aid = ablation_id(cfg.model_dump(mode="json"), arms, args.seeds)
+    runner.prepare_environment(work)
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    from flows.ablate import ablate_flow, ablation_dir
+
+    with console.session(ablation_dir(work, aid), verbose=args.verbose) as ui:
+        ui.line(
+            f"ablation {aid}: {len(arms)} arms x {args.seeds} seeds (details in {ablation_dir(work, aid)})"
+        )
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            record = ablate_flow(
+                config=cfg.model_dump(mode="json"), work_dir=str(work), arms=arms, seeds=args.seeds,
+                n_boot=args.bootstrap,
+            )  # fmt: skip
+    print(f"ablation {aid}: {record['status']}", flush=True)
+    for verdict in record.get("verdicts", []):
+        print(f"  {verdict}", flush=True)
+    print(f"  report: {record.get('report')}", flush=True)
+    return 0
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "QUANT_SUFFIXES",
     "SUPPORTED_ARCHITECTURES",
     "TWIN_MODE",
+    "UNQUANTIZED_MODE",
     "QuantizeConfig",
     "RawSlice",
     "TensorSpec",
@@ -61,6 +62,8 @@ __all__ = [
 
 # The manifest mode of the dequantize stage's output (stages/quantize.py builds it, the engines check it)
 TWIN_MODE = "nvfp4-dequantized-twin"
+# the quantize stage with ``scheme: none``: the base as is (floats cast to the twin dtype), no NVFP4
+UNQUANTIZED_MODE = "unquantized"
 # The linear projections of a decoder layer in the supported architectures: one not in
 # ``QuantizeConfig.targets`` is kept in full precision; a linear outside this list is refused.
 KNOWN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -99,6 +102,11 @@ class QuantizeConfig(StrictModel):
     taken whole or not at all: vLLM runs it as one layer with one scheme.
     """
 
+    scheme: Literal["nvfp4", "none"] = Field(
+        default="nvfp4",
+        description="nvfp4: the NVFP4A16 checkpoint (QeRL); none: the base unquantized (its floating weights "
+        "in the twin dtype), served and trained as is: the 16-bit LoRA arm of an ablation",
+    )
     targets: list[str] = Field(
         default=list(KNOWN_PROJECTIONS),
         description="projections inside decoder layers that are quantized; the others stay in full precision",

@@ -4,7 +4,8 @@ The flow (``flows/rl.py``) only sequences tasks; the decisions it needs live her
 testable without Prefect:
 
 - **Which base the engine serves** (``needs_twin``): the dequantized twin is built when the rollout
-  engine cannot serve NVFP4 itself: every CPU engine, and the transformers engine anywhere.
+  engine cannot serve NVFP4 itself: every CPU engine, and the transformers engine anywhere. An
+  unquantized base (``quantize.scheme: none``) is served as is and has no twin.
 - **Which prompts fit** (``fit_prompts``): a prompt whose rendered token count (the model's
   tokenizer, the rollout template) exceeds ``rollout.max_model_len - rollout.max_new_tokens`` is
   dropped when the data is loaded, and counted in the run record. Departure from "truncate": a cut
@@ -64,10 +65,12 @@ class RunPlanError(ValueError):
 
 
 # ---- engine base ---------------------------------------------------------------------------------
-def needs_twin(rollout: RolloutConfig) -> bool:
+def needs_twin(rollout: RolloutConfig, scheme: str = "nvfp4") -> bool:
     """Whether the rollout engine serves the dequantized twin (see the module docstring)."""
     from pipeline import device
 
+    if scheme == "none":
+        return False
     return rollout.engine == "hf" or not device.cuda_available()
 
 

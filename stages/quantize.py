@@ -9,6 +9,12 @@ no quantization_config) that the rollout engine serves where no NVFP4 kernel exi
 it is its own stage ("dequantize", mode ``nvfp4-dequantized-twin``) so lineage says what it is.
 ``export`` copies an artifact to a user path atomically.
 
+``scheme: none`` (the 16-bit arm of an ablation) makes the same stage produce the *unquantized* base
+(mode ``unquantized``): every floating tensor cast to the twin dtype (``train.dtype`` in a run), the
+rest copied, no ``quantization_config``. Engines serve it directly and the trainer loads it as a plain
+HF model, so no twin is derived. The cast is why it is a stage and not the source directory itself:
+sampler and trainer must hold the same weights, exactly as for the twin (``pipeline.runconfig``).
+
 How: everything that can reject the model (architecture, MoE, unknown linears, shapes) runs on
 config.json and the safetensors headers before the store is asked to build anything; the build then
 streams one tensor group at a time through ``pipeline.nvfp4.write_sharded`` (see there for the memory
@@ -45,7 +51,14 @@ from pipeline.artifacts import (
     code_version,
 )
 from pipeline.device import default_device
-from pipeline.nvfp4 import TWIN_MODE, QuantizeConfig, RawSlice, TensorSpec, UnsupportedModelError
+from pipeline.nvfp4 import (
+    TWIN_MODE,
+    UNQUANTIZED_MODE,
+    QuantizeConfig,
+    RawSlice,
+    TensorSpec,
+    UnsupportedModelError,
+)
 
 __all__ = ["QuantizeConfig", "export", "resolve_source", "run", "run_twin", "run_with_status"]
 
@@ -131,6 +144,8 @@ def run(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) -> Manifest:
 def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) -> tuple[Manifest, bool]:
     """``run`` that also says whether the artifact came from the cache."""
     src_dir = resolve_source(src)
+    if cfg.scheme == "none":
+        return _run_unquantized(cfg, src_dir, str(src), store)
     model_config = fmt.read_model_config(src_dir)
     arch = fmt.check_architecture(model_config, cfg)
     specs = fmt.safetensors_index(src_dir)
@@ -183,8 +198,55 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
 
 
 def _recipe_key(cfg: QuantizeConfig) -> dict:
-    """The quantize stage's config key: the recipe without the twin's dtype (a dequantize setting)."""
-    return cfg.model_dump(mode="json", exclude={"twin_dtype"})
+    """The quantize stage's config key: the recipe without the twin's dtype (a dequantize setting).
+
+    ``scheme`` is left out for nvfp4 (the recipe it always was); ``_run_unquantized`` has its own key."""
+    return cfg.model_dump(mode="json", exclude={"twin_dtype", "scheme"})
+
+
+def _run_unquantized(
+    cfg: QuantizeConfig, src_dir: Path, source: str, store: ArtifactStore
+) -> tuple[Manifest, bool]:
+    """``scheme: none``: the base with its floating tensors in the twin dtype (see the module docstring)."""
+    fmt.read_model_config(src_dir)  # a clear error for a directory that is no HF model
+    specs = fmt.safetensors_index(src_dir)
+    base_digest = store.source_digest(src_dir)
+    dtype_name = twin_dtype(cfg)
+    dtype = getattr(torch, dtype_name)
+    code = code_version(sys.modules[__name__], fmt)
+
+    def build(tmp: Path) -> BuildResult:
+        t0 = time.perf_counter()
+        aux = _copy_aux_files(src_dir, tmp)
+        config = fmt.read_model_config(src_dir)
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
+        atomic_write_json(tmp / "config.json", config)
+        groups: list = []
+        for name in sorted(specs, key=fmt._natural_key):
+            spec = specs[name]
+            if spec.dtype in ("F32", "F16", "BF16", "F64") and spec.dtype != fmt._DTYPE_NAMES[dtype]:
+                out = TensorSpec(name, fmt._DTYPE_NAMES[dtype], spec.shape)
+                groups.append(([out], lambda spec=spec: {spec.name: fmt.read_tensor(spec).to(dtype)}))
+            else:
+                groups.append(([TensorSpec(name, spec.dtype, spec.shape)], _copy_producer(spec)))
+        with tqdm(total=len(groups), desc=f"unquantized {src_dir.name}", unit="tensor", disable=None) as bar:
+            fmt.write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
+        log.info("quantize.scheme none: %s copied unquantized in %s", src_dir, dtype_name)
+        return BuildResult(
+            mode=UNQUANTIZED_MODE,
+            metrics={"seconds": time.perf_counter() - t0},
+            extra={
+                "base_digest": base_digest,
+                "source": source,
+                "recipe": {"scheme": "none", "dtype": dtype_name},
+                "dtype": dtype_name,
+                "aux_files": aux,
+                "note": "quantize.scheme none: the base model unquantized, floating tensors cast to dtype",
+            },
+        )
+
+    key = {"scheme": "none", "dtype": dtype_name, "max_shard_mb": cfg.max_shard_mb}
+    return store.produce(STAGE, key, {"base": base_digest}, code, build)
 
 
 def twin_dtype(cfg: QuantizeConfig) -> str:
@@ -197,6 +259,11 @@ def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> 
     if quantized.stage != STAGE:
         raise ArtifactError(
             f"run_twin needs a '{STAGE}' artifact, got stage '{quantized.stage}' at {quantized.dir}"
+        )
+    if quantized.mode == UNQUANTIZED_MODE:
+        raise ArtifactError(
+            f"{quantized.dir} is an unquantized base (quantize.scheme none): it has no NVFP4 twin, "
+            "engines serve it directly"
         )
     dtype_name = twin_dtype(cfg)
     dtype = getattr(torch, dtype_name)

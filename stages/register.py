@@ -16,6 +16,10 @@ evaluation digests, lineage, history, completeness), so an identical re-run does
 the flow run id in the lineage changes when a crashed run is resumed, the registry is also asked
 first whether a version with this adapter digest exists; if so it is reused (its promotion is
 re-decided, which is a no-op when it already happened) and no second version or MLflow run is made.
+
+``promote=False`` (the runs of an ablation, ``qerl ablate``): the version is registered with its
+lineage but takes no alias at all, neither challenger nor champion: an ablation never moves them.
+``run_tags`` are extra tags of the MLflow run only (an ablation's ``mlflow.parentRunId``).
 """
 
 from __future__ import annotations
@@ -70,10 +74,12 @@ def _log_run(
     history: Sequence[Mapping[str, Any]],
     summary: Mapping[str, Any],
     complete: bool,
+    run_tags: Mapping[str, Any] | None = None,
 ) -> str:
     """Create the MLflow run and log everything but the adapter; returns the run id."""
     name = f"qerl-{lineage.get('flow_run_id') or train.key[:12]}"
-    run_id = registry.start_run(cfg, run_name=name, tags={**lineage, "complete": str(complete).lower()})
+    tags = {**lineage, "complete": str(complete).lower(), **(run_tags or {})}
+    run_id = registry.start_run(cfg, run_name=name, tags=tags)
     registry.log_params(run_id, _flatten(train.config))
     n_metrics = registry.log_history(run_id, history)
     last_step = max((int(e.get("step", i)) for i, e in enumerate(history)), default=0)
@@ -100,8 +106,12 @@ def run(
     work_dir: str | Path,
     complete: bool,
     store: ArtifactStore,
+    promote: bool = True,
+    run_tags: Mapping[str, Any] | None = None,
 ) -> Manifest:
-    """Log, register and (maybe) promote the adapter of ``train``; writes ``registration.json``."""
+    """Log, register and (maybe) promote the adapter of ``train``; writes ``registration.json``.
+
+    ``promote=False``: no alias is touched (see the module docstring)."""
     adapter_dir = train.dir / "adapter"
     if not (adapter_dir / "adapter_config.json").is_file():
         raise ArtifactError(f"train artifact {train.stage}/{train.key} has no adapter at {adapter_dir}")
@@ -125,6 +135,8 @@ def run(
     }
     # the lock timeout does not change what gets registered: keep it out of the key
     key_cfg = {"registry": resolved.model_dump(mode="json", exclude={"lock_timeout_s"}), "complete": complete}
+    if not promote or run_tags:  # only then: ordinary runs keep their cache keys
+        key_cfg.update(promote=promote, run_tags=dict(run_tags or {}))
 
     def build(tmp: Path) -> BuildResult:
         registry.open_tracking(resolved, work_dir)
@@ -133,15 +145,24 @@ def run(
         if existing is not None:
             version, run_id, created = str(existing.version), existing.run_id, False
         else:
-            run_id = _log_run(resolved, train, evaluation, lineage, history, summary, complete)
+            run_id = _log_run(resolved, train, evaluation, lineage, history, summary, complete, run_tags)
             version, created = registry.register_adapter(
                 resolved, run_id, adapter_dir, train.dir / MANIFEST, summary, lineage, complete
             )
             registry.MlflowClient().set_terminated(run_id, status="FINISHED" if complete else "FAILED")
-        challenger = registry.set_challenger(resolved, version) if complete else False
-        promoted = registry.maybe_promote(
-            resolved, version, str(summary["benchmark"]), summary.get("accuracy"), complete
-        )
+        challenger = registry.set_challenger(resolved, version) if complete and promote else False
+        if promote:
+            promoted = registry.maybe_promote(
+                resolved, version, str(summary["benchmark"]), summary.get("accuracy"), complete
+            )
+        else:
+            promoted = False
+            registry.MlflowClient().set_model_version_tag(
+                resolved.model_name,
+                version,
+                "promotion",
+                "not a candidate: an ablation run never moves aliases",
+            )
         info = registry.version_info(resolved, version)
         record = {
             "model_name": resolved.model_name,

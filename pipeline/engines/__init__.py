@@ -11,6 +11,8 @@ Modes (recorded in every rollout manifest and logged at WARNING when emulated; n
 - ``vllm-nvfp4-emulated``: CPU. vLLM has no NVFP4 kernel there, so it serves the dequantized twin
   (bf16 weights equal to the NVFP4 values): the same function up to accumulation order.
 - ``hf-nvfp4-emulated``: transformers ``generate`` on the twin, the reference and the fallback.
+- ``vllm-unquantized`` / ``hf-unquantized``: ``quantize.scheme: none`` (the 16-bit arm of an
+  ablation): the quantize stage's artifact is the plain base (mode ``unquantized``), served as is.
 
 Logprob semantics (the train stage must compute the same quantity). The recorded logprob of a
 sampled token is ``log_softmax(logits / T)`` at that position, where T is the sampling temperature
@@ -41,7 +43,7 @@ from pydantic import Field, model_validator
 from pipeline import device
 from pipeline.artifacts import Manifest
 from pipeline.config import StrictModel
-from pipeline.nvfp4 import TWIN_MODE
+from pipeline.nvfp4 import TWIN_MODE, UNQUANTIZED_MODE
 from pipeline.prompts import template_names
 from pipeline.seeds import derive_seed
 
@@ -232,8 +234,22 @@ def build_engine(cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest 
 
     ``quantized`` is the quantize stage's NVFP4 checkpoint, ``twin`` the dequantize stage's bf16
     twin. On CUDA vLLM serves ``quantized``; otherwise (CPU vLLM, or the HF engine) the twin is
-    required and a missing twin is an error, not a silent switch to some other model.
+    required and a missing twin is an error, not a silent switch to some other model. An unquantized
+    base (``quantize.scheme: none``) is served directly by either engine, and then takes no twin.
     """
+    if is_unquantized(quantized):
+        assert quantized is not None
+        if twin is not None:
+            raise EngineError(f"an unquantized base ({quantized.dir}) has no twin, but one was given")
+        model_dir, mode = _checkpoint_dir(quantized, "unquantized base"), planned_mode(cfg, True)[0]
+        log.info("rollout engine mode %s: %s serves the unquantized base %s", mode, cfg.engine, model_dir)
+        if cfg.engine == "vllm":
+            from pipeline.engines.vllm_engine import VLLMEngine
+
+            return VLLMEngine(cfg, model_dir, mode)
+        from pipeline.engines.hf_engine import HFEngine
+
+        return HFEngine(cfg, model_dir, mode)
     if twin is not None and twin.mode != TWIN_MODE:
         raise EngineError(
             f"twin artifact {twin.stage}/{twin.key} has mode {twin.mode!r}, expected {TWIN_MODE!r} "
@@ -272,8 +288,15 @@ def build_engine(cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest 
     return HFEngine(cfg, model_dir, mode)
 
 
-def planned_mode(cfg: RolloutConfig) -> tuple[str, str]:
+def is_unquantized(quantized: Manifest | None) -> bool:
+    """Whether the quantize stage's artifact is the plain base (``quantize.scheme: none``)."""
+    return quantized is not None and quantized.mode == UNQUANTIZED_MODE
+
+
+def planned_mode(cfg: RolloutConfig, unquantized: bool = False) -> tuple[str, str]:
     """(mode, implementation module) that ``build_engine`` will choose on this machine."""
+    if unquantized:
+        return f"{cfg.engine}-unquantized", f"pipeline.engines.{cfg.engine}_engine"
     if cfg.engine == "vllm":
         mode = "vllm-nvfp4-marlin" if device.cuda_available() else "vllm-nvfp4-emulated"
         return mode, "pipeline.engines.vllm_engine"
@@ -291,7 +314,7 @@ class LazyEngine:
 
     def __init__(self, cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest | None):
         self._args = (cfg, quantized, twin)
-        self.mode, self.implementation_module = planned_mode(cfg)
+        self.mode, self.implementation_module = planned_mode(cfg, is_unquantized(quantized))
         self._engine: RolloutEngine | None = None
         self.builds = 0  # engines built so far (a rebuild after a death makes it 2)
 

@@ -1,0 +1,262 @@
+"""Ablations: arms and seeds, the comparison statistics (hand-derived), the report, the unquantized
+base (``quantize.scheme: none``), and ``qerl ablate`` end to end with its resumption."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pipeline import ablation as abl
+
+
+# ---- arms and seeds ------------------------------------------------------------------------------
+def test_parse_arms_names_the_bad_input():
+    assert abl.parse_arms("bf16-lora, nvfp4-aqn") == ["bf16-lora", "nvfp4-aqn"]
+    with pytest.raises(abl.AblationError, match="unknown arm.*fp8"):
+        abl.parse_arms("bf16-lora,fp8")
+    with pytest.raises(abl.AblationError, match="distinct"):
+        abl.parse_arms("nvfp4-aqn,nvfp4-aqn")
+    with pytest.raises(abl.AblationError, match="at least two"):
+        abl.parse_arms("nvfp4-aqn")
+
+
+def test_arm_config_changes_only_the_arm_and_shifts_every_training_seed_alike():
+    user = {
+        "loop": {"name": "x", "seed": 5},
+        "train": {"seed": 7},
+        "aqn": {"num_stages": 3},
+        "eval": {"seed": 9},
+    }
+    a = abl.arm_config(user, "bf16-lora", 1)
+    b = abl.arm_config(user, "nvfp4-aqn", 1)
+    assert user == {
+        "loop": {"name": "x", "seed": 5},
+        "train": {"seed": 7},
+        "aqn": {"num_stages": 3},
+        "eval": {"seed": 9},
+    }
+    assert a["quantize"] == {"scheme": "none"} and a["aqn"] == {"num_stages": 3, "enabled": False}
+    assert b["quantize"] == {"scheme": "nvfp4"} and b["aqn"] == {"num_stages": 3, "enabled": True}
+    for cfg in (a, b):  # replicate 1: every training seed + 1, the same in both arms; eval untouched
+        assert (cfg["loop"]["seed"], cfg["rollout"]["seed"], cfg["train"]["seed"]) == (6, 1, 8)
+        assert cfg["eval"] == {"seed": 9}
+    assert a["loop"]["name"] == "x-bf16-lora-s1"
+    assert {k: v for k, v in a.items() if k not in ("quantize", "aqn", "loop")} == {
+        k: v for k, v in b.items() if k not in ("quantize", "aqn", "loop")
+    }
+    assert abl.ablation_id(user, ["a", "b"], 2) == abl.ablation_id(dict(user), ["a", "b"], 2)
+    assert abl.ablation_id(user, ["a", "b"], 2) != abl.ablation_id(user, ["a", "b"], 3)
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+def test_t_interval_matches_hand_derived_values():
+    # [1, 2, 3]: mean 2, sd 1, se 1/sqrt(3); t(0.975, 2) = 4.302653 -> half width 2.484138
+    iv = abl.t_interval([1.0, 2.0, 3.0])
+    assert iv.mean == pytest.approx(2.0)
+    assert (iv.lo, iv.hi) == (pytest.approx(2 - 2.484138, abs=1e-5), pytest.approx(2 + 2.484138, abs=1e-5))
+    # [0.5, 0.7]: sd 0.141421, se 0.1; t(0.975, 1) = 12.706205 -> half width 1.2706205
+    iv = abl.t_interval([0.5, 0.7])
+    assert (iv.lo, iv.hi) == (
+        pytest.approx(0.6 - 1.2706205, abs=1e-6),
+        pytest.approx(0.6 + 1.2706205, abs=1e-6),
+    )
+    one = abl.t_interval([0.4])
+    assert one.mean == 0.4 and math.isnan(one.lo) and "no CI" in one.text()
+
+
+def test_paired_bootstrap_matches_the_exact_distribution():
+    # two items with differences 0.5 and -0.25: a resample's mean is 0.5 (p 1/4), 0.125 (1/2) or
+    # -0.25 (1/4), so with 10000 resamples the 2.5% and 97.5% percentiles are exactly -0.25 and 0.5
+    a, b = {"p": 1.0, "q": 0.25}, {"p": 0.5, "q": 0.5}
+    res = abl.paired_bootstrap(a, b, ("x", "y"), n_boot=10_000, seed=3)
+    assert res.diff == pytest.approx(0.125)
+    assert (res.lo, res.hi) == (-0.25, 0.5)
+    assert not res.significant and "x vs y: no significant difference" in res.verdict()
+    assert abl.paired_bootstrap(a, b, ("x", "y"), n_boot=500, seed=1) == abl.paired_bootstrap(
+        a, b, ("x", "y"), n_boot=500, seed=1
+    )
+    # the same difference on every item: the interval is that point, and it is significant
+    same = abl.paired_bootstrap({"1": 0.75, "2": 0.5}, {"1": 0.5, "2": 0.25}, ("x", "y"), n_boot=200)
+    assert (same.diff, same.lo, same.hi) == (0.25, 0.25, 0.25)
+    assert same.significant and "x is better than y" in same.verdict()
+    with pytest.raises(abl.AblationError, match="same items"):
+        abl.paired_bootstrap({"1": 1.0}, {"2": 1.0})
+
+
+def test_trainer_metrics_of_a_step_that_trained_nothing_are_left_out():
+    history = [
+        {"step": 0, "train_entropy": 0.0, "train_tokens_trained": 0, "reward_mean": 0.0},
+        {"step": 1, "train_entropy": 2.0, "train_tokens_trained": 12, "reward_mean": 0.5},
+        {"step": 2, "train_entropy": 1.0, "train_tokens_trained": 10, "reward_mean": float("nan")},
+        {"step": 3, "train_entropy": 9.0, "train_tokens_trained": 10, "reward_mean": 1.0},
+    ]
+    assert abl.step_values(history, ("train_entropy",)) == {1: 2.0, 2: 1.0, 3: 9.0}
+    assert abl.step_values(history, ("reward_mean",)) == {0: 0.0, 1: 0.5, 3: 1.0}  # a 0 reward is a reward
+    assert abl.early_mean(history, ("train_entropy",), 3) == pytest.approx(1.5)  # steps 1, 2 of 0..2
+    assert math.isnan(abl.early_mean(history[:1], ("train_entropy",), 3))
+    # two seeds: mean, min and max per step over the seeds that have the step
+    curve = abl.arm_curve(
+        [history, [{"step": 1, "train_entropy": 4.0, "train_tokens_trained": 3}]], ("train_entropy",)
+    )
+    assert curve == [(1, 3.0, 2.0, 4.0), (2, 1.0, 1.0, 1.0), (3, 9.0, 9.0, 9.0)]
+
+
+def test_mean_items_averages_seeds_and_refuses_different_items():
+    assert abl.mean_items([{"a": 1.0, "b": 0.0}, {"a": 0.5, "b": 0.5}]) == {"a": 0.75, "b": 0.25}
+    with pytest.raises(abl.AblationError, match="different items"):
+        abl.mean_items([{"a": 1.0}, {"b": 1.0}])
+
+
+def _history(entropies: list[float], reward: float) -> list[dict]:
+    return [
+        {
+            "step": i,
+            "reward_mean": reward + 0.1 * i,
+            "accuracy": reward,
+            "train_entropy": e,
+            "train_mismatch_kl": 1e-4,
+        }
+        for i, e in enumerate(entropies)
+    ]
+
+
+def test_report_from_hand_built_runs(tmp_path):
+    items = {str(i): float(i % 2) for i in range(8)}
+    arms = [
+        abl.ArmRuns("bf16-lora", ["r1", "r2"], [0.50, 0.60], [items, items], [_history([1.0, 0.9, 0.8, 0.5], 0.2)] * 2),
+        abl.ArmRuns(
+            "nvfp4-aqn", ["r3", "r4"], [0.52, 0.58], [items, items],
+            [_history([1.2, 1.1, 1.0, 0.5], 0.3), _history([1.4, 1.3, 1.2, 0.5], 0.3)],
+        ),
+    ]  # fmt: skip
+    result, report = abl.write_report("abl-test", arms, tmp_path, n_boot=300)
+    # same items, same rates: zero difference, and the verdict says so
+    (pair,) = result["pairs"]
+    assert (pair.a, pair.b, pair.diff, pair.lo, pair.hi) == ("nvfp4-aqn", "bf16-lora", 0.0, 0.0, 0.0)
+    text = report.read_text()
+    assert "nvfp4-aqn vs bf16-lora: no significant difference" in text
+    # early entropy: mean of the first 3 steps per run: bf16 0.9, 0.9; aqn 1.1 and 1.3
+    assert result["arms"]["nvfp4-aqn"]["early_entropy"] == pytest.approx([1.1, 1.3])
+    assert result["arms"]["bf16-lora"]["accuracy_ci"].mean == pytest.approx(0.55)
+    for name in ("reward", "accuracy", "entropy", "mismatch_kl"):
+        assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"plots/{name}.png" in text
+    rows = abl.table_rows(result)
+    assert rows[0]["arm"] == "bf16-lora" and rows[0]["seeds"] == 2
+
+
+# ---- the unquantized base ------------------------------------------------------------------------
+def test_scheme_none_is_the_base_in_the_twin_dtype_and_engines_serve_it(tiny_model_factory, tmp_path):
+    from pipeline.artifacts import ArtifactError, ArtifactStore
+    from pipeline.engines import LazyEngine, RolloutConfig, build_engine
+    from pipeline.nvfp4 import UNQUANTIZED_MODE, QuantizeConfig, read_tensor, safetensors_index
+    from pipeline.runplan import needs_twin
+    from stages import quantize
+
+    src = tiny_model_factory(arch="qwen2", dtype=torch.float32)
+    store = ArtifactStore(tmp_path / "store")
+    cfg = QuantizeConfig(scheme="none", twin_dtype="bfloat16")
+    man = quantize.run(cfg, src, store)
+    assert man.mode == UNQUANTIZED_MODE and "quantization_config" not in json.loads(
+        man.file("config.json").read_text()
+    )
+    before, after = safetensors_index(src), safetensors_index(man.dir)
+    assert set(before) == set(after)
+    for name, spec in before.items():
+        assert after[name].dtype == "BF16"
+        assert torch.equal(read_tensor(after[name]), read_tensor(spec).to(torch.bfloat16)), name
+    assert quantize.run(cfg, src, store).key == man.key  # cached
+    assert quantize.run(QuantizeConfig(), src, store).mode.startswith("nvfp4/")  # nvfp4 still the default
+    with pytest.raises(ArtifactError, match="unquantized base"):
+        quantize.run_twin(cfg, man, store)
+    rollout = RolloutConfig(engine="hf", dtype="bfloat16", max_model_len=64, max_new_tokens=4)
+    assert not needs_twin(rollout, "none") and needs_twin(rollout, "nvfp4")
+    assert LazyEngine(rollout, man, None).mode == "hf-unquantized"
+    vllm = rollout.model_copy(update={"engine": "vllm"})
+    assert LazyEngine(vllm, man, None).mode == "vllm-unquantized"  # on CUDA too: no NVFP4 to load
+    assert LazyEngine(vllm, None, None).mode != "vllm-unquantized"
+    engine = build_engine(rollout, man, None)
+    try:
+        assert engine.mode == "hf-unquantized" and Path(engine.model_dir) == man.dir
+    finally:
+        engine.close()
+
+
+# ---- qerl ablate end to end ----------------------------------------------------------------------
+@pytest.mark.slow
+def test_ablate_two_arms_two_seeds_killed_and_resumed_builds_no_stage_twice(tiny_model_factory, tmp_path):
+    from test_flow import _journal, _qerl, tiny_run_config
+
+    model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
+    cfg = tiny_run_config(model, engine="hf")
+    cfg["loop"].update(steps=2)
+    cfg["eval"]["benchmark"]["arithmetic_size"] = 8
+    path = tmp_path / "ablate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    work = tmp_path / "work"
+    args = [
+        "ablate",
+        "--config",
+        str(path),
+        "--arms",
+        "bf16-lora,nvfp4-aqn",
+        "--seeds",
+        "2",
+        "--bootstrap",
+        "500",
+    ]
+    # killed inside the third run's second train step (the 6th train build), then the same command again
+    killed = _qerl(args, work, fault="train:6")
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-3000:])
+    (record_path,) = (work / "ablations").glob("*/ablation.json")
+    parent = json.loads(record_path.read_text())["parent_run_id"]
+    proc = _qerl(args, work)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    record = json.loads(record_path.read_text())
+    assert record["status"] == "completed", record.get("error")
+    assert record["parent_run_id"] == parent  # one MLflow parent across the kill
+    runs = {r["run_id"]: r for r in record["runs"]}
+    assert len(runs) == 4 and {r["arm"] for r in runs.values()} == {"bf16-lora", "nvfp4-aqn"}
+    for run_id, r in runs.items():
+        rec = json.loads((work / "runs" / run_id / "run.json").read_text())
+        assert rec["status"] == "completed" and rec["ablation"]["arm"] == r["arm"]
+        assert rec["engine_mode"] == ("hf-unquantized" if r["arm"] == "bf16-lora" else "hf-nvfp4-emulated")
+        assert rec["registration"]["promoted"] is False
+        assert all("train_mismatch_kl" in s for s in rec["steps"])
+    report = (record_path.parent / "report.md").read_text()
+    assert "## Verdict" in report and "bf16-lora" in report
+    assert (record_path.parent / "plots" / "reward.png").is_file()
+    # the random tiny model earns no reward: no group has an advantage, no token is trained, so there is
+    # no entropy to compare, and the report says so rather than comparing the trainer's placeholder 0s
+    assert (
+        "n/a (no step trained a token)" in report
+        and not (record_path.parent / "plots" / "entropy.png").exists()
+    )
+    _assert_registry(work, record, runs)
+    built = Counter((e["stage"], e["key"]) for e in _journal(work))
+    assert max(built.values()) == 1, [k for k, n in built.items() if n > 1]  # the resume rebuilt nothing
+    assert Counter(s for s, _ in built)["train"] == 8 and Counter(s for s, _ in built)["register"] == 4
+
+
+def _assert_registry(work: Path, record: dict, runs: dict) -> None:
+    """Every run registered with arm and ablation tags, as a child of the parent; no alias set."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(f"sqlite:///{work / 'mlflow.db'}")
+    client = MlflowClient()
+    versions = client.search_model_versions("name='qerl-adapter'")
+    assert len(versions) == 4
+    assert {v.tags["arm"] for v in versions} == {"bf16-lora", "nvfp4-aqn"}
+    assert {v.tags["ablation_id"] for v in versions} == {record["id"]}
+    assert not any(v.aliases for v in versions)
+    children = {client.get_run(v.run_id).data.tags.get("mlflow.parentRunId") for v in versions}
+    assert children == {record["parent_run_id"]}
+    assert client.get_run(record["parent_run_id"]).info.status == "FINISHED"
