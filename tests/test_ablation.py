@@ -260,3 +260,35 @@ def _assert_registry(work: Path, record: dict, runs: dict) -> None:
     children = {client.get_run(v.run_id).data.tags.get("mlflow.parentRunId") for v in versions}
     assert children == {record["parent_run_id"]}
     assert client.get_run(record["parent_run_id"]).info.status == "FINISHED"
+
+
+def test_an_ablation_run_is_registered_as_a_child_and_never_moves_an_alias(tmp_path):
+    from test_register import HISTORY, LINEAGE, fake_eval, fake_train
+
+    from pipeline import registry as reg
+    from pipeline.artifacts import ArtifactStore
+    from stages import register
+
+    store, cfg = ArtifactStore(tmp_path / "store"), reg.RegistryConfig(model_name="abl-adapter")
+    register.run(
+        cfg, fake_train(store, "champ"), fake_eval(store, 0.5), LINEAGE, HISTORY, tmp_path, True, store
+    )
+    parent = reg.start_run(cfg, run_name="abl-x")  # the tracking store the register stage opened
+    lineage = {**LINEAGE, "ablation_id": "abl-x", "arm": "nvfp4-aqn"}
+    better = register.run(
+        cfg, fake_train(store, "abl"), fake_eval(store, 0.9), lineage, HISTORY, tmp_path, True, store,
+        promote=False, run_tags={"mlflow.parentRunId": parent},
+    )  # fmt: skip
+    record = json.loads(better.file("registration.json").read_text())
+    assert (record["version"], record["promoted"], record["aliases"]) == ("2", False, [])
+    assert str(reg.alias_version(cfg, "champion").version) == "1"
+    assert str(reg.alias_version(cfg, "challenger").version) == "1"
+    info = reg.version_info(cfg, "2")
+    assert (info["tags"]["arm"], info["tags"]["ablation_id"]) == ("nvfp4-aqn", "abl-x")
+    assert "ablation" in info["tags"]["promotion"]
+    assert reg.MlflowClient().get_run(record["run_id"]).data.tags["mlflow.parentRunId"] == parent
+    # the same adapter registered by an ordinary run would have been promoted: the keyword is what holds it
+    ordinary = register.run(
+        cfg, fake_train(store, "ord"), fake_eval(store, 0.9), LINEAGE, HISTORY, tmp_path, True, store
+    )
+    assert ordinary.metrics["promoted"]
