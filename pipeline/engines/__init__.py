@@ -274,9 +274,10 @@ def build_engine(cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest 
             model_dir, mode = _checkpoint_dir(twin, "twin"), "vllm-nvfp4-emulated"
             log.warning(
                 "rollout engine mode %s: no CUDA, vLLM serves the dequantized NVFP4 twin %s "
-                "(same weights in bf16, not the FP4 kernel)",
+                "(the NVFP4 values stored in %s, not the FP4 kernel)",
                 mode,
                 model_dir,
+                twin.extra.get("dtype", "the twin's dtype"),
             )
         return VLLMEngine(cfg, model_dir, mode)
     if twin is None:
