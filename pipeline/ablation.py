@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -257,7 +258,9 @@ def write_curve_plots(arms: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]],
         ax.legend()
         fig.tight_layout()
         path = out_dir / f"{name}.png"
-        fig.savefig(path)
+        tmp = path.with_name(f".{path.name}.tmp")  # a re-run's report replaces the plot whole or not at all
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
         written.append(path)
     return written
 
