@@ -98,8 +98,19 @@ def arm_config(config: Mapping[str, Any], arm: str, replicate: int) -> dict[str,
     return out
 
 
+def check_seeds(seeds: int) -> int:
+    """The number of replicates per arm, checked: a whole number >= 1 (``--seeds 0`` would run nothing
+    and then fail in the comparison, after Prefect had started)."""
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise AblationError(f"--seeds must be a whole number >= 1 (replicates per arm), got {seeds!r}")
+    return seeds
+
+
 def ablation_id(config: Mapping[str, Any], arms: Sequence[str], seeds: int) -> str:
-    """``abl-<hash>``: the same config, arms and seed count are the same ablation (so a re-run resumes)."""
+    """``abl-<hash>``: the same config, arms and seed count are the same ablation (so a re-run resumes).
+
+    Checks ``seeds`` first: the CLI computes the id before it starts Prefect, so a bad count fails there."""
+    check_seeds(seeds)
     return f"abl-{config_hash({'config': dict(config), 'arms': list(arms), 'seeds': seeds})[:10]}"
 
 

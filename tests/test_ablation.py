@@ -55,6 +55,23 @@ def test_arm_config_changes_only_the_arm_and_shifts_every_training_seed_alike():
     assert abl.ablation_id(user, ["a", "b"], 2) != abl.ablation_id(user, ["a", "b"], 3)
 
 
+def test_a_seed_count_below_one_fails_before_prefect_starts(monkeypatch, capsys):
+    """``qerl ablate --seeds 0`` used to start Prefect and fail late, in the flow's plan; the id the CLI
+    computes first now checks the count."""
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(abl.AblationError, match=r"--seeds must be a whole number >= 1"):
+            abl.ablation_id({}, ["bf16-lora", "nvfp4-aqn"], bad)
+    assert abl.check_seeds(2) == 2
+    from flows import cli, runner
+
+    def no_prefect(*args, **kwargs):
+        raise AssertionError("the environment for Prefect was prepared")
+
+    monkeypatch.setattr(runner, "prepare_environment", no_prefect)
+    assert cli.main(["ablate", "--arms", "bf16-lora,nvfp4-aqn", "--seeds", "0"]) != 0
+    assert "--seeds must be a whole number >= 1" in capsys.readouterr().err
+
+
 # ---- statistics ----------------------------------------------------------------------------------
 def test_t_interval_matches_hand_derived_values():
     # [1, 2, 3]: mean 2, sd 1, se 1/sqrt(3); t(0.975, 2) = 4.302653 -> half width 2.484138
