@@ -413,7 +413,10 @@ def _step_record(step: int, sigma: float, r: Manifest, s: Manifest, t: Manifest)
     metrics.update(
         {k if k in keep else f"score_{k}": v for k, v in s.metrics.items() if isinstance(v, int | float)}
     )
-    metrics.update({f"train_{k}": v for k, v in t.metrics.items() if isinstance(v, int | float | bool)})
+    # a per-token mean of a step that trained no token is None: kept as null, a point the curves skip
+    metrics.update(
+        {f"train_{k}": v for k, v in t.metrics.items() if v is None or isinstance(v, int | float | bool)}
+    )
     metrics["manifests"] = {"rollout": r.key, "score": s.key, "train": t.key}
     return metrics
 

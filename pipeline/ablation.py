@@ -22,7 +22,11 @@ learns faster than 16-bit LoRA, and AQN adds to that. An ablation runs one ordin
   an ablation affords, resampling seeds adds little but noise; seed spread is shown by the t interval.
 - **Curves and report**: reward, rollout accuracy, policy entropy and the rollout/trainer mismatch
   (``train_mismatch_kl``) per step and arm (mean over seeds, min-max band) as PNGs, the entropy
-  of the first steps compared explicitly, and a markdown report (``write_report``).
+  of the first steps compared explicitly, and a markdown report (``write_report``). A step that
+  trained no token (every completion empty or truncated-and-masked) has no entropy or mismatch: the
+  trainer records null there (``pipeline.training``; records written before that hold a placeholder
+  0 with ``train_tokens_trained == 0``). Such points are left out of the curves, and the early-entropy
+  comparison averages the steps that have a value and says how many that was per run.
 """
 
 from __future__ import annotations
@@ -208,9 +212,9 @@ def mean_items(per_seed: Sequence[Mapping[str, float]]) -> dict[str, float]:
 def step_values(history: Sequence[Mapping[str, Any]], candidates: Sequence[str]) -> dict[int, float]:
     """step -> value of the first key of ``candidates`` present (finite values only).
 
-    A trainer metric (``train_*``) of a step that trained no token (every group had one reward: no
-    advantage) is left out: the trainer reports 0 there, but entropy or mismatch of nothing is
-    undefined, and a 0 would drag an arm's early entropy down."""
+    A trainer metric (``train_*``) of a step that trained no token is left out: the trainer records
+    null there (older records: a placeholder 0 beside ``train_tokens_trained == 0``), since entropy or
+    mismatch of nothing is undefined, and a 0 would drag an arm's early entropy down."""
     for key in candidates:
         points = {
             int(e.get("step", i)): float(e[key])
@@ -235,9 +239,14 @@ def arm_curve(histories: Sequence[Sequence[Mapping[str, Any]]], candidates: Sequ
     return out
 
 
+def early_values(history: Sequence[Mapping[str, Any]], candidates: Sequence[str], steps: int) -> list[float]:
+    """The values of a metric at steps ``0..steps-1`` of one run, only the steps that have one."""
+    return [v for s, v in sorted(step_values(history, candidates).items()) if s < steps]
+
+
 def early_mean(history: Sequence[Mapping[str, Any]], candidates: Sequence[str], steps: int) -> float:
     """The mean of a metric over steps ``0..steps-1`` of one run (NaN when none of them has it)."""
-    first = [v for s, v in step_values(history, candidates).items() if s < steps]
+    first = early_values(history, candidates, steps)
     return sum(first) / len(first) if first else math.nan
 
 
@@ -294,14 +303,16 @@ def compare(arms: Sequence[ArmRuns], n_boot: int = 10_000, seed: int = 0) -> dic
     Pairs are (later arm, earlier arm) in the order given, e.g. nvfp4-lora - bf16-lora."""
     if len(arms) < 2:
         raise AblationError(f"a comparison needs at least two arms, got {[a.arm for a in arms]}")
-    early = {a.arm: [early_mean(h, CURVES["entropy"], EARLY_STEPS) for h in a.histories] for a in arms}
+    early = {a.arm: [early_values(h, CURVES["entropy"], EARLY_STEPS) for h in a.histories] for a in arms}
+    means = {arm: [sum(v) / len(v) if v else math.nan for v in runs] for arm, runs in early.items()}
     per_arm = {
         a.arm: {
             "runs": a.run_ids,
             "final_accuracy": a.final_accuracy,
             "accuracy_ci": t_interval(a.final_accuracy),
-            "early_entropy": early[a.arm],
-            "early_entropy_ci": t_interval(early[a.arm]) if all(map(math.isfinite, early[a.arm])) else None,
+            "early_entropy": means[a.arm],  # per run: NaN when none of its first steps trained a token
+            "early_entropy_steps": [len(v) for v in early[a.arm]],  # how many of them had a value
+            "early_entropy_ci": _finite_interval(means[a.arm]),
         }
         for a in arms
     }
@@ -312,6 +323,12 @@ def compare(arms: Sequence[ArmRuns], n_boot: int = 10_000, seed: int = 0) -> dic
         for j in range(i + 1, len(arms))
     ]
     return {"arms": per_arm, "pairs": pairs, "early_steps": EARLY_STEPS, "n_boot": n_boot, "seed": seed}
+
+
+def _finite_interval(values: Sequence[float]) -> Interval | None:
+    """The t interval over the finite values (the runs that have any); None when there are none."""
+    finite = [v for v in values if math.isfinite(v)]
+    return t_interval(finite) if finite else None
 
 
 def report_markdown(ablation: str, result: Mapping[str, Any], plots: Sequence[str]) -> str:
@@ -333,13 +350,17 @@ def report_markdown(ablation: str, result: Mapping[str, Any], plots: Sequence[st
     k = result["early_steps"]
     lines += ["", f"## Policy entropy over the first {k} steps (mean per run; 95% t-interval)", ""]
     lines += [
-        "Steps that trained no token (no reward variance in any group) have no entropy and are left out.",
+        "Steps that trained no token (every completion empty, or truncated and masked) have no entropy: "
+        f"a run's value is the mean over those of its first {k} steps that have one (last column: how "
+        "many), and a run with none is left out of its arm's interval.",
         "",
     ]
-    lines += ["| arm | early entropy | per seed |", "|---|---|---|"]
+    lines += ["| arm | early entropy | per seed | steps with a value, per seed |", "|---|---|---|---|"]
     for arm, r in result["arms"].items():
         ci = r["early_entropy_ci"].text(4) if r["early_entropy_ci"] else "n/a (no step trained a token)"
-        lines.append(f"| {arm} | {ci} | {', '.join(f'{v:.4f}' for v in r['early_entropy'])} |")
+        seeds = ", ".join(f"{v:.4f}" if math.isfinite(v) else "n/a" for v in r["early_entropy"])
+        counts = ", ".join(f"{n}/{k}" for n in r["early_entropy_steps"])
+        lines.append(f"| {arm} | {ci} | {seeds} | {counts} |")
     lines += ["", "## Curves", ""]
     lines += [f"![{Path(p).stem}]({p})" for p in plots] or ["(no per-step metrics recorded)"]
     lines += [

@@ -28,6 +28,13 @@ order and draws from the torch RNG only through dropout, whose state the checkpo
 resumed run stays bit-identical. Each step's metrics include the sampler/trainer mismatch
 (``mismatch_kl``, ``mismatch_abs``, ``mismatch_out``, ``tis_capped``; see ``train_step``).
 
+Metrics of a step that trained no token: every row empty or masked (all truncated under
+``mask_truncated``), so no token reached the loss. The per-token means (``TOKEN_MEAN_METRICS``:
+entropy, KL, clip shares, mismatch) are then ``None`` (JSON null), not 0: the entropy of nothing is
+undefined, and a 0 would read as a collapsed policy in a curve or an average (issue 13). A step whose
+groups all had one reward (advantage 0 everywhere) is not such a step: its tokens go through the
+loss with zero weight, so entropy and mismatch are measured as usual, only the gradient is 0.
+
 Device settings (``optimizer_impl``, ``pipeline.logprobs.logprob_chunk_elements`` and
 ``pipeline.qlinear.slice_elements`` choose by ``device.type``): the CPU keeps small logprob slabs,
 16 MiB weight slices and the for-loop AdamW, which bound resident memory (the slabs and slices at a
@@ -68,6 +75,11 @@ from pipeline.logprobs import (  # re-exported: callers import them from here
 )
 
 log = logging.getLogger("qerl.training")
+
+MISMATCH_METRICS = ("mismatch_kl", "mismatch_abs", "mismatch_out", "tis_capped")
+# averages over the step's trained tokens: None for a step that trained none (module docstring)
+TOKEN_MEAN_METRICS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "entropy", "kl", "ratio_mean",
+                      *MISMATCH_METRICS)  # fmt: skip
 
 __all__ = [
     "LOGPROB_CHUNK_ELEMENTS",
@@ -474,11 +486,12 @@ def accumulate_gradients(
     return update_loss, finite
 
 
-def _mismatch_metrics(ctx: _StepContext, cfg: TrainConfig) -> dict[str, float]:
-    """Sampler vs trainer (old logprobs) over every trained token of the step, once per sample."""
+def _mismatch_metrics(ctx: _StepContext, cfg: TrainConfig) -> dict[str, float | None]:
+    """Sampler vs trainer (old logprobs) over every trained token of the step, once per sample
+    (``None`` each when no token was trained: see the module docstring)."""
     rows = [r for r in range(len(ctx.batch)) if ctx.row_mask[r] * ctx.lengths[r] > 0]
     if not rows:
-        return {"mismatch_kl": 0.0, "mismatch_abs": 0.0, "mismatch_out": 0.0, "tis_capped": 0.0}
+        return dict.fromkeys(MISMATCH_METRICS)
     old = torch.cat([ctx.old_logp[r].float().cpu() for r in rows])
     sampler = torch.cat([torch.tensor(ctx.batch.sampler_logprobs[r], dtype=torch.float32) for r in rows])
     g = cfg.grpo
@@ -500,7 +513,7 @@ def train_step(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_id:
     (k3 estimate of KL(sampler || trainer)), ``mismatch_abs`` (mean ``|logp_trainer - logp_sampler|``),
     ``mismatch_out`` (share with ``pi_trainer / pi_sampler`` outside ``[1 - eps_low, 1 + eps_high]``:
     what the sampler anchor would clip before any update) and ``tis_capped`` (share where the TIS cap
-    binds; 0 without TIS).
+    binds; 0 without TIS). The per-token means are ``None`` when no token was trained.
     """
     t0 = time.perf_counter()
     model = state.model
@@ -535,7 +548,7 @@ def train_step(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_id:
         norms.append(float(norm))
     state.step += 1
     tok = max(totals["tokens"], 1.0)
-    return {
+    metrics = {
         "loss": sum(losses) / len(losses) if losses else float("nan"),
         "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
         "clip_frac_low": totals["clip_low"] / tok,
@@ -557,6 +570,9 @@ def train_step(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_id:
         "skipped": skipped > 0,
         "step_time_s": time.perf_counter() - t0,
     }
+    if totals["tokens"] == 0:  # no token trained: the per-token means are undefined (module docstring)
+        metrics.update(dict.fromkeys(TOKEN_MEAN_METRICS))
+    return metrics
 
 
 # -- checkpoint ------------------------------------------------------------------------------------

@@ -125,6 +125,56 @@ def test_trainer_metrics_of_a_step_that_trained_nothing_are_left_out():
     assert curve == [(1, 3.0, 2.0, 4.0), (2, 1.0, 1.0, 1.0), (3, 9.0, 9.0, 9.0)]
 
 
+def test_steps_without_a_trained_token_are_null_and_the_report_counts_the_early_steps(tmp_path):
+    """A step that trained no token records null entropy and mismatch (``pipeline.training``), the run
+    record keeps the null, the curves skip it, and the early-entropy comparison averages only the steps
+    with a value, says how many per run, and leaves a run with none out of its arm's interval."""
+    from types import SimpleNamespace
+
+    from flows.rl import _step_record
+
+    def manifest(key: str, **metrics) -> SimpleNamespace:
+        return SimpleNamespace(key=key, metrics=metrics)
+
+    entry = _step_record(
+        0, 0.0, manifest("r"), manifest("s", reward_mean=0.0),
+        manifest("t", entropy=None, mismatch_kl=None, tokens_trained=0, loss=float("nan"), mode_note="x"),
+    )  # fmt: skip
+    assert entry["train_entropy"] is None and entry["train_mismatch_kl"] is None
+    assert entry["train_tokens_trained"] == 0 and "train_mode_note" not in entry
+
+    def run(entropies: list[float | None]) -> list[dict]:
+        return [
+            {
+                "step": i,
+                "reward_mean": 0.0,
+                "train_entropy": e,
+                "train_mismatch_kl": None if e is None else 1e-3,
+            }
+            for i, e in enumerate(entropies)
+        ]
+
+    items = {str(i): float(i % 2) for i in range(6)}
+    arms = [
+        abl.ArmRuns("bf16-lora", ["a1", "a2"], [0.5, 0.5], [items, items], [run([1.0, 0.8, 0.6, 0.5])] * 2),
+        abl.ArmRuns(
+            "nvfp4-aqn", ["b1", "b2", "b3"], [0.5] * 3, [items] * 3,
+            [run([None, 1.2, None, 0.4]), run([None, None, None, 2.0]), run([1.0, 1.4, None, 0.4])],
+        ),
+    ]  # fmt: skip
+    assert abl.arm_curve(arms[1].histories, abl.CURVES["mismatch_kl"])[0] == (0, 1e-3, 1e-3, 1e-3)
+    assert [p[0] for p in abl.arm_curve(arms[1].histories, abl.CURVES["entropy"])] == [0, 1, 3]
+    result, report = abl.write_report("abl-null", arms, tmp_path, n_boot=200)
+    aqn = result["arms"]["nvfp4-aqn"]
+    assert aqn["early_entropy_steps"] == [1, 0, 2]
+    assert aqn["early_entropy"][0] == pytest.approx(1.2) and math.isnan(aqn["early_entropy"][1])
+    assert aqn["early_entropy"][2] == pytest.approx(1.2)
+    assert aqn["early_entropy_ci"].n == 2 and aqn["early_entropy_ci"].mean == pytest.approx(1.2)
+    assert result["arms"]["bf16-lora"]["early_entropy_steps"] == [3, 3]
+    text = report.read_text()
+    assert "| 1.2000, n/a, 1.2000 | 1/3, 0/3, 2/3 |" in text and "| 3/3, 3/3 |" in text
+
+
 def test_mean_items_averages_seeds_and_refuses_different_items():
     assert abl.mean_items([{"a": 1.0, "b": 0.0}, {"a": 0.5, "b": 0.5}]) == {"a": 0.75, "b": 0.25}
     with pytest.raises(abl.AblationError, match="different items"):

@@ -100,6 +100,8 @@ def test_equal_rewards_give_zero_gradient(nvfp4_base):
     state.model.zero_grad(set_to_none=True)
     metrics = train_step(state, batch, cfg)
     assert metrics["grad_norm"] == 0.0 and not metrics["skipped"]
+    # advantage 0 everywhere still trains tokens (with zero weight): entropy and mismatch are measured
+    assert metrics["tokens_trained"] > 0 and metrics["entropy"] > 0.0 and metrics["mismatch_kl"] is not None
     assert all(torch.equal(before[n], p) for n, p in lora_tensors(state).items())
     # and a non-equal group does produce gradient (the test above can fail)
     batch.rewards[0] = 0.0
@@ -198,6 +200,12 @@ def test_truncated_completions_are_masked(nvfp4_base):
     batch.truncated = [True, True, True, True]
     metrics = train_step(state, batch, cfg)
     assert metrics["tokens_trained"] == 0 and metrics["grad_norm"] == 0.0 and metrics["frac_truncated"] == 1.0
+    # no token trained: the per-token means are undefined (None, JSON null), not a placeholder 0 that a
+    # curve or an ablation's early-entropy average would read as a collapsed policy (issue 13)
+    from pipeline.training import TOKEN_MEAN_METRICS
+
+    assert {k: metrics[k] for k in TOKEN_MEAN_METRICS} == dict.fromkeys(TOKEN_MEAN_METRICS)
+    assert "entropy" in TOKEN_MEAN_METRICS and "mismatch_kl" in TOKEN_MEAN_METRICS
 
 
 @pytest.mark.slow  # ~15 s on an idle 2-core machine, over a minute under load
