@@ -57,6 +57,7 @@ CURVES: dict[str, tuple[str, ...]] = {
     "mismatch_kl": ("train_mismatch_kl",),
 }
 EARLY_STEPS = 3  # "higher policy entropy early": the first steps compared explicitly
+ABLATION_DIR = "ablations"  # <work>/ablations/<id>/: ablation.json, report.md, plots/ (qerl gc reads it)
 
 
 class AblationError(ValueError):

@@ -19,8 +19,20 @@ the run config's ``store`` section, defaults here):
 What is never deleted: anything of a *live* run (status ``running`` and updated within
 ``live_window_h``: gc cannot know which of its files the running process holds, so all of them stay),
 the adapter of every version registered from this store (its register manifest names the train
-digest; MLflow holds its own copy, but ``qerl eval`` and champion lookups read the store's), any
-train artifact that no run record names (benchmarks, tests: not ours to judge), and manifests.
+digest; MLflow holds its own copy, but ``qerl eval`` and champion lookups read the store's), the
+final evaluated adapter of every run an ablation lists (below), any train artifact that no run record
+names (benchmarks, tests: not ours to judge), manifests, and anything outside the store: run records,
+logs, and ablations (``<work>/ablations/<id>/``: ``ablation.json``, ``report.md``, ``plots/``).
+
+Ablations (``qerl ablate``, ``flows.ablate``): each (arm, seed) is an ordinary run with its own run
+record, so its steps follow that run's policy like any other run's: its old optimizer states go (an
+ablation never trains a finished run again: re-running the ablation finds every stage in the store,
+and a lookup serves a pruned artifact), and its last steps' stay, so a killed ablation resumes. What
+the comparison is about, each listed run's final evaluated adapter, is kept like a registered one,
+whatever the policy (``keep_adapters_every`` included). Its evaluation tables (``items.parquet``, read
+by the report) are evaluate artifacts, which gc never touches. An unreadable ``ablation.json`` is
+noted and skipped rather than stopping gc: every run it lists has its own record, read regardless, and
+that record already names the same adapters; the ablation record only makes the guarantee explicit.
 
 How: a train artifact is *pruned*, not removed (``ArtifactStore.prune``): the manifest keeps every
 file's record, so its digest and every downstream cache key stay valid and a re-run of a finished
@@ -45,6 +57,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from pipeline.ablation import ABLATION_DIR
 from pipeline.artifacts import MANIFEST, ArtifactError, ArtifactStore, Manifest
 from pipeline.config import StrictModel
 
@@ -160,6 +173,54 @@ def _train_keys(record: dict[str, Any]) -> list[tuple[int, str]]:
         if key:
             out.append((int(entry.get("step", i)), str(key)))
     return sorted(out)
+
+
+def load_ablations(work: Path, notes: list[str]) -> list[dict[str, Any]]:
+    """Every readable ablation record ``<work>/ablations/<id>/ablation.json`` (an unreadable one is
+    noted and skipped: see the module docstring)."""
+    records = []
+    for path in sorted((work / ABLATION_DIR).glob("*/ablation.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            notes.append(f"skipped ablation record {path} ({err}): its runs' own records still protect them")
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
+            notes.append(f"skipped ablation record {path}: no 'runs' list")
+            continue
+        record.setdefault("id", path.parent.name)
+        records.append(record)
+    return records
+
+
+def ablation_adapters(record: dict[str, Any]) -> set[str]:
+    """Train keys of a run's final evaluated adapter: what an ablation compares (``flows.ablate``
+    reads the evaluation of the adapter after ``loop.steps``), and the run's ``final_adapter``."""
+    steps = int(((record.get("config") or {}).get("loop") or {}).get("steps") or 0)
+    keys = {
+        str(e["adapter"])
+        for e in record.get("evaluations") or []
+        if isinstance(e, dict) and e.get("adapter") and int(e.get("step", -1)) == steps
+    }
+    if record.get("final_adapter"):
+        keys.add(Path(record["final_adapter"]).parent.name)
+    return keys
+
+
+def _mark_ablations(
+    marks: _Marks, ablations: list[dict[str, Any]], runs: list[dict[str, Any]], notes: list[str]
+) -> None:
+    """Keep each listed run's final evaluated adapter (a run not started yet has nothing to keep)."""
+    by_id = {r["run_id"]: r for r in runs}
+    for ablation in ablations:
+        listed = [str(e.get("run_id")) for e in ablation["runs"] if isinstance(e, dict)]
+        finals = [ablation_adapters(by_id[r]) for r in listed if r in by_id]
+        marks.keep_adapter.update(*finals)
+        if any(finals):
+            done = sum(1 for f in finals if f)
+            notes.append(
+                f"kept the final adapters of ablation {ablation['id']}: {done} of its {len(listed)} runs"
+            )
 
 
 def registered_train_digests(store: ArtifactStore) -> set[str]:
@@ -302,6 +363,7 @@ def plan(
         # with only_run, every other run only protects (as a live one does): none of its drops count
         protect_only = live or (only_run is not None and record["run_id"] != only_run)
         _mark_run(marks, record, policy, protect_only)
+    _mark_ablations(marks, load_ablations(work, result.notes), records, result.notes)
     result.deletions += _pruning(store, marks, registered_train_digests(store), result.notes)
     if only_run is None:
         result.deletions += _sweeps(store, result.notes, now or _dt.datetime.now(_dt.UTC))

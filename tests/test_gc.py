@@ -166,6 +166,46 @@ def test_prune_run_is_what_the_flow_calls_after_a_step(tmp_path, caplog):
     assert "retention skipped for run mine: cannot read run record" in caplog.text
 
 
+def test_gc_keeps_what_an_ablation_compares_and_leaves_its_files_alone(tmp_path, caplog):
+    """``<work>/ablations/<id>/``: the runs it lists are ordinary runs (old optimizer states go), their
+    final evaluated adapters stay whatever the policy, and gc neither deletes the ablation's files nor
+    stops on an unreadable ablation record (its runs' own records are read regardless)."""
+    from pipeline.ablation import ABLATION_DIR
+
+    config = {"loop": {"steps": 4}, "store": {"keep_adapters_every": 3}}
+    arm = fake_run(tmp_path, "abl-arm-s0", 4, config=config)
+    record = json.loads((tmp_path / "runs" / "abl-arm-s0" / "run.json").read_text())
+    record["evaluations"] = [{"step": 4, "adapter": arm[3].key, "accuracy": 0.5, "manifest": "x"}]
+    atomic_write_json(tmp_path / "runs" / "abl-arm-s0" / "run.json", record)
+    assert retention.ablation_adapters(record) == {arm[3].key}
+    out = tmp_path / ABLATION_DIR / "abl-1234"
+    runs = [
+        {"arm": "a", "replicate": 0, "run_id": "abl-arm-s0"},
+        {"arm": "b", "replicate": 0, "run_id": "not-yet"},
+    ]
+    atomic_write_json(out / "ablation.json", {"id": "abl-1234", "status": "running", "runs": runs})
+    (out / "report.md").write_text("# report\n")
+    (out / "plots").mkdir()
+    (out / "plots" / "reward.png").write_bytes(b"png")
+    (out / "run.log").write_text("log\n")
+    broken = tmp_path / ABLATION_DIR / "abl-torn"
+    broken.mkdir()
+    (broken / "ablation.json").write_text("{torn")
+    files_before = sorted(p for p in (tmp_path / ABLATION_DIR).rglob("*"))
+
+    gc_plan = retention.plan(tmp_path, now=_dt.datetime.now(_dt.UTC) + _dt.timedelta(hours=1))
+    assert any("final adapters of ablation abl-1234: 1 of its 2 runs" in n for n in gc_plan.notes)
+    assert any("skipped ablation record" in n and "abl-torn" in n for n in gc_plan.notes)
+    retention.apply(tmp_path, gc_plan)
+    # the run's policy applies (last 2 optimizer states, every 3rd adapter); the compared one stays
+    assert [pruned_names(m) for m in arm] == [{"optimizer.safetensors", *ADAPTER}] * 2 + [set()] * 2
+    assert sorted(p for p in (tmp_path / ABLATION_DIR).rglob("*")) == files_before
+    assert (out / "report.md").read_text() == "# report\n"
+    with caplog.at_level("WARNING", logger="qerl.retention"):  # the flow's own pruning is not stopped
+        retention.prune_run(tmp_path, "abl-arm-s0")
+    assert "retention skipped" not in caplog.text
+
+
 def test_gc_sweeps_trash_and_dead_builds_only(tmp_path):
     store = ArtifactStore(tmp_path / "store")
     (m,) = fake_run(tmp_path, "one", 1)
