@@ -22,7 +22,12 @@ when the config is loaded rather than after the first step:
   ``auto``. A bf16 twin served beside an fp32 trainer differed in every nonzero weight (0.37% at
   most), so the importance ratio compared two different functions;
 - the adapter fits the engine: LoRA is on and ``train.lora_r <= rollout.max_lora_rank``, one of the
-  ranks vLLM accepts.
+  ranks vLLM accepts;
+- one data directory: with ``data.root`` set, a named benchmark of ``eval.benchmark`` or ``eval.also``
+  without a ``root`` of its own takes it (derived here, so the run record and the evaluation's cache key
+  say where the items came from); one with its own root keeps it, and a procedural set or a file path
+  has no use for one. ``$QERL_DATA_DIR`` needs nothing derived: every load without a root reads it
+  (``pipeline.data.data_root``), training and evaluation alike.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pydantic import Field, ModelWrapValidatorHandler, model_validator
 
 from pipeline.aqn import AQNConfig
 from pipeline.config import StrictModel, apply_overrides, load_config
-from pipeline.data import DataConfig
+from pipeline.data import NAMED, DataConfig
 from pipeline.demo import DemoBaseConfig
 from pipeline.engines import RolloutConfig
 from pipeline.evaluation import EvalConfig
@@ -99,6 +104,9 @@ class RunConfig(StrictModel):
             derived["train"] = {"total_steps": cfg.loop.steps * updates_per_step(cfg)}
         if cfg.quantize.twin_dtype is None:
             derived["quantize"] = {"twin_dtype": cfg.train.dtype}
+        roots = _eval_roots(cfg)
+        if roots:
+            derived["eval"] = roots
         if not derived:
             return cfg
         dumped = cfg.model_dump()
@@ -176,6 +184,21 @@ class RunConfig(StrictModel):
                 f"rollout.max_lora_rank ({rollout.max_lora_rank}) is not one vLLM accepts: "
                 f"{', '.join(map(str, VLLM_LORA_RANKS))}"
             )
+
+
+def _eval_roots(cfg: RunConfig) -> dict[str, Any] | None:
+    """``eval.benchmark``/``eval.also`` with ``data.root`` filled in where a named benchmark has no root
+    of its own (module docstring); None when nothing changes."""
+    root = cfg.data.root
+
+    def needs(bench: DataConfig) -> bool:
+        return root is not None and bench.root is None and bench.dataset in NAMED
+
+    benches = [cfg.eval.benchmark, *cfg.eval.also]
+    if not any(needs(b) for b in benches):
+        return None
+    filled = [{**b.model_dump(), "root": root} if needs(b) else b.model_dump() for b in benches]
+    return {"benchmark": filled[0], "also": filled[1:]}
 
 
 def updates_per_step(cfg: RunConfig) -> int:

@@ -199,3 +199,39 @@ def test_eval_engine_caps_are_derived_and_configurable(tmp_path):
         from pipeline.runconfig import load_run_config
 
         load_run_config(None, ["rollout.logprobs=false"])
+
+
+def test_eval_benchmarks_read_the_runs_data_root(tmp_path, monkeypatch):
+    """``data.root`` reached only the training data: a named eval benchmark without a root of its own
+    went to $QERL_DATA_DIR or the hub. It is now derived into each named benchmark that has none; the
+    environment variable needs nothing derived, every load without a root reads it."""
+    import json
+
+    from pipeline.data import load_problems
+    from pipeline.runconfig import RunConfig
+
+    monkeypatch.delenv("QERL_DATA_DIR", raising=False)
+    shared, own = tmp_path / "shared", tmp_path / "own"
+    for root, n in ((shared, 3), (own, 2)):
+        (root / "gsm8k").mkdir(parents=True)
+        rows = [{"question": f"{i} + 1?", "answer": f"#### {i + 1}"} for i in range(n)]
+        (root / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = RunConfig.model_validate(
+        {
+            "data": {"root": str(shared)},
+            "eval": {
+                "benchmark": {"dataset": "gsm8k", "limit": 2},
+                "also": [{"dataset": "gsm8k", "root": str(own)}, {"dataset": "arithmetic", "levels": [1]}],
+            },
+        }
+    )
+    bench, (mine, arith) = cfg.eval.benchmark, cfg.eval.also
+    assert (bench.root, bench.limit, bench.split) == (str(shared), 2, "test")  # the rest untouched
+    assert mine.root == str(own) and arith.root is None and arith.levels == [1]
+    assert len(load_problems(bench)) == 2 and len(load_problems(mine)) == 2
+    assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # a resumed run's record
+    assert RunConfig().eval.benchmark.root is None  # no data.root: nothing derived
+    # $QERL_DATA_DIR instead of data.root: resolved when loading, for every benchmark without a root
+    monkeypatch.setenv("QERL_DATA_DIR", str(shared))
+    plain = RunConfig.model_validate({"eval": {"benchmark": {"dataset": "gsm8k"}}})
+    assert plain.eval.benchmark.root is None and len(load_problems(plain.eval.benchmark)) == 3
