@@ -27,7 +27,11 @@ A run of an ablation (``flows.ablate``, ``qerl ablate``) is a plain run with an 
 registered version takes no alias, so an ablation never moves the champion.
 
 Run records: ``<work>/runs/<run_id>/run.json`` (config, night, data slice, warm start, status,
-per-step manifests, history, registration); the console's log is ``run.log`` beside it.
+per-step manifests, history, evaluations, registration); the console's log is ``run.log`` beside it.
+Each evaluation names its benchmark (``gsm8k/test@<digest>``: name, split and the digest of the exact
+items), its accuracy (avg@k) with the standard error over items, the item count and k, and the same
+for each ``eval.also`` benchmark (``also``), so two runs' numbers can be compared knowing what they
+measured and how precisely.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from flows import console
+from pipeline import evaluation as ev_stats
 from pipeline import retention, runplan
 from pipeline.aqn import sigma_schedule
 from pipeline.artifacts import ArtifactStore, Manifest, atomic_write_json, default_work_dir, package_version
@@ -308,9 +313,7 @@ def _evaluate(
     entry = _eval_entry(step, adapter, ev)
     run.record["evaluations"].append(entry)
     who = f"adapter after step {step}" if adapter else "base, no adapter"
-    run.ui.stage(
-        "evaluate", f"{who}: accuracy {entry['accuracy']:.3f}", time.perf_counter() - t0, run.cached(ev)
-    )
+    run.ui.stage("evaluate", f"{who}: {_eval_text(entry)}", time.perf_counter() - t0, run.cached(ev))
     return ev
 
 
@@ -422,20 +425,65 @@ def _step_record(step: int, sigma: float, r: Manifest, s: Manifest, t: Manifest)
 
 
 def _eval_entry(step: int, adapter: Manifest | None, ev: Manifest) -> dict[str, Any]:
+    """The run record's entry for one evaluation (module docstring): benchmark id, accuracy, its
+    standard error, items and k, and the same for every ``eval.also`` benchmark."""
+    summary = evaluate.load_summary(ev) if "summary.json" in ev.files else {}
+    stderr = ev.metrics.get("stderr", summary.get("stderr"))
+    if stderr is None and "items.parquet" in ev.files:  # a manifest from before stderr was recorded
+        import pyarrow.parquet as pq
+
+        stderr = ev_stats.stderr(pq.read_table(ev.file("items.parquet")).column("rate").to_pylist())
     return {
         "step": step,
         "adapter": adapter.key if adapter else None,
+        "benchmark": ev.extra.get("benchmark", summary.get("benchmark")),
         "accuracy": float(ev.metrics.get("accuracy", float("nan"))),
+        "stderr": None if stderr is None else float(stderr),
+        "n_items": ev.metrics.get("n_items", summary.get("n_items")),
+        "k": ev.metrics.get("k", summary.get("k")),
+        "also": [
+            {
+                "benchmark": o.get("benchmark"),
+                "name": f"{o.get('benchmark_name')}_{o.get('split')}",  # as the manifest's accuracy_<name>
+                "accuracy": float(o["accuracy"]),
+                "stderr": o.get("stderr"),
+                "n_items": o.get("n_items"),
+            }
+            for o in summary.get("also") or []
+        ],
         "manifest": str(ev.dir),
     }
+
+
+def _pm(accuracy: float, stderr: float | None) -> str:
+    return f"{accuracy:.3f}" if stderr is None else f"{accuracy:.3f} ± {stderr:.3f}"
+
+
+def _eval_text(entry: dict[str, Any]) -> str:
+    """``accuracy 0.302 ± 0.041 (arithmetic/test@..., 100 items); gsm8k_test 0.040 ± 0.028``."""
+    text = f"accuracy {_pm(entry['accuracy'], entry.get('stderr'))}"
+    if entry.get("benchmark"):
+        text += f" ({entry['benchmark']}, {entry.get('n_items')} items)"
+    others = [f"{o['name']} {_pm(o['accuracy'], o.get('stderr'))}" for o in entry.get("also") or []]
+    return "; ".join([text, *others])
 
 
 def _summary_markdown(record: dict[str, Any]) -> str:
     lines = [f"# qerl run `{record['run_id']}`", "", f"status: **{record['status']}**", ""]
     evals = record.get("evaluations", [])
     if evals:
-        lines += ["| after step | adapter | accuracy |", "|---|---|---|"]
-        lines += [f"| {e['step']} | {e['adapter'] or 'none (base)'} | {e['accuracy']:.3f} |" for e in evals]
+        lines += [
+            "| after step | adapter | benchmark | accuracy ± stderr | items | also |",
+            "|---|---|---|---|---|---|",
+        ]
+        for e in evals:
+            also = "; ".join(
+                f"{o['name']} {_pm(o['accuracy'], o.get('stderr'))}" for o in e.get("also") or []
+            )
+            lines.append(
+                f"| {e['step']} | {e['adapter'] or 'none (base)'} | {e.get('benchmark') or ''} | "
+                f"{_pm(e['accuracy'], e.get('stderr'))} | {e.get('n_items') or ''} | {also} |"
+            )
     reg = record.get("registration") or {}
     if reg:
         lines += [
@@ -443,6 +491,14 @@ def _summary_markdown(record: dict[str, Any]) -> str:
             f"registered `{reg.get('model_name')}` v{reg.get('version')}, champion: {reg.get('promoted')}",
         ]
     return "\n".join(lines)
+
+
+def _table_row(entry: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation as one flat table row: each ``eval.also`` benchmark becomes its own columns."""
+    row = {k: v for k, v in entry.items() if k not in ("manifest", "also")}
+    for o in entry.get("also") or []:
+        row.update({f"{o['name']}_accuracy": o["accuracy"], f"{o['name']}_stderr": o.get("stderr")})
+    return row
 
 
 def _publish(record: dict[str, Any]) -> None:
@@ -454,7 +510,7 @@ def _publish(record: dict[str, Any]) -> None:
         key = record["run_id"].lower().replace("_", "-").replace(".", "-")
         create_markdown_artifact(_summary_markdown(record), key=f"{key}-summary", description="qerl run")
         if record.get("evaluations"):
-            rows = [{k: v for k, v in e.items() if k != "manifest"} for e in record["evaluations"]]
+            rows = [_table_row(e) for e in record["evaluations"]]
             create_table_artifact(rows, key=f"{key}-evaluation", description="evaluations")
     except Exception as err:  # noqa: BLE001
         log.warning("could not publish Prefect artifacts for %s: %s", record.get("run_id"), err)

@@ -229,6 +229,29 @@ def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
     assert manifest.metrics["accuracy"] == summary["accuracy"]
     assert len(pq.read_table(manifest.file("also/gsm8k-test/results.parquet"))) == 8
 
+    # the run record's entry (issue 11): benchmark id, accuracy +- stderr, items, k and the also benchmarks
+    from flows import rl
+
+    entry = rl._eval_entry(3, None, manifest)
+    assert entry["benchmark"] == summary["benchmark"] and entry["benchmark"].startswith("arithmetic/test@")
+    assert entry["accuracy"] == summary["accuracy"] and entry["n_items"] == 3 and entry["k"] == 2
+    rates = pq.read_table(manifest.file("items.parquet")).column("rate").to_pylist()
+    assert entry["stderr"] == pytest.approx(np.std(rates, ddof=1) / math.sqrt(3)) and entry["stderr"] > 0
+    assert entry["also"] == [
+        {"benchmark": other["benchmark"], "name": "gsm8k_test", "accuracy": other["accuracy"],
+         "stderr": other["stderr"], "n_items": 4}
+    ]  # fmt: skip
+    json.dumps(entry, allow_nan=False)  # plain JSON in run.json
+    text = rl._eval_text(entry)
+    assert text.startswith(
+        f"accuracy {entry['accuracy']:.3f} ± {entry['stderr']:.3f} ({entry['benchmark']}, 3 items)"
+    )
+    assert f"; gsm8k_test {other['accuracy']:.3f} ± {other['stderr']:.3f}" in text
+    row = rl._table_row(entry)
+    assert row["gsm8k_test_accuracy"] == other["accuracy"] and "also" not in row and "manifest" not in row
+    markdown = rl._summary_markdown({"run_id": "r", "status": "completed", "evaluations": [entry]})
+    assert f"{entry['accuracy']:.3f} ± {entry['stderr']:.3f}" in markdown and "gsm8k_test" in markdown
+
 
 def test_evaluate_rejects_short_engine_output(base):
     from stages import evaluate
