@@ -313,7 +313,7 @@ def _evaluate(
     entry = _eval_entry(step, adapter, ev)
     run.record["evaluations"].append(entry)
     who = f"adapter after step {step}" if adapter else "base, no adapter"
-    run.ui.stage("evaluate", f"{who}: {_eval_text(entry)}", time.perf_counter() - t0, run.cached(ev))
+    run.ui.stage("evaluate", f"{who}: {eval_text(entry)}", time.perf_counter() - t0, run.cached(ev))
     return ev
 
 
@@ -459,8 +459,9 @@ def _pm(accuracy: float, stderr: float | None) -> str:
     return f"{accuracy:.3f}" if stderr is None else f"{accuracy:.3f} ± {stderr:.3f}"
 
 
-def _eval_text(entry: dict[str, Any]) -> str:
-    """``accuracy 0.302 ± 0.041 (arithmetic/test@..., 100 items); gsm8k_test 0.040 ± 0.028``."""
+def eval_text(entry: dict[str, Any]) -> str:
+    """An evaluation entry in one line (console, CLI summary):
+    ``accuracy 0.302 ± 0.041 (arithmetic/test@..., 100 items); gsm8k_test 0.040 ± 0.028``."""
     text = f"accuracy {_pm(entry['accuracy'], entry.get('stderr'))}"
     if entry.get("benchmark"):
         text += f" ({entry['benchmark']}, {entry.get('n_items')} items)"

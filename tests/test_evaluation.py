@@ -242,7 +242,7 @@ def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
          "stderr": other["stderr"], "n_items": 4}
     ]  # fmt: skip
     json.dumps(entry, allow_nan=False)  # plain JSON in run.json
-    text = rl._eval_text(entry)
+    text = rl.eval_text(entry)
     assert text.startswith(
         f"accuracy {entry['accuracy']:.3f} ± {entry['stderr']:.3f} ({entry['benchmark']}, 3 items)"
     )
