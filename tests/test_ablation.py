@@ -300,8 +300,8 @@ def test_ablate_two_arms_two_seeds_killed_and_resumed_builds_no_stage_twice(tiny
     report = (record_path.parent / "report.md").read_text()
     assert "## Verdict" in report and "bf16-lora" in report
     assert (record_path.parent / "plots" / "reward.png").is_file()
-    # the random tiny model earns no reward: no group has an advantage, no token is trained, so there is
-    # no entropy to compare, and the report says so rather than comparing the trainer's placeholder 0s
+    # the random tiny model's completions all hit the 6-token limit and are masked (mask_truncated): no
+    # token is trained, the trainer records null entropy, and the report says so rather than compare 0s
     assert (
         "n/a (no step trained a token)" in report
         and not (record_path.parent / "plots" / "entropy.png").exists()
