@@ -14,7 +14,15 @@ its record (``ablation.json``) keeps the MLflow parent run id, so a resumed abla
 and the runs' register stages keep their cache keys.
 
 Ablation runs are registered with ``ablation_id`` and ``arm`` lineage tags and never move an alias
-(``stages.register`` with ``promote=False``). The runs go sequentially: fan-out on Ray is later work.
+(``stages.register`` with ``promote=False``).
+
+Where the runs go. By default one after the other in this process, each run's stage lines and step
+bar on the ablation's console. With a Ray address (``qerl ablate --ray ADDRESS``, ``ray`` parameter)
+all runs are submitted at once, each a Prefect task in its own Ray worker process with the resources
+it asks for, and the console shows one line per finished run; ``flows.fanout`` has the rules (shared
+work dir, registry and Prefect API reachable by every node) and what a worker gets. Either way each
+run is the same ordinary run, so the ablation id, the run ids and resumption do not depend on where
+the runs went; the record notes the driver and, per run, the worker's node and pid.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -111,12 +121,29 @@ def _log_parent(cfg: RunConfig, parent: str, result: dict[str, Any], out: Path) 
     client.set_terminated(parent, status="FINISHED")
 
 
+def _run_sequentially(aid: str, work: Path, planned: list[dict[str, Any]], parent: str) -> None:
+    logger = get_run_logger()
+    for i, p in enumerate(planned, 1):
+        text = f"run {i}/{len(planned)}: arm {p['arm']} seed {p['replicate']} ({p['run_id']})"
+        logger.info("ablation %s: %s", aid, text)
+        console.current().line(text)
+        info = {"id": aid, "arm": p["arm"], "replicate": p["replicate"], "parent_run_id": parent}
+        rl_flow(config=p["config"], work_dir=str(work), ablation=info)
+
+
+def _driver() -> dict[str, Any]:
+    return {"pid": os.getpid(), "host": socket.gethostname()}
+
+
 @flow(name="qerl-ablate", log_prints=True)
 def ablate_flow(
-    config: dict[str, Any], work_dir: str, arms: list[str], seeds: int, n_boot: int = 10_000
-) -> dict[str, Any]:
-    """Run every (arm, seed) and compare (see the module docstring); returns the ablation record."""
-    logger = get_run_logger()
+    config: dict[str, Any], work_dir: str, arms: list[str], seeds: int, n_boot: int = 10_000,
+    ray: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Run every (arm, seed) and compare (see the module docstring); returns the ablation record.
+
+    ``ray``: run on a Ray cluster, the plan ``flows.fanout.cluster`` yields (with its task runner on
+    this flow: ``ablate_flow.with_options(task_runner=...)``); None: sequentially, in this process."""
     arms = abl.parse_arms(arms)
     base = RunConfig.model_validate(config)  # the user's config must be valid before any arm runs
     work = default_work_dir(work_dir)
@@ -128,18 +155,23 @@ def ablate_flow(
     record: dict[str, Any] = {
         "id": aid, "arms": arms, "seeds": seeds, "config": base.model_dump(mode="json"), "status": "running",
         "runs": [{k: p[k] for k in ("arm", "replicate", "run_id")} for p in planned],
-        "parent_run_id": previous.get("parent_run_id"),
+        "parent_run_id": previous.get("parent_run_id"), "driver": _driver(),
+        "ray": None if ray is None else {k: ray[k] for k in ("address", "num_cpus", "num_gpus", "cluster")},
         "started_at": previous.get("started_at") or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }  # fmt: skip
     try:
         parent = _parent_run(base, work, record)
         atomic_write_json(path, record)
-        for i, p in enumerate(planned, 1):
-            text = f"run {i}/{len(planned)}: arm {p['arm']} seed {p['replicate']} ({p['run_id']})"
-            logger.info("ablation %s: %s", aid, text)
-            console.current().line(text)
-            info = {"id": aid, "arm": p["arm"], "replicate": p["replicate"], "parent_run_id": parent}
-            rl_flow(config=p["config"], work_dir=str(work), ablation=info)
+        if ray is None:
+            _run_sequentially(aid, work, planned, parent)
+        else:
+            from flows import fanout
+
+            def done(i: int, worker: dict[str, Any]) -> None:  # progress on disk as runs finish
+                record["runs"][i]["worker"] = worker
+                atomic_write_json(path, record)
+
+            fanout.run_all(planned, work, parent, aid, ray, done)
         result, report = abl.write_report(aid, _arm_runs(work, planned, arms), out, n_boot=n_boot)
         _log_parent(base, parent, result, out)
         record.update(

@@ -55,6 +55,20 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arms", required=True, help="comma-separated arms, e.g. bf16-lora,nvfp4-lora,nvfp4-aqn")
     p.add_argument("--seeds", type=int, default=3, help="replicates per arm (default 3)")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples over items")
+    p.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run the runs concurrently on this Ray cluster (host:port, ray://host:10001, auto, local; "
+        "default: $QERL_RAY_ADDRESS, else one after the other here); see flows/fanout.py",
+    )
+    p.add_argument("--cpus-per-run", type=float, default=1.0, help="with --ray: CPUs each run asks for")
+    p.add_argument(
+        "--gpus-per-run",
+        type=float,
+        default=None,
+        help="with --ray: GPUs each run asks for (default: rollout.tensor_parallel_size if the cluster has GPUs, else 0)",
+    )
     _common(p)
     COMMANDS["ablate"] = _cmd_ablate
 
@@ -72,24 +86,51 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     arms = parse_arms(args.arms)  # a bad --arms fails before Prefect starts
     aid = ablation_id(cfg.model_dump(mode="json"), arms, args.seeds)
     runner.prepare_environment(work)
+    address, tracking_uri = _ablate_ray_checks(args, cfg, work)  # a bad cluster setup fails before the flow
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     from flows.ablate import ablate_flow, ablation_dir
 
+    params = {
+        "config": cfg.model_dump(mode="json"), "work_dir": str(work), "arms": arms, "seeds": args.seeds,
+        "n_boot": args.bootstrap,
+    }  # fmt: skip
     with console.session(ablation_dir(work, aid), verbose=args.verbose) as ui:
         ui.line(
             f"ablation {aid}: {len(arms)} arms x {args.seeds} seeds (details in {ablation_dir(work, aid)})"
         )
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            record = ablate_flow(
-                config=cfg.model_dump(mode="json"), work_dir=str(work), arms=arms, seeds=args.seeds,
-                n_boot=args.bootstrap,
-            )  # fmt: skip
+            if address is None:
+                record = ablate_flow(**params)
+            else:
+                from flows import fanout
+
+                with fanout.cluster(
+                    address, work, tracking_uri, args.cpus_per_run, args.gpus_per_run,
+                    cfg.rollout.tensor_parallel_size,
+                ) as (task_runner, plan):  # fmt: skip
+                    record = ablate_flow.with_options(task_runner=task_runner)(**params, ray=plan)
     print(f"ablation {aid}: {record['status']}", flush=True)
     for verdict in record.get("verdicts", []):
         print(f"  {verdict}", flush=True)
     print(f"  report: {record.get('report')}", flush=True)
     return 0
+
+
+def _ablate_ray_checks(args: argparse.Namespace, cfg: Any, work: Any) -> tuple[str | None, str]:
+    """The Ray address (--ray, else $QERL_RAY_ADDRESS) and the resolved MLflow URI, with the static rules
+    of flows.fanout checked before the flow starts (after prepare_environment: fanout imports Prefect)."""
+    from flows import fanout
+
+    address = fanout.resolve_address(args.ray)
+    if address is None:
+        return None, ""
+    from pipeline import registry
+
+    tracking_uri, _ = registry.resolve_uris(cfg.registry, work)
+    remote = bool(fanout.address_is_remote(address))
+    fanout.check_settings(address, str(work), tracking_uri, os.environ.get("PREFECT_API_URL"), remote)
+    return address, tracking_uri
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:

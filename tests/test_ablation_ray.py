@@ -1,0 +1,180 @@
+"""``qerl ablate --ray``: the rules checked before anything starts (fast), and a 2x2 ablation on a
+local Ray head (slow): the runs execute in Ray worker processes, the report is written, and the same
+command again rebuilds nothing.
+
+The Ray head listens on loopback only: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray take
+127.0.0.1 as the node address (else it replaces a loopback ``--node-ip-address`` by the machine's
+address and its servers listen on every interface). It runs in its own process group, stopped by
+that group at teardown (``ray stop`` would stop every Ray instance of the machine)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from flows import fanout
+
+
+# ---- the rules -------------------------------------------------------------------------------------
+def test_addresses_are_local_or_remote_by_host(monkeypatch):
+    assert fanout.address_is_remote("127.0.0.1:6379") is False
+    assert fanout.address_is_remote("ray://localhost:10001") is False
+    assert fanout.address_is_remote("[::1]:6379") is False
+    assert fanout.address_is_remote("local") is False
+    assert fanout.address_is_remote("auto") is None  # known after connecting
+    assert fanout.address_is_remote("10.1.2.3:6379") is True
+    assert fanout.address_is_remote("ray://head.cluster:10001") is True
+    monkeypatch.setenv(fanout.ADDRESS_ENV, "10.1.2.3:6379")
+    assert fanout.resolve_address(None) == "10.1.2.3:6379"
+    assert fanout.resolve_address("127.0.0.1:6379") == "127.0.0.1:6379"  # --ray wins
+    monkeypatch.setenv(fanout.ADDRESS_ENV, " ")
+    assert fanout.resolve_address(None) is None
+
+
+def test_settings_a_remote_cluster_cannot_use_are_refused_with_what_to_change():
+    remote, api, pg = (
+        "10.1.2.3:6379",
+        "http://10.1.2.4:4200/api",
+        "postgresql+psycopg://u:p@10.1.2.5:5432/mlflow",
+    )
+    with pytest.raises(fanout.FanoutError, match="not an absolute path"):
+        fanout.check_settings("127.0.0.1:6379", "qerl-work", "sqlite:////w/mlflow.db", None, remote=False)
+    with pytest.raises(fanout.FanoutError, match="sqlite file.*postgresql\\+psycopg"):
+        fanout.check_settings(remote, "/shared/w", "sqlite:////shared/w/mlflow.db", api, remote=True)
+    with pytest.raises(fanout.FanoutError, match="loopback"):
+        fanout.check_settings(
+            remote, "/shared/w", "postgresql+psycopg://u:p@localhost/mlflow", api, remote=True
+        )
+    with pytest.raises(fanout.FanoutError, match="loopback"):
+        fanout.check_settings(remote, "/shared/w", "http://127.0.0.1:5000", api, remote=True)
+    with pytest.raises(fanout.FanoutError, match="set PREFECT_API_URL"):
+        fanout.check_settings(remote, "/shared/w", pg, None, remote=True)
+    with pytest.raises(fanout.FanoutError, match="PREFECT_API_URL.*loopback"):
+        fanout.check_settings(remote, "/shared/w", pg, "http://127.0.0.1:4200/api", remote=True)
+    fanout.check_settings(remote, "/shared/w", pg, api, remote=True)
+    fanout.check_settings(remote, "/shared/w", "https://mlflow.cluster:5000", api, remote=True)
+    # a local cluster: local paths and the embedded sqlite registry are fine, no Prefect server needed
+    fanout.check_settings("127.0.0.1:6379", "/w", "sqlite:////w/mlflow.db", None, remote=False)
+
+
+def test_the_cli_refuses_a_remote_cluster_with_the_sqlite_registry_before_the_flow(
+    monkeypatch, capsys, tmp_path
+):
+    from flows import cli, runner
+
+    monkeypatch.setattr(runner, "prepare_environment", lambda work: None)  # no Prefect settings here
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    args = ["ablate", "--arms", "bf16-lora,nvfp4-aqn", "--seeds", "1", "--work-dir", str(tmp_path)]
+    assert cli.main([*args, "--ray", "10.1.2.3:6379"]) == 2
+    err = capsys.readouterr().err
+    assert "sqlite file" in err and "postgresql+psycopg" in err
+    monkeypatch.setenv(fanout.ADDRESS_ENV, "10.1.2.3:6379")  # the environment's address: the same check
+    assert cli.main(args) == 2 and "sqlite file" in capsys.readouterr().err
+    assert not (tmp_path / "ablations").exists()  # nothing started
+
+
+# ---- on a local Ray head ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(monkeypatch):
+    """A Ray head on 127.0.0.1 with 2 CPUs in its own process group; yields its address."""
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # node address 127.0.0.1 (module docstring)
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    temp = Path(tempfile.mkdtemp(prefix="qerl-ray-", dir="/tmp"))  # short: Ray's socket paths have a limit
+    port = _free_port()
+    ray = Path(sys.executable).parent / "ray"
+    cmd = [
+        str(ray), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+        "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats",
+        "--temp-dir", str(temp), "--ray-client-server-port", str(_free_port()),
+    ]  # fmt: skip
+    log = open(temp / "head.log", "w")  # noqa: SIM115 - closed at teardown
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "Ray runtime started" not in (temp / "head.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (temp / "head.log").read_text()[
+                -3000:
+            ]
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=15)
+        log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_ablate_on_a_local_ray_head_runs_in_workers_and_resumes_without_rebuilding(
+    ray_head, tiny_model_factory, tmp_path
+):
+    """Every worker is killed in its second train build (QERL_FAULT reaches the workers: the driver
+    forwards QERL_*); the ablation fails naming the four runs; the same command resumes them without
+    rebuilding a finished stage; a third time builds nothing."""
+    from test_flow import _journal, _qerl, tiny_run_config
+
+    model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
+    cfg = tiny_run_config(model, engine="hf")
+    cfg["loop"].update(steps=2)
+    cfg["eval"]["benchmark"]["arithmetic_size"] = 8
+    path = tmp_path / "ablate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    work = tmp_path / "work"
+    args = ["ablate", "--config", str(path), "--arms", "bf16-lora,nvfp4-aqn", "--seeds", "2"]
+    args += ["--bootstrap", "200", "--ray", ray_head]
+    killed = _qerl(args, work, fault="train:2")
+    assert killed.returncode == 2, (killed.returncode, killed.stderr[-4000:])
+    assert killed.stderr.count(" FAILED: arm ") == 4 and "4 of 4 runs failed" in killed.stderr, killed.stderr[
+        -3000:
+    ]
+    (record_path,) = (work / "ablations").glob("*/ablation.json")
+    assert json.loads(record_path.read_text())["status"] == "failed"
+    assert Counter(e["stage"] for e in _journal(work))["train"] == 4  # each run's first step survived
+
+    proc = _qerl(args, work)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    record = json.loads(record_path.read_text())
+    assert record["status"] == "completed", record.get("error")
+    assert record["ray"]["address"] == ray_head and record["ray"]["num_cpus"] == 1
+    workers = [r["worker"] for r in record["runs"]]
+    assert len(workers) == 4 and all(w["pid"] != record["driver"]["pid"] for w in workers)
+    assert len({w["pid"] for w in workers}) == 4  # a fresh worker process per run (max_calls=1)
+    for r in record["runs"]:
+        rec = json.loads((work / "runs" / r["run_id"] / "run.json").read_text())
+        assert rec["status"] == "completed" and rec["ablation"]["arm"] == r["arm"]
+        assert "step 2/2" in (work / "runs" / r["run_id"] / "run.log").read_text()  # the run's own console
+    assert "## Verdict" in (record_path.parent / "report.md").read_text()
+    # the driver's console: one line per finished run, not the runs' stage lines
+    assert proc.stderr.count(" done: arm ") == 4 and "step 1/2" not in proc.stderr, proc.stderr[-3000:]
+    built = Counter((e["stage"], e["key"]) for e in _journal(work))
+    assert max(built.values()) == 1, [k for k, n in built.items() if n > 1]  # the resume rebuilt nothing
+    assert Counter(s for s, _ in built)["train"] == 8 and Counter(s for s, _ in built)["register"] == 4
+
+    again = _qerl(args, work)
+    assert again.returncode == 0, (again.stdout[-2000:], again.stderr[-4000:])
+    assert (
+        Counter((e["stage"], e["key"]) for e in _journal(work)) == built
+    )  # a completed ablation: nothing built
+    assert json.loads(record_path.read_text())["status"] == "completed"
