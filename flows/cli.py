@@ -130,6 +130,7 @@ def _ablate_ray_checks(args: argparse.Namespace, cfg: Any, work: Any) -> tuple[s
     tracking_uri, _ = registry.resolve_uris(cfg.registry, work)
     remote = bool(fanout.address_is_remote(address))
     fanout.check_settings(address, str(work), tracking_uri, os.environ.get("PREFECT_API_URL"), remote)
+    fanout.check_reachable(address)
     return address, tracking_uri
 
 

@@ -122,6 +122,29 @@ def address_is_remote(address: str) -> bool | None:
     return not is_loopback(_host(address))
 
 
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A TCP connect to a ``host:port`` address before ``ray.init``, which retries a dead address for
+    minutes; ``auto``, ``local`` and an address without a port are left to Ray."""
+    if address in ("auto", "local"):
+        return
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    try:
+        port = parts.port
+    except ValueError as err:
+        raise FanoutError(
+            f"'{address}' is not a Ray address (host:port, ray://host:port, auto, local)"
+        ) from err
+    if not parts.hostname or port is None:
+        return
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise FanoutError(
+            f"nothing answers at the Ray address {address} ({err}): start the head with `ray start --head "
+            "--port PORT` (its output names the address) or pass the address it printed"
+        ) from err
+
+
 def _registry_host(uri: str) -> str | None:
     from sqlalchemy.engine import make_url
 
@@ -317,6 +340,7 @@ def cluster(
 
     static, user_api = address_is_remote(address), PREFECT_API_URL.value()
     check_settings(address, str(work), tracking_uri, user_api, bool(static))
+    check_reachable(address)
     ray = _import_ray()
     from prefect_ray import RayTaskRunner
 
@@ -326,7 +350,12 @@ def cluster(
             "env_vars": forwarded_env(),
         }
         # the namespace is RayTaskRunner's default: it finds this connection and leaves it to us
-        ray.init(address=address, namespace="prefect", runtime_env=runtime_env)
+        try:
+            ray.init(address=address, namespace="prefect", runtime_env=runtime_env)
+        except Exception as err:  # ConnectionError and friends: the CLI's one-line error, not a traceback
+            raise FanoutError(
+                f"cannot connect to the Ray cluster at {address}: {type(err).__name__}: {err}"
+            ) from err
         try:
             remote = bool(static) or cluster_is_remote(ray)
             if remote and not static:

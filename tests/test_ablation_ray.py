@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -70,6 +71,17 @@ def test_settings_a_remote_cluster_cannot_use_are_refused_with_what_to_change():
     fanout.check_settings("127.0.0.1:6379", "/w", "sqlite:////w/mlflow.db", None, remote=False)
 
 
+def test_a_dead_ray_address_fails_at_once():
+    port = _free_port()  # bound and closed: nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(fanout.FanoutError, match=f"nothing answers at the Ray address 127.0.0.1:{port}"):
+        fanout.check_reachable(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(fanout.FanoutError, match="not a Ray address"):
+        fanout.check_reachable("127.0.0.1:notaport")
+    fanout.check_reachable("auto")  # left to Ray
+
+
 def test_the_cli_refuses_a_remote_cluster_with_the_sqlite_registry_before_the_flow(
     monkeypatch, capsys, tmp_path
 ):
@@ -123,6 +135,7 @@ def ray_head(monkeypatch):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=15)
         log.close()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow
