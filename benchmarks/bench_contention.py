@@ -2,28 +2,37 @@
 
 Model and batch: about the demo's shapes (Qwen2 architecture, hidden 128, 4 layers, intermediate 256
 where the demo has 384, vocab 384, float32), random weights built here and quantized by the real
-quantize stage; a scored batch of 16 prompts x 8 samples, ~24 prompt + 4-12 completion tokens, mixed rewards; the demo
-preset's train settings (LoRA r16 on all projections, 4 minibatches of 32, one update each).
+quantize stage; a scored batch of 16 prompts x 8 samples, ~24 prompt + 4-12 completion tokens, mixed
+rewards; the demo preset's train settings (LoRA r16 on all projections, 4 minibatches of 32, one
+update each).
 
-Two child processes run side by side, in lockstep (one step in one, then one in the other, and so
-on), so that whatever else loads the machine loads both alike:
-  fresh   never imports vLLM
+Child processes run side by side, in lockstep (one step in each, in turn, round after round), so
+that whatever else loads the machine loads them alike:
+  fresh   never imports vLLM; runs the ``stage`` arm
   engine  starts the vLLM engine on the dequantized twin (the demo's: worker processes; ``--in-process``
-          for the in-process engine), generates once, and keeps it alive
-Each child alternates two arms per round: ``pinned`` (the train stage's way: intra-op thread i on CPU
-i, ``pipeline.threads.pinned_intra_op_threads``) and ``free`` (threads left to the scheduler, as
-before the fix). A step is ``train_step`` on a freshly loaded state (same input every time).
+          for the in-process engine), generates once, and keeps it alive; one such process per arm,
+          because what a step leaves in a process (libgomp's pool, MKL's state) decides later steps
+The arms (``pipeline.threads``):
+  stage   what the train stage does (``trainer_threads``: ``unpinned`` + one core per thread)
+  unpinned  MKL and OpenMP as a fresh process has them, no pinning (``fresh_process_threading``)
+  pinned  one core per intra-op thread only (``pinned_intra_op_threads``: the first, partial fix)
+  bare    neither (before the fix)
+A step is ``train_step`` on a freshly loaded state (same input every time). Beside its seconds, each
+step reports how many tasks the machine created meanwhile (``/proc/sys/kernel/ns_last_pid``): the
+nested-team thread churn that was the cause shows there.
 
-Reported: median / min / max seconds per arm and the engine/fresh ratio of medians; the goal is
-pinned engine/fresh <= 1.3 (the exit status is 1 when it is missed, after the results are written).
+Reported: median / min / max seconds per child and each engine arm's ratio of medians to fresh; the
+goal is stage engine/fresh <= 1.3 (the exit status is 1 when it is missed, after the results are written).
 
-Run: ``.venv/bin/python benchmarks/bench_contention.py [--rounds N] [--in-process]``; writes
-benchmarks/results/contention.md.
+Run: ``.venv/bin/python benchmarks/bench_contention.py [--rounds N] [--in-process] [--busy N]
+[--arms A,B] [--out FILE]``; writes benchmarks/results/contention.md. ``--busy 1`` adds a process that
+spins on a core for the whole run (the load of another job).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -84,14 +93,21 @@ def make_inputs(work: Path) -> dict[str, str]:
     return {"quantized": str(quantized.dir), "twin": str(twin.dir), "scored": str(work / "scored.parquet")}
 
 
-def _child(kind: str, paths: dict[str, str], in_process: bool) -> None:
-    """Line protocol on stdin/stdout: 'pinned' or 'free' -> one step, answer its seconds as JSON."""
-    import contextlib
+_PID_MAX = int(Path("/proc/sys/kernel/pid_max").read_text())
+ARMS = ("stage", "unpinned", "pinned", "bare")
 
+
+def _last_pid() -> int:
+    """The last task id the kernel handed out (machine-wide): differences count tasks created."""
+    return int(Path("/proc/sys/kernel/ns_last_pid").read_text())
+
+
+def _child(kind: str, paths: dict[str, str], in_process: bool) -> None:
+    """Line protocol on stdin/stdout: an arm name -> one step, answer its seconds and tasks as JSON."""
     import torch
 
     from pipeline.artifacts import Manifest
-    from pipeline.threads import pinned_intra_op_threads
+    from pipeline.threads import fresh_process_threading, pinned_intra_op_threads, trainer_threads
     from pipeline.training import TrainConfig, init_state, load_rollout_batch, train_step
 
     cfg = TrainConfig(**TRAIN)
@@ -109,12 +125,19 @@ def _child(kind: str, paths: dict[str, str], in_process: bool) -> None:
         if arm == "quit":
             break
         state = init_state(paths["quantized"], cfg)
-        pin = pinned_intra_op_threads("cpu") if arm == "pinned" else contextlib.nullcontext({})
-        with pin as pins:
+        threads = {
+            "stage": lambda: trainer_threads("cpu"),
+            "unpinned": fresh_process_threading,
+            "pinned": lambda: pinned_intra_op_threads("cpu"),
+            "bare": contextlib.nullcontext,
+        }[arm]
+        with threads():
+            tasks0 = _last_pid()
             t0 = time.perf_counter()
             train_step(state, batch, cfg)
             seconds = time.perf_counter() - t0
-        print(json.dumps({"arm": arm, "seconds": seconds, "pinned": bool(pins)}), flush=True)
+            tasks = (_last_pid() - tasks0) % _PID_MAX
+        print(json.dumps({"arm": arm, "seconds": seconds, "tasks": tasks}), flush=True)
     if engine is not None:
         engine.close()
 
@@ -141,63 +164,89 @@ def _stats(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def main(rounds: int = 6, in_process: bool = False) -> tuple[str, bool]:
-    import torch
+def _busy_loops(n: int) -> list[subprocess.Popen]:
+    """``n`` processes that spin on a core each: the load of another job on the machine."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
+
+def measure(
+    rounds: int, in_process: bool, arms: tuple[str, ...], busy: int
+) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], list[int]], list[float]]:
+    """Seconds and tasks created per step for every (process, arm) child, and the load averages."""
+    runs = [("fresh", "stage")] + [("engine", arm) for arm in arms]
     with tempfile.TemporaryDirectory(prefix="qerl-bench-contention-") as tmp:
         work = Path(tmp)
         paths_file = work / "paths.json"
         paths_file.write_text(json.dumps(make_inputs(work)))
-        children = {"fresh": _start("fresh", paths_file, in_process)}
-        children["engine"] = _start("engine", paths_file, in_process)
+        children = {run: _start(run[0], paths_file, in_process) for run in runs}
         times: dict[tuple[str, str], list[float]] = {}
+        tasks: dict[tuple[str, str], list[int]] = {}
         loads = []
+        spinners = _busy_loops(busy)
         try:
-            for r in range(rounds + 1):  # round 0 warms both arms up and is not counted
-                for arm in ("pinned", "free") if r % 2 else ("free", "pinned"):
-                    for kind, proc in children.items():
-                        proc.stdin.write(arm + "\n")
-                        proc.stdin.flush()
-                        out = _answer(proc)
-                        if r:
-                            times.setdefault((kind, arm), []).append(out["seconds"])
+            for r in range(rounds + 1):  # round 0 warms every child up and is not counted
+                for run in runs[r % len(runs) :] + runs[: r % len(runs)]:  # each goes first in turn
+                    proc = children[run]
+                    proc.stdin.write(run[1] + "\n")
+                    proc.stdin.flush()
+                    out = _answer(proc)
+                    if r:
+                        times.setdefault(run, []).append(out["seconds"])
+                        tasks.setdefault(run, []).append(out["tasks"])
                 loads.append(os.getloadavg()[0])
         finally:
+            for proc in spinners:
+                proc.kill()
             for proc in children.values():
-                with __import__("contextlib").suppress(Exception):
+                with contextlib.suppress(Exception):
                     proc.stdin.write("quit\n")
                     proc.stdin.close()
                 proc.wait(timeout=120)
-    med = {key: statistics.median(v) for key, v in times.items()}
-    ratio = {arm: med[("engine", arm)] / med[("fresh", arm)] for arm in ("pinned", "free")}
-    ok = ratio["pinned"] <= GOAL
+    return times, tasks, loads
+
+
+def main(
+    rounds: int = 6, in_process: bool = False, arms: tuple[str, ...] = ARMS, busy: int = 0
+) -> tuple[str, bool]:
+    import torch
+
+    runs = [("fresh", "stage")] + [("engine", arm) for arm in arms]
+    times, tasks, loads = measure(rounds, in_process, arms, busy)
+    for run in runs:  # every step, for whoever reads the log
+        print(
+            f"{run[0]:>6} {run[1]:>6}: "
+            + " ".join(f"{t:.2f}s/{n}" for t, n in zip(times[run], tasks[run], strict=True))
+        )
+    fresh = statistics.median(times[("fresh", "stage")])
+    ratio = {arm: statistics.median(times[("engine", arm)]) / fresh for arm in arms}
+    ok = ratio["stage"] <= GOAL
     engine_kind = "in-process" if in_process else "worker processes (the demo's)"
     lines = [
-        "## Train step next to a live vLLM engine",
+        "## Train step next to a live vLLM engine" + (f", {busy} busy process(es) beside it" if busy else ""),
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
         f"{torch.__version__}, {torch.get_num_threads()} intra-op threads. Demo-shaped NVFP4 base (hidden 128, "
-        "4 layers), 128 scored rows, the demo's train settings; `train_step` timed in two processes run in "
-        f"lockstep: one that never imported vLLM and one with a live vLLM engine ({engine_kind}); {rounds} "
-        "rounds after a warm-up round, arms alternating. `pinned`: intra-op thread i on CPU i (what the "
-        "train stage does); `free`: threads left to the scheduler (before the fix). Load average over the "
-        f"run: {min(loads):.1f}-{max(loads):.1f} (other jobs on the machine load both processes alike).",
+        "4 layers), 128 scored rows, the demo's train settings; `train_step` timed in processes run in "
+        f"lockstep: one that never imported vLLM and one per arm with a live vLLM engine ({engine_kind}); "
+        f"{rounds} rounds after a warm-up round. `stage`: what the train stage does (MKL and OpenMP reset as "
+        "in a fresh process, intra-op thread i on CPU i); `unpinned`: the same without pinning; `pinned`: pinning only; "
+        "`bare`: nothing (before the fix). Tasks: how many tasks the machine created during a step "
+        f"(median). Busy processes (`--busy`): {busy}, each spinning on a core. Load average over the run: {min(loads):.1f}-{max(loads):.1f} (other jobs on the machine "
+        "load every process alike).",
         "",
-        "| arm | fresh s (median, min-max) | engine live s (median, min-max) | engine / fresh |",
-        "|---|---:|---:|---:|",
+        "| process | arm | s per step (median, min-max) | / fresh | tasks per step |",
+        "|---|---|---:|---:|---:|",
     ]
-    for arm in ("pinned", "free"):
-        f, e = _stats(times[("fresh", arm)]), _stats(times[("engine", arm)])
+    for run in runs:
+        med, lo, hi = _stats(times[run])
         lines.append(
-            f"| {arm} | {f[0]:.2f} ({f[1]:.2f}-{f[2]:.2f}) | {e[0]:.2f} ({e[1]:.2f}-{e[2]:.2f}) | "
-            f"{ratio[arm]:.2f}x |"
+            f"| {run[0]} | {run[1]} | {med:.2f} ({lo:.2f}-{hi:.2f}) | {med / fresh:.2f}x | "
+            f"{statistics.median(tasks[run]):.0f} |"
         )
-    free_vs_pinned = med[("engine", "free")] / med[("engine", "pinned")]
     lines += [
         "",
-        f"- With the engine live, pinned vs fresh: **{ratio['pinned']:.2f}x** (goal <= {GOAL}x): "
+        f"- With the engine live, the train stage's way vs fresh: **{ratio['stage']:.2f}x** (goal <= {GOAL}x): "
         f"{'met' if ok else 'NOT met'}.",
-        f"- With the engine live, unpinned threads take {free_vs_pinned:.2f}x the pinned time.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
@@ -208,6 +257,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--in-process", action="store_true")
+    parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the children (load)")
+    parser.add_argument(
+        "--arms", default=",".join(ARMS), help=f"engine arms, comma-separated, from {ARMS}; stage is required"
+    )
     parser.add_argument("--child", choices=["fresh", "engine"])
     parser.add_argument("--paths")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "contention.md"))
@@ -217,6 +270,6 @@ if __name__ == "__main__":
     else:
         from pipeline.artifacts import atomic_write_text
 
-        result, met = main(cli.rounds, cli.in_process)
+        result, met = main(cli.rounds, cli.in_process, tuple(cli.arms.split(",")), cli.busy)
         atomic_write_text(cli.out, result)
         sys.exit(0 if met else 1)

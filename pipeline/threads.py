@@ -1,34 +1,51 @@
-"""The trainer's CPU threads next to a rollout engine: one core per intra-op thread, and nothing of vLLM's
-thread settings left behind in the trainer's process.
+"""The trainer's CPU threads next to a rollout engine: MKL and OpenMP as in a fresh process, one core per
+intra-op thread, and nothing of vLLM's thread settings left behind in the trainer's process.
 
-What was found (issue 12; 2-vCPU Firecracker VM, torch's libgomp, vLLM 0.32 on CPU):
+What was found (issue 12; 2-vCPU Firecracker VM, torch 2.13's libgomp and MKL, vLLM 0.32 on CPU):
 
-- The slow train steps are the two intra-op OpenMP threads running on the *same* vCPU. Sampling
-  ``/proc/self/task/*/stat`` (state, last CPU) during a 2-thread step: a 16.7 s step had both threads
-  runnable on one CPU in 3046 of 3391 samples, a 1.1 s step never. libgomp's threads spin-wait at
-  every barrier, so two of them sharing a core take turns spinning for the other: 10-50x, and one
-  thread (0.7 s) is faster than two. Nothing pins them apart, so the scheduler co-locates them
-  whenever another runnable thread makes a core look busy. A live vLLM engine supplies such threads
-  for the whole run: its multiprocess worker is pinned to core 0 (``VLLM_CPU_OMP_THREADS_BIND=auto``
-  binds it there and reserves core 1), with 13 gloo ``tcp_loop`` threads that wake ~100 times a
-  second each; in-process, the same 26 gloo threads live in the trainer's own process and stay
-  after ``close()``. Other load on the machine does the same (a process that never imported vLLM
-  showed the identical 19-48 s vs 4.5-5.9 s at 2 vs 1 threads while other jobs ran).
+- **The root cause: ``torch.set_num_threads`` changes MKL, and MKL then nests and insists.**
+  ``torch.set_num_threads(n)`` (ATen's ``set_num_threads``) also calls ``mkl_set_dynamic(false)``
+  and ``mkl_set_num_threads_local(n)``. A fresh process never calls it; after a vLLM engine start
+  (something in its start calls it in the caller's process), the demo's one-thread SFT, or any other caller, MKL's state differs, with
+  two effects measured here (benchmarks/bench_contention.py, one process per arm):
+  1. *A new thread for every GEMM.* A slow step created ~22,000 tasks (``ns_last_pid`` before and
+     after), a fast one none. gdb on ``pthread_create``: torch's CPU flash attention runs a
+     ``parallel_for`` (an OpenMP team of 2), each of its blocks calls MKL's sgemm, and MKL, with its
+     dynamic mode off, opens a *nested* ``GOMP_parallel`` team inside it; libgomp keeps no pool for
+     nested teams, so every block starts and ends a thread: 15x slower steps on a quiet machine.
+     libgomp's default max-active-levels here is unlimited, so nothing stopped the nesting.
+  2. *No backing off under load.* With nesting stopped but MKL's thread-local count set to 2, a step
+     next to one busy process on the other core took 3.7 s against 0.6 s in a fresh process (and
+     20-35 s with the engine's children around): MKL keeps both threads in every GEMM and each
+     barrier waits for the one that shares its core. With the thread-local count cleared (0: follow
+     the global setting, as in a fresh process) it took 0.55 s.
+  What a step leaves in libgomp's pool also carried over to later steps in one process (a first
+  step with threads pinned made later unpinned ones fast), which is why pinning alone looked like
+  the fix (1.48x) before the cause was found; the "two threads on one core" seen in ``/proc``
+  samples then were the short-lived nested threads.
 - What vLLM's start leaves in the caller's process, compared before/after (``snapshot``):
   process and per-thread affinity, ``torch.get_num_threads()`` and the OpenMP runtimes loaded are
-  unchanged; it writes environment variables that every later child process inherits (``LD_PRELOAD``
-  with torch's libgomp, ``NUMEXPR_MAX_THREADS``, ``TORCHINDUCTOR_*``) and, in-process, replaces
-  ``torch.set_num_threads`` with a function that ignores every later call (``CPUWorker.init_device``),
-  so the trainer (or the demo's one-thread SFT) could no longer choose its thread count.
+  unchanged; MKL's dynamic mode is off (above); it writes environment variables that every later
+  child process inherits (``LD_PRELOAD`` with torch's libgomp, ``NUMEXPR_MAX_THREADS``,
+  ``TORCHINDUCTOR_*``) and, in-process, replaces ``torch.set_num_threads`` with a function that
+  ignores every later call (``CPUWorker.init_device``), so the trainer (or the demo's one-thread
+  SFT) could no longer choose its thread count.
 
 What this module does:
 
-- ``pinned_intra_op_threads()``: for the duration of a train step, intra-op thread i runs on the
-  i-th allowed CPU (what OpenMP's ``OMP_PROC_BIND`` does, and what vLLM does for its own worker), and
-  every thread's affinity is restored afterwards, so nothing created later inherits a pin. The
-  thread ids come from running a parallel region of torch's own libgomp (``GOMP_parallel`` through
-  ctypes, the pool torch uses from this thread). With more threads than CPUs, on CUDA, or with no
-  libgomp in the process, it pins nothing and says why.
+- ``fresh_process_threading()``: for the duration of a train step, torch's threading as a fresh
+  process has it: OpenMP max-active-levels 1 (a parallel region inside one runs on the thread that
+  meets it, as torch's own ``parallel_for`` already does), MKL dynamic on, no thread-local MKL count;
+  the old values are restored after. The GEMMs are then the ones a fresh process runs.
+- ``pinned_intra_op_threads()``: intra-op thread i on the i-th allowed CPU for the block (what
+  OpenMP's ``OMP_PROC_BIND`` does, and what vLLM does for its own worker), every affinity restored
+  afterwards, so nothing created later inherits a pin. The thread ids come from running a parallel
+  region of torch's own libgomp (``GOMP_parallel`` through ctypes, the pool torch uses from this
+  thread). With more threads than CPUs, on CUDA, or with no libgomp in the process, it pins nothing
+  and says why. ``trainer_threads()`` is both, what the train stage uses. Pinning is kept for load
+  (bench_contention.py, engine live, 4 and 3 rounds): on a quiet machine unpinned steps were
+  0.80x of a fresh process and pinned 1.01x; next to one busy process, pinned 1.00x and unpinned
+  2.39x, because an unpinned thread that shares a core with the other job holds up every barrier.
 - ``preserved_thread_state(reason)``: around an engine start, restores what vLLM changed in this
   process (the thread-related environment, ``torch.set_num_threads`` and the thread count) and logs
   each restored item at INFO with its old and new value.
@@ -194,3 +211,63 @@ def pinned_intra_op_threads(device: str = "cpu") -> Iterator[dict[int, int]]:
             for tid, cpus in before.items():
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(tid, cpus)
+
+
+def _torch_mkl() -> ctypes.CDLL | None:
+    """The MKL linked into torch's CPU library, or None (a build without MKL).
+
+    ``MKL_Set_Dynamic`` is the C entry (an int by value); ``mkl_set_dynamic`` is the Fortran one (by
+    reference) and crashes when called with a value.
+    """
+    with open("/proc/self/maps") as fh:
+        paths = {line.split()[-1] for line in fh if line.rstrip().endswith("/libtorch_cpu.so")}
+    if len(paths) != 1:
+        return None
+    lib = ctypes.CDLL(paths.pop())
+    return (
+        lib
+        if all(
+            hasattr(lib, f) for f in ("MKL_Set_Dynamic", "mkl_serv_get_dynamic", "MKL_Set_Num_Threads_Local")
+        )
+        else None
+    )
+
+
+@contextlib.contextmanager
+def fresh_process_threading() -> Iterator[dict[str, int]]:
+    """For the block: torch's OpenMP and MKL threading as a process that never set a thread count.
+
+    No nested OpenMP teams (max-active-levels 1), MKL's dynamic threads on, and no thread-local MKL
+    thread count (0: follow the global one). Yields the old values (``max_active_levels``,
+    ``mkl_dynamic``, ``mkl_local_threads``; the MKL ones only where torch links MKL); all are
+    restored after the block.
+    """
+    gomp, mkl = _torch_libgomp(), _torch_mkl()
+    old: dict[str, int] = {}
+    if gomp is not None:
+        old["max_active_levels"] = int(gomp.omp_get_max_active_levels())
+        gomp.omp_set_max_active_levels(ctypes.c_int(1))
+    if mkl is not None:
+        old["mkl_dynamic"] = int(mkl.mkl_serv_get_dynamic())
+        mkl.MKL_Set_Dynamic(ctypes.c_int(1))
+        old["mkl_local_threads"] = int(mkl.MKL_Set_Num_Threads_Local(ctypes.c_int(0)))  # returns the old
+    if not old:
+        log.debug("OpenMP nesting and MKL threads left as they are: neither library found in torch")
+    try:
+        yield old
+    finally:
+        if "max_active_levels" in old:
+            gomp.omp_set_max_active_levels(ctypes.c_int(old["max_active_levels"]))
+        if "mkl_dynamic" in old:
+            mkl.MKL_Set_Dynamic(ctypes.c_int(old["mkl_dynamic"]))
+            mkl.MKL_Set_Num_Threads_Local(ctypes.c_int(old["mkl_local_threads"]))
+
+
+@contextlib.contextmanager
+def trainer_threads(device: str = "cpu") -> Iterator[dict[int, int]]:
+    """A train step's threads: no nested OpenMP teams, and (on CPU) one core per intra-op thread.
+
+    Yields the pins of ``pinned_intra_op_threads``.
+    """
+    with fresh_process_threading(), pinned_intra_op_threads(device) as pins:
+        yield pins

@@ -30,10 +30,12 @@ reload does. A step that fails mid-way drops the resident state (``train_step`` 
 place). Whether a step reused or reloaded is logged at INFO and recorded in the manifest's
 ``extra["policy"]``. ``drop_resident_policy()`` frees it (end of a run, tests).
 
-Threads. On CPU the step runs with intra-op thread i pinned to the i-th allowed CPU, restored after
-(``pipeline.threads.pinned_intra_op_threads``): next to a live vLLM engine the scheduler put both
-libgomp threads on one core, where they spin-wait for each other (issue 12: 10-30x slower steps).
-Pinning does not change which thread computes what, so the bytes are the same.
+Threads. The step runs with torch's MKL and OpenMP threading as a fresh process has it (no nested
+OpenMP teams, MKL dynamic, no thread-local MKL count) and, on CPU, intra-op thread i pinned to the
+i-th allowed CPU, all restored after (``pipeline.threads.trainer_threads``). Any earlier
+``torch.set_num_threads`` (a vLLM engine start does one) otherwise makes MKL open a nested team, a
+new thread, for every GEMM inside torch's parallel regions: 15-40x slower steps (issue 12). The
+same GEMMs as in a fresh process run, so the bytes are a fresh process's.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import pipeline.logprobs
 import pipeline.qlinear
 import pipeline.training
 from pipeline.artifacts import ArtifactError, ArtifactStore, BuildResult, Manifest, code_version
-from pipeline.threads import pinned_intra_op_threads
+from pipeline.threads import trainer_threads
 from pipeline.training import (
     TrainConfig,
     TrainState,
@@ -185,8 +187,8 @@ def run(
     built: dict[str, Any] = {}
 
     def build(tmp: Path) -> BuildResult:
-        # one core per intra-op thread: two on one core spin-wait for each other (pipeline.threads)
-        with pinned_intra_op_threads(device) as pins:
+        # MKL/OpenMP as in a fresh process, one core per intra-op thread (pipeline.threads: issue 12)
+        with trainer_threads(device) as pins:
             if pins:
                 log.info("train step %d: intra-op threads pinned one per CPU %s", step, pins)
             return _build(tmp)

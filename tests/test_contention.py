@@ -118,3 +118,42 @@ def test_engine_start_leaves_the_trainer_thread_state_alone(model_dir, in_proces
         finally:
             engine.close()
         assert not [n for n in _thread_names() if n.startswith(("gloo", "pt_gloo"))]
+
+
+def test_fresh_process_threading_undoes_what_set_num_threads_did_to_mkl_and_restores_it(two_threads):
+    """``torch.set_num_threads`` turns MKL's dynamic mode off and sets a thread-local MKL count (the
+    trigger of issue 12's nested teams); the train step's context puts a fresh process's values back
+    for its duration, with nested OpenMP teams off, and leaves everything as it found it."""
+    from pipeline.threads import _torch_libgomp, _torch_mkl, fresh_process_threading
+
+    gomp, mkl = _torch_libgomp(), _torch_mkl()
+    if gomp is None or mkl is None:
+        pytest.skip("this torch build has no libgomp/MKL")
+    torch.set_num_threads(2)
+    assert mkl.mkl_serv_get_dynamic() == 0  # what ATen's set_num_threads does
+    levels = gomp.omp_get_max_active_levels()
+    with fresh_process_threading() as old:
+        assert old == {"max_active_levels": levels, "mkl_dynamic": 0, "mkl_local_threads": 2}
+        assert gomp.omp_get_max_active_levels() == 1
+        assert mkl.mkl_serv_get_dynamic() == 1
+        x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+        assert torch.isfinite(x @ x).all()
+    assert gomp.omp_get_max_active_levels() == levels and mkl.mkl_serv_get_dynamic() == 0
+    assert mkl.MKL_Set_Num_Threads_Local(2) == 2  # the thread-local count is back (returns the old one)
+
+
+@pytest.mark.slow
+def test_train_step_next_to_a_live_engine_starts_no_thread_per_gemm():
+    """The cause of issue 12, measured with the benchmark's own children (one vLLM engine process per
+    arm): a bare train step next to a live engine created thousands of tasks (MKL's nested OpenMP
+    team per GEMM); the train stage's ``trainer_threads`` creates none. Counts, not times."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_contention
+
+    _, tasks, _ = bench_contention.measure(rounds=1, in_process=False, arms=("stage", "bare"), busy=0)
+    assert max(tasks[("engine", "stage")]) < 200, tasks
+    assert max(tasks[("fresh", "stage")]) < 200, tasks
+    if max(tasks[("engine", "bare")]) < 1000:
+        pytest.skip(f"MKL on this machine did not nest without the fix either: {tasks}")
