@@ -191,6 +191,8 @@ def _print_run(record: dict, work: str) -> None:
     """The run's result for people: the last thing ``qerl run``/``qerl resume`` prints."""
     from pathlib import Path
 
+    from flows.rl import eval_text
+
     def say(text: str) -> None:
         print(text, flush=True)
 
@@ -205,7 +207,7 @@ def _print_run(record: dict, work: str) -> None:
         say(f"  warm start: {reg.get('model_name') or 'adapter'} v{warm['version']}")
     for e in record.get("evaluations", []):
         who = "base (no adapter)" if e["adapter"] is None else f"adapter after step {e['step']}"
-        say(f"  accuracy {e['accuracy']:.3f}  {who}")
+        say(f"  {eval_text(e)}  {who}")
     if reg:
         say(f"  registered {reg.get('model_name')} v{reg.get('version')}; champion: {reg.get('promoted')}")
     run_path = Path(work) / "runs" / record["run_id"]

@@ -66,6 +66,30 @@ def _eval_summary(evaluation: Manifest) -> dict[str, Any]:
     return summary
 
 
+def eval_metrics(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The final evaluation as MLflow metrics, under stable names: ``eval_accuracy``,
+    ``eval_accuracy_stderr``, ``eval_n_items``, ``eval_k`` for the main benchmark (``eval_stderr`` too,
+    the earlier name), and ``eval_<name>_<split>_accuracy`` / ``_accuracy_stderr`` / ``_n_items`` for
+    each ``eval.also`` benchmark (``eval_gsm8k_test_accuracy``). Absent values are left out."""
+    out = {
+        "eval_accuracy": summary.get("accuracy"),
+        "eval_accuracy_stderr": summary.get("stderr"),
+        "eval_stderr": summary.get("stderr"),
+        "eval_n_items": summary.get("n_items"),
+        "eval_k": summary.get("k"),
+    }
+    for other in summary.get("also") or []:
+        tag = f"eval_{other.get('benchmark_name')}_{other.get('split')}"
+        out.update(
+            {
+                f"{tag}_accuracy": other.get("accuracy"),
+                f"{tag}_accuracy_stderr": other.get("stderr"),
+                f"{tag}_n_items": other.get("n_items"),
+            }
+        )
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def _log_run(
     cfg: registry.RegistryConfig,
     train: Manifest,
@@ -83,11 +107,7 @@ def _log_run(
     registry.log_params(run_id, _flatten(train.config))
     n_metrics = registry.log_history(run_id, history)
     last_step = max((int(e.get("step", i)) for i, e in enumerate(history)), default=0)
-    registry.log_step_metrics(
-        run_id,
-        last_step,
-        {f"eval_{k}": v for k, v in summary.items() if k in ("accuracy", "stderr", "n_items", "k")},
-    )
+    registry.log_step_metrics(run_id, last_step, eval_metrics(summary))
     plots = registry.log_plots(run_id, history)
     client = registry.MlflowClient()
     for fname in ("results.parquet", "summary.json"):

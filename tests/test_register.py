@@ -34,7 +34,17 @@ def fake_eval(store: ArtifactStore, accuracy: float, bench: str = "arithmetic/te
     def build(tmp: Path) -> BuildResult:
         rows = [{"id": "q1", "sample": 0, "correct": True}, {"id": "q2", "sample": 0, "correct": False}]
         pq.write_table(pa.Table.from_pylist(rows), tmp / "results.parquet")
-        (tmp / "summary.json").write_text(json.dumps({"benchmark": bench, "accuracy": accuracy, "k": 1}))
+        also = [{"benchmark": "gsm8k/test@def", "benchmark_name": "gsm8k", "split": "test", "accuracy": 0.25,
+                 "stderr": 0.1, "n_items": 4}]  # fmt: skip
+        summary = {
+            "benchmark": bench,
+            "accuracy": accuracy,
+            "k": 1,
+            "stderr": 0.05,
+            "n_items": 2,
+            "also": also,
+        }
+        (tmp / "summary.json").write_text(json.dumps(summary))
         return BuildResult(metrics={"accuracy": accuracy})
 
     return store.produce("evaluate", {"acc": accuracy, "bench": bench}, {}, "code", build)[0]
@@ -71,6 +81,10 @@ def test_register_stage(work):
     for key in ("reward_mean", "reward_std", "entropy", "kl", "sigma", "tokens_per_s", "time_rollout_s"):
         assert len(client.get_metric_history(run.info.run_id, key)) == 3, key
     assert run.data.metrics["eval_accuracy"] == 0.5
+    got = {k: v for k, v in run.data.metrics.items() if k.startswith("eval_")}
+    assert got == {"eval_accuracy": 0.5, "eval_accuracy_stderr": 0.05, "eval_stderr": 0.05, "eval_n_items": 2,
+                   "eval_k": 1, "eval_gsm8k_test_accuracy": 0.25, "eval_gsm8k_test_accuracy_stderr": 0.1,
+                   "eval_gsm8k_test_n_items": 4}  # fmt: skip
     listed = {a.path for top in ("plots", "adapter", "adapter_manifest", "evaluation")
               for a in client.list_artifacts(run.info.run_id, top)}  # fmt: skip
     assert {"plots/reward.png", "plots/entropy.png", "plots/sigma.png", "adapter/adapter_config.json",
