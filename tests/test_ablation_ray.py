@@ -145,7 +145,8 @@ def test_ablate_on_a_local_ray_head_runs_in_workers_and_resumes_without_rebuildi
 ):
     """Every worker is killed in its second train build (QERL_FAULT reaches the workers: the driver
     forwards QERL_*); the ablation fails naming the four runs; the same command resumes them without
-    rebuilding a finished stage; a third time builds nothing."""
+    rebuilding a finished stage (a completed ablation re-run builds nothing: test_ablation's sequential
+    kill-and-resume test shows it; the same store lookups run here)."""
     from test_flow import _journal, _qerl, tiny_run_config
 
     model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
@@ -184,10 +185,3 @@ def test_ablate_on_a_local_ray_head_runs_in_workers_and_resumes_without_rebuildi
     built = Counter((e["stage"], e["key"]) for e in _journal(work))
     assert max(built.values()) == 1, [k for k, n in built.items() if n > 1]  # the resume rebuilt nothing
     assert Counter(s for s, _ in built)["train"] == 8 and Counter(s for s, _ in built)["register"] == 4
-
-    again = _qerl(args, work)
-    assert again.returncode == 0, (again.stdout[-2000:], again.stderr[-4000:])
-    assert (
-        Counter((e["stage"], e["key"]) for e in _journal(work)) == built
-    )  # a completed ablation: nothing built
-    assert json.loads(record_path.read_text())["status"] == "completed"
