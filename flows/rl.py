@@ -281,13 +281,21 @@ def _train_loop(
     evals = (steps // cfg.loop.eval_every if cfg.loop.eval_every else 0) + 1 + int(cfg.loop.eval_base)
     ui.steps_start(steps, evals)
     prev: Manifest | None = None
+    history: list[tuple[Manifest, Manifest]] = []  # (scored, checkpoint) per step so far
     for step in range(steps):
         t0 = time.perf_counter()
         sigma = sigma_schedule(step, steps, cfg.aqn) if cfg.aqn.enabled else 0.0
         batch = runplan.step_prompts(problems, start + step, cfg.loop.prompts_per_step, cfg.loop.seed)
         r = rollout_task(cfg, batch, quantized, prev or warm, sigma, step, store, engine)
         s = score_task(cfg, r, store)
+        if (
+            prev is not None
+            and prev.pruned
+            and train.cached(cfg.train, quantized, s, prev, step, store) is None
+        ):
+            prev = _heal_chain(run, quantized, history, warm)
         t = train_task(cfg, quantized, s, prev, step, store, init=warm if prev is None else None)
+        history.append((s, t))
         entry = _step_record(step, sigma, r, s, t)
         rec["steps"].append(entry)
         run.logger.info(
@@ -302,6 +310,36 @@ def _train_loop(
         retention.prune_run(run.work, run.run_id, cfg.store)  # after the save: the record names this step
     ui.steps_end()
     assert prev is not None  # loop.steps >= 1
+    return prev
+
+
+def _heal_chain(
+    run: _Run, quantized: Manifest, history: list[tuple[Manifest, Manifest]], warm: Manifest | None
+) -> Manifest:
+    """The last checkpoint of ``history`` made whole again, for a step that must be built from it.
+
+    A run that found its steps cached can reach one it must build (it diverges from the run that
+    made them: the AQN arm after the noise-free first stage) whose previous checkpoint the other
+    run's retention pruned. The checkpoints from the last whole one on are rebuilt in order, each
+    checked against its recorded digests (``ArtifactStore._heal``): the same bytes, so the keys
+    downstream stay valid.
+    """
+    last_whole = max((i for i, (_, t) in enumerate(history) if not t.pruned), default=-1)
+    prev = history[last_whole][1] if last_whole >= 0 else None
+    log.info(
+        "run %s: rebuilding the pruned checkpoints of steps %d..%d",
+        run.run_id,
+        last_whole + 1,
+        len(history) - 1,
+    )
+    for i in range(last_whole + 1, len(history)):
+        init = warm if prev is None else None
+        init_adapter = (init.dir / "adapter", init.digest) if init is not None else None
+        prev = train.run(
+            run.cfg.train, quantized, history[i][0], prev, i, run.store, init_adapter=init_adapter, heal=True
+        )
+        history[i] = (history[i][0], prev)
+    assert prev is not None
     return prev
 
 

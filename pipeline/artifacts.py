@@ -390,10 +390,15 @@ class ArtifactStore:
         inputs: dict[str, str],
         code: str,
         build: Callable[[Path], BuildResult | None],
+        heal: bool = False,
     ) -> tuple[Manifest, bool]:
-        """Return (manifest, cached). ``build(tmpdir)`` writes the outputs; it runs only on a miss."""
+        """Return (manifest, cached). ``build(tmpdir)`` writes the outputs; it runs only on a miss,
+        or, with ``heal``, on a hit that retention pruned: then the pruned files are rebuilt and put
+        back (``_heal``), and the result counts as not cached."""
         key = self.key(stage, config, inputs, code)
         if (hit := self.get(stage, key)) is not None:
+            if heal and hit.pruned:
+                return self._heal(hit, build), False
             return hit, True
         with self.lock(f"{stage}-{key}"):
             if (hit := self.get(stage, key, _locked=True)) is not None:
@@ -430,6 +435,48 @@ class ArtifactStore:
             self._journal({"stage": stage, "key": key, "event": "built", "pid": os.getpid()})
             log.info("stage %s wrote %s (%d files)", stage, final, len(files))
             return manifest, False
+
+    def _heal(self, hit: Manifest, build: Callable[[Path], BuildResult | None]) -> Manifest:
+        """Rebuild an artifact whose files retention pruned and put the pruned files back.
+
+        Two runs can share a prefix of artifacts (same config and inputs up to a step: the AQN arm of
+        an ablation equals the no-AQN arm while sigma is 0); retention of the run that made them may
+        prune a checkpoint the other run must continue from. The build is deterministic, so a rebuild
+        gives the same bytes: each pruned file is checked against the sha256 its manifest kept and
+        only then moved in, and ``pruned`` forgets it. A file that differs is an error naming it
+        (then the chain cannot continue from this artifact; nothing is changed).
+        """
+        with self.lock(f"{hit.stage}-{hit.key}"):
+            directory = self.path_for(hit.stage, hit.key)
+            manifest = Manifest.load(directory)
+            if not manifest.pruned:  # healed meanwhile by another process
+                manifest.path = str(directory)
+                return manifest
+            tmp = self.root / "tmp" / f"heal-{hit.stage}-{hit.key}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir(parents=True)
+            try:
+                build(tmp)
+                for name in manifest.pruned:
+                    got = sha256_file(tmp / name) if (tmp / name).is_file() else "missing"
+                    if got != manifest.files[name].sha256:
+                        raise ArtifactError(
+                            f"cannot restore {hit.stage}/{hit.key} file '{name}': the rebuild gave "
+                            f"sha256 {got[:12]}, the manifest records {manifest.files[name].sha256[:12]} "
+                            "(not reproducible here); start the run again from a step that is intact"
+                        )
+                for name in manifest.pruned:
+                    (directory / name).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(tmp / name, directory / name)
+                    manifest.files[name] = _record(directory / name)  # same sha256; the new mtime
+                healed = sorted(manifest.pruned)
+                manifest.pruned = {}
+                atomic_write_text(directory / MANIFEST, manifest.model_dump_json(indent=2))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        manifest.path = str(directory)
+        self._journal({"stage": hit.stage, "key": hit.key, "event": "healed", "files": healed}, "gc.jsonl")
+        log.info("stage %s: rebuilt the pruned %s of %s", hit.stage, healed, directory)
+        return manifest
 
     def _journal(self, entry: dict[str, Any], name: str = "builds.jsonl") -> None:
         """Append to builds.jsonl: the audit trail that proves no finished stage ran twice (deletions

@@ -146,27 +146,11 @@ def _mode(state_format: str, cfg: TrainConfig, device: str) -> str:
     return f"hf-{cfg.dtype}"
 
 
-def run(
-    cfg: TrainConfig,
-    base: Manifest,
-    scored: Manifest,
-    prev: Manifest | None,
-    step: int,
-    store: ArtifactStore,
-    init_adapter: tuple[Path, str] | None = None,
-) -> Manifest:
-    """Produce (or find cached) the checkpoint after RL step ``step`` (0-based).
-
-    ``init_adapter`` (adapter folder, its digest): step 0 starts from these LoRA weights instead of a
-    fresh LoRA (a nightly run's warm start); the digest joins the cache key."""
-    if init_adapter is not None and prev is not None:
-        raise ArtifactError(f"train step {step}: init_adapter is for step 0 only (prev is given)")
-    if prev is None and step != 0:
-        raise ArtifactError(f"train step {step} needs the previous train checkpoint (prev is None)")
-    if prev is not None and prev.stage != STAGE:
-        raise ArtifactError(f"prev must be a '{STAGE}' artifact, got '{prev.stage}' at {prev.dir}")
-    scored_path = scored.file(SCORED_FILE)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def _key_parts(
+    cfg: TrainConfig, base: Manifest, scored: Manifest, prev: Manifest | None, step: int,
+    init_adapter: tuple[Path, str] | None,
+) -> tuple[dict[str, Any], dict[str, str], str]:  # fmt: skip
+    """(config, inputs, code) of a train step's store key."""
     code = code_version(
         sys.modules[__name__],
         pipeline.training,
@@ -182,7 +166,44 @@ def run(
     }
     if init_adapter is not None:  # only then: plain runs keep their cache keys
         inputs["init_adapter"] = init_adapter[1]
-    config = {"train": cfg.model_dump(mode="json"), "step": step}
+    return {"train": cfg.model_dump(mode="json"), "step": step}, inputs, code
+
+
+def cached(
+    cfg: TrainConfig, base: Manifest, scored: Manifest, prev: Manifest | None, step: int,
+    store: ArtifactStore, init_adapter: tuple[Path, str] | None = None,
+) -> Manifest | None:  # fmt: skip
+    """The finished checkpoint of this step if the store has it (no build), else None."""
+    config, inputs, code = _key_parts(cfg, base, scored, prev, step, init_adapter)
+    return store.get(STAGE, store.key(STAGE, config, inputs, code))
+
+
+def run(
+    cfg: TrainConfig,
+    base: Manifest,
+    scored: Manifest,
+    prev: Manifest | None,
+    step: int,
+    store: ArtifactStore,
+    init_adapter: tuple[Path, str] | None = None,
+    heal: bool = False,
+) -> Manifest:
+    """Produce (or find cached) the checkpoint after RL step ``step`` (0-based).
+
+    ``heal``: a cached checkpoint that retention pruned is rebuilt and its files put back
+    (``ArtifactStore.produce``); ``prev`` must then be whole.
+
+    ``init_adapter`` (adapter folder, its digest): step 0 starts from these LoRA weights instead of a
+    fresh LoRA (a nightly run's warm start); the digest joins the cache key."""
+    if init_adapter is not None and prev is not None:
+        raise ArtifactError(f"train step {step}: init_adapter is for step 0 only (prev is given)")
+    if prev is None and step != 0:
+        raise ArtifactError(f"train step {step} needs the previous train checkpoint (prev is None)")
+    if prev is not None and prev.stage != STAGE:
+        raise ArtifactError(f"prev must be a '{STAGE}' artifact, got '{prev.stage}' at {prev.dir}")
+    scored_path = scored.file(SCORED_FILE)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config, inputs, code = _key_parts(cfg, base, scored, prev, step, init_adapter)
     resident_key = {"base": base.digest, "train": config["train"], "device": device}
     built: dict[str, Any] = {}
 
@@ -244,7 +265,7 @@ def run(
             },
         )
 
-    manifest, cached = store.produce(STAGE, config, inputs, code, build)
+    manifest, cached = store.produce(STAGE, config, inputs, code, build, heal=heal)
     if cached:
         log.info("train step %d: cached at %s", step, manifest.dir)
     elif built:
