@@ -320,11 +320,15 @@ def test_train_stage_chains_and_caches(nvfp4_base, tmp_path):
         run(cfg, base, scored[1], m0, 2, store)
 
     # the stage's chained checkpoints equal two steps in one process
+    from pipeline.threads import trainer_threads
     from stages.train import _pad_id
 
     direct = init_state(nvfp4_base, cfg)
-    for b in batches:
-        train_step(direct, b, cfg, pad_id=_pad_id(nvfp4_base))
+    # the stage's threading (MKL/OpenMP as in a fresh process): MKL's thread split changes the bits,
+    # and this test process may have called torch.set_num_threads before
+    with trainer_threads("cpu"):
+        for b in batches:
+            train_step(direct, b, cfg, pad_id=_pad_id(nvfp4_base))
     save_checkpoint(direct, tmp_path / "direct")
     a = load_file(m1.file("adapter/adapter_model.safetensors"))
     b = load_file(tmp_path / "direct" / "adapter" / "adapter_model.safetensors")
