@@ -257,9 +257,9 @@ def test_scheme_none_is_the_base_in_the_twin_dtype_and_engines_serve_it(tiny_mod
 
 
 # ---- qerl ablate end to end ----------------------------------------------------------------------
-@pytest.mark.slow
-def test_ablate_two_arms_two_seeds_killed_and_resumed_builds_no_stage_twice(tiny_model_factory, tmp_path):
-    from test_flow import _journal, _qerl, tiny_run_config
+def tiny_ablation_config(tiny_model_factory, tmp_path: Path) -> Path:  # noqa: ANN001
+    """The CI-sized ablation config (2 steps, 8 eval items) written as YAML; its path."""
+    from test_flow import tiny_run_config
 
     model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
     cfg = tiny_run_config(model, engine="hf")
@@ -267,6 +267,14 @@ def test_ablate_two_arms_two_seeds_killed_and_resumed_builds_no_stage_twice(tiny
     cfg["eval"]["benchmark"]["arithmetic_size"] = 8
     path = tmp_path / "ablate.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow
+def test_ablate_two_arms_two_seeds_killed_and_resumed_builds_no_stage_twice(tiny_model_factory, tmp_path):
+    from test_flow import _journal, _qerl
+
+    path = tiny_ablation_config(tiny_model_factory, tmp_path)
     work = tmp_path / "work"
     args = [
         "ablate",

@@ -23,8 +23,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
-import yaml
 
 from flows import fanout
 
@@ -147,14 +145,10 @@ def test_ablate_on_a_local_ray_head_runs_in_workers_and_resumes_without_rebuildi
     forwards QERL_*); the ablation fails naming the four runs; the same command resumes them without
     rebuilding a finished stage (a completed ablation re-run builds nothing: test_ablation's sequential
     kill-and-resume test shows it; the same store lookups run here)."""
-    from test_flow import _journal, _qerl, tiny_run_config
+    from test_ablation import tiny_ablation_config
+    from test_flow import _journal, _qerl
 
-    model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
-    cfg = tiny_run_config(model, engine="hf")
-    cfg["loop"].update(steps=2)
-    cfg["eval"]["benchmark"]["arithmetic_size"] = 8
-    path = tmp_path / "ablate.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = tiny_ablation_config(tiny_model_factory, tmp_path)
     work = tmp_path / "work"
     args = ["ablate", "--config", str(path), "--arms", "bf16-lora,nvfp4-aqn", "--seeds", "2"]
     args += ["--bootstrap", "200", "--ray", ray_head]
