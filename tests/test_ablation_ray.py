@@ -105,16 +105,17 @@ def _free_port() -> int:
 
 @pytest.fixture
 def ray_head(monkeypatch):
-    """A Ray head on 127.0.0.1 with 2 CPUs in its own process group; yields its address."""
+    """A Ray head on 127.0.0.1 with 2 CPUs in its own process group; yields its GCS address
+    (``host:port``) and its Ray Client address (``ray://host:port``)."""
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # node address 127.0.0.1 (module docstring)
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     temp = Path(tempfile.mkdtemp(prefix="qerl-ray-", dir="/tmp"))  # short: Ray's socket paths have a limit
-    port = _free_port()
+    port, client_port = _free_port(), _free_port()
     ray = Path(sys.executable).parent / "ray"
     cmd = [
         str(ray), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
         "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats",
-        "--temp-dir", str(temp), "--ray-client-server-port", str(_free_port()),
+        "--temp-dir", str(temp), "--ray-client-server-port", str(client_port),
     ]  # fmt: skip
     log = open(temp / "head.log", "w")  # noqa: SIM115 - closed at teardown
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -125,7 +126,7 @@ def ray_head(monkeypatch):
                 -3000:
             ]
             time.sleep(0.5)
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", f"ray://127.0.0.1:{client_port}"
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
@@ -142,8 +143,8 @@ def test_ablate_on_a_local_ray_head_runs_in_workers_and_resumes_without_rebuildi
     ray_head, tiny_model_factory, tmp_path
 ):
     """Every worker is killed in its second train build (QERL_FAULT reaches the workers: the driver
-    forwards QERL_*); the ablation fails naming the four runs; the same command resumes them without
-    rebuilding a finished stage (a completed ablation re-run builds nothing: test_ablation's sequential
+    forwards QERL_*); the ablation fails naming the four runs; the same command, through the head's
+    Ray Client address (``ray://``) this time, resumes them without rebuilding a finished stage (a completed ablation re-run builds nothing: test_ablation's sequential
     kill-and-resume test shows it; the same store lookups run here)."""
     from test_ablation import tiny_ablation_config
     from test_flow import _journal, _qerl
@@ -151,8 +152,9 @@ def test_ablate_on_a_local_ray_head_runs_in_workers_and_resumes_without_rebuildi
     path = tiny_ablation_config(tiny_model_factory, tmp_path)
     work = tmp_path / "work"
     args = ["ablate", "--config", str(path), "--arms", "bf16-lora,nvfp4-aqn", "--seeds", "2"]
-    args += ["--bootstrap", "200", "--ray", ray_head]
-    killed = _qerl(args, work, fault="train:2")
+    gcs, client = ray_head
+    args += ["--bootstrap", "200"]
+    killed = _qerl([*args, "--ray", gcs], work, fault="train:2")
     assert killed.returncode == 2, (killed.returncode, killed.stderr[-4000:])
     assert killed.stderr.count(" FAILED: arm ") == 4 and "4 of 4 runs failed" in killed.stderr, killed.stderr[
         -3000:
@@ -161,11 +163,11 @@ def test_ablate_on_a_local_ray_head_runs_in_workers_and_resumes_without_rebuildi
     assert json.loads(record_path.read_text())["status"] == "failed"
     assert Counter(e["stage"] for e in _journal(work))["train"] == 4  # each run's first step survived
 
-    proc = _qerl(args, work)
+    proc = _qerl([*args, "--ray", client], work)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     record = json.loads(record_path.read_text())
     assert record["status"] == "completed", record.get("error")
-    assert record["ray"]["address"] == ray_head and record["ray"]["num_cpus"] == 1
+    assert record["ray"]["address"] == client and record["ray"]["num_cpus"] == 1
     workers = [r["worker"] for r in record["runs"]]
     assert len(workers) == 4 and all(w["pid"] != record["driver"]["pid"] for w in workers)
     assert len({w["pid"] for w in workers}) == 4  # a fresh worker process per run (max_calls=1)
