@@ -99,6 +99,7 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
         ui.line(
             f"ablation {aid}: {len(arms)} arms x {args.seeds} seeds (details in {ablation_dir(work, aid)})"
         )
+        runner.start_temporary_server()
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             if address is None:
                 record = ablate_flow(**params)
@@ -225,6 +226,8 @@ def _print_run(record: dict, work: str) -> None:
 def _run_with_console(args: argparse.Namespace, cfg: Any, work: Any, night: Any) -> int:
     """Run the flow with the console (flows/console.py): lines for people, chatter in run.log."""
     from flows import console, runner
+
+    runner.prepare_environment(work)  # before flows.rl imports Prefect, which reads its settings once
     from flows.rl import run_dir, run_id_for
 
     rid = run_id_for(cfg, night)
@@ -252,6 +255,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from flows import runner
 
     work = Path(_work_dir(args)).resolve()
+    runner.prepare_environment(work)  # recorded_run imports Prefect
     cfg, night = runner.recorded_run(args.run_id, work)
     return _run_with_console(args, cfg, work, night)
 

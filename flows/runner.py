@@ -5,6 +5,15 @@ artifact store, the run records, the MLflow database and Prefect's own database.
 PREFECT_API_URL the flow runs in Prefect's ephemeral mode (no server). The flow heartbeat is off
 for ephemeral runs: it only serves crash detection by a server, and costs a second per flow.
 
+Without PREFECT_API_URL, Prefect's clients start a temporary server (a uvicorn child) the first time
+they need one. ``start_temporary_server`` starts that same instance first, in a session of its own:
+started by Prefect it shares the terminal's process group, so Ctrl-C (or a supervisor's SIGTERM to
+the group) stopped it together with qerl, and Prefect's crash handling then retried reporting the
+crash to the dead server for about 3.5 minutes before printing pages of connection tracebacks. In its
+own session the server outlives the signal and takes the crash report; Prefect's atexit stops it, and
+on Linux the parent-death signal stops it when qerl is killed outright (SIGKILL, the OOM killer),
+which no atexit can.
+
 Scheduling needs a real server (cron schedules are evaluated by its scheduler): ``qerl schedule``
 refuses to run without PREFECT_API_URL and says how to start one on loopback. The deployment has
 a concurrency limit of one, so a nightly run that overruns delays the next instead of overlapping.
@@ -16,8 +25,13 @@ config and night.
 
 from __future__ import annotations
 
+import ctypes
 import datetime as dt
 import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +55,51 @@ def prepare_environment(work: Path) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _stop_with_this_process() -> Callable[[], None] | None:
+    """A preexec_fn that has the child get SIGTERM when this process dies (Linux; else None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()  # resolved before the fork
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, sigterm)
+        if os.getppid() != parent:  # this process died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class _OwnSessionSubprocess:
+    """``subprocess`` as prefect.server.api.server sees it while it starts the server: Popen in a
+    session of its own, stopped with this process."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - subprocess's name
+        return subprocess.Popen(*args, start_new_session=True, preexec_fn=_stop_with_this_process(), **kwargs)
+
+
+def start_temporary_server() -> str | None:
+    """Start Prefect's temporary server now, detached from the terminal's signals (module docstring);
+    its API URL, or None when PREFECT_API_URL names a server. Call from the thread that lives until
+    exit (the main thread): the parent-death signal follows the thread that started the child."""
+    from unittest import mock
+
+    from prefect.server.api import server as prefect_server
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return None
+    server = prefect_server.SubprocessASGIServer()  # the instance every Prefect client would start
+    if not server.running:
+        with mock.patch.object(prefect_server, "subprocess", _OwnSessionSubprocess()):
+            server.start()
+    return server.api_url
+
+
 def run(cfg: RunConfig, work: Path, night: dt.date | None = None) -> dict[str, Any]:
     """Run (or continue: stages are cached) the flow for ``cfg`` in ``work``; returns the run record.
 
@@ -51,6 +110,7 @@ def run(cfg: RunConfig, work: Path, night: dt.date | None = None) -> dict[str, A
 
     from flows.rl import rl_flow
 
+    start_temporary_server()
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         return rl_flow(
             config=cfg.model_dump(mode="json"), work_dir=str(work), night=night.isoformat() if night else None

@@ -1,0 +1,141 @@
+"""Stopping a run from outside: Ctrl-C (SIGINT to the terminal's process group) ends it promptly with
+its crash reported, and Prefect's temporary server never outlives qerl, not even a SIGKILLed qerl.
+
+Before ``flows.runner.start_temporary_server`` the server shared the terminal's process group: Ctrl-C
+stopped it with qerl, and Prefect then retried the crash report against the dead server for about
+3.5 minutes, ending in connection tracebacks; a SIGKILLed qerl left the server running."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+
+def _servers(work: Path) -> list[int]:
+    """Pids of live Prefect temporary servers whose PREFECT_HOME is this work dir's."""
+    home = f"PREFECT_HOME={work / 'prefect'}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            if b"prefect.server.api.server:create_app" in cmdline and home in (
+                proc / "environ"
+            ).read_bytes().split(b"\0"):
+                state = next(
+                    line for line in (proc / "status").read_text().splitlines() if line.startswith("State:")
+                )
+                if "zombie" not in state:
+                    pids.append(int(proc.name))
+        except (OSError, ValueError, StopIteration):
+            continue
+    return pids
+
+
+def _start(cfg_path: Path, work: Path, fault: str | None = None) -> tuple[subprocess.Popen, Path]:
+    env = {**os.environ, "QERL_WORK_DIR": str(work)}
+    for key in ("QERL_FAULT", "TRITON_INTERPRET", "VLLM_ENABLE_V1_MULTIPROCESSING", "PREFECT_API_URL"):
+        env.pop(key, None)
+    if fault:
+        env["QERL_FAULT"] = fault
+    err_path = work / f"cli-{fault or 'run'}.err"
+    with open(err_path, "w") as err:  # the terminal's process group: its own session here
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(cfg_path)]
+        proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=err, start_new_session=True)
+    return proc, err_path
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_qerl_run_sets_prefects_environment_before_prefect_reads_it(tmp_path):
+    """Prefect reads its settings once, at import: ``qerl run`` imported it (through flows.rl) before
+    setting PREFECT_HOME and the 180 s server start-up budget, so the temporary server had Prefect's
+    default 20 s, too little on a loaded 2-core machine."""
+    probe = tmp_path / "settings.txt"
+    code = (
+        "import sys\n"
+        "from flows import cli, runner\n"
+        "def fake_run(cfg, work, night=None):\n"
+        "    from prefect.settings import PREFECT_HOME as H, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as T\n"
+        "    open(sys.argv[2], 'w').write(f'{H.value()} {T.value()}')\n"
+        "    raise SystemExit(0)\n"
+        "runner.run = fake_run\n"
+        "sys.exit(cli.main(['run', '--work-dir', sys.argv[1]]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    work = tmp_path / "work"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(work), str(probe)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert probe.read_text() == f"{work / 'prefect'} 180"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ctrl_c_ends_a_run_promptly_and_the_temporary_server_never_outlives_qerl(
+    tiny_model_factory, tmp_path
+):
+    from test_flow import _journal, tiny_run_config
+
+    model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
+    cfg = tiny_run_config(model, engine="hf")
+    cfg["loop"].update(steps=40)
+    cfg["train"].update(total_steps=40)
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def trained() -> int:
+        return sum(e["stage"] == "train" for e in _journal(work))
+
+    proc, err_path = _start(cfg_path, work)
+    try:
+        _wait_for(lambda: trained() >= 1 or proc.poll() is not None, 600, "no train step within 10 min")
+        assert proc.poll() is None, err_path.read_text()[-3000:]
+        assert _servers(work), "the run has no temporary server of its own"
+        stopped_at = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        code = proc.wait(timeout=170)  # Prefect's retries against a dead server took about 210 s
+        waited = time.monotonic() - stopped_at
+        print(f"Ctrl-C to exit: {waited:.1f} s")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    (log_path,) = (work / "runs").glob("*/run.log")
+    said = err_path.read_text() + log_path.read_text()
+    assert code != 0 and trained() < 40, (code, said[-3000:])
+    for symptom in ("Connection refused", "Error logging to API", "All connection attempts failed"):
+        assert symptom not in said, (symptom, waited, said[-3000:])
+    _wait_for(lambda: not _servers(work), 15, "the temporary server outlived a Ctrl-C'd qerl")
+    (record_path,) = (work / "runs").glob("*/run.json")
+    assert json.loads(record_path.read_text())["status"] == "failed"  # resumable like any failed run
+
+    # qerl killed outright (SIGKILL of its own pid: no atexit runs) takes its server with it
+    proc, err_path = _start(cfg_path, work, fault="train:2")
+    try:
+        code = proc.wait(timeout=600)
+        assert code == -signal.SIGKILL, (code, err_path.read_text()[-3000:])
+        _wait_for(lambda: not _servers(work), 15, "the temporary server outlived a SIGKILLed qerl")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the group is empty when all went well
+            os.killpg(proc.pid, signal.SIGKILL)
