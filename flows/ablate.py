@@ -107,6 +107,9 @@ def _arm_runs(work: Path, planned: list[dict[str, Any]], arms: list[str]) -> lis
         arm.final_accuracy.append(float(final[-1]["accuracy"]))
         arm.items.append({str(r["id"]): float(r["rate"]) for r in rows})
         arm.histories.append([{k: v for k, v in s.items() if k != "manifests"} for s in record["steps"]])
+        arm.base_accuracy += [float(e["accuracy"]) for e in record["evaluations"] if e["adapter"] is None][
+            -1:
+        ]
     return [out[a] for a in arms]
 
 

@@ -36,7 +36,7 @@ import math
 import os
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -289,13 +289,16 @@ def write_curve_plots(arms: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]],
 # ---- the comparison ------------------------------------------------------------------------------
 @dataclass
 class ArmRuns:
-    """One arm's finished runs: per seed its run id, final accuracy, per-item rates and step history."""
+    """One arm's finished runs: per seed its run id, final accuracy, per-item rates and step history,
+    and the accuracy of the arm's base without an adapter where the runs evaluated it (the arms start
+    from different bases: NVFP4 rounding costs the base accuracy before any training)."""
 
     arm: str
     run_ids: list[str]
     final_accuracy: list[float]
     items: list[dict[str, float]]
     histories: list[list[dict[str, Any]]]
+    base_accuracy: list[float] = field(default_factory=list)
 
 
 def compare(arms: Sequence[ArmRuns], n_boot: int = 10_000, seed: int = 0) -> dict[str, Any]:
@@ -311,6 +314,7 @@ def compare(arms: Sequence[ArmRuns], n_boot: int = 10_000, seed: int = 0) -> dic
             "runs": a.run_ids,
             "final_accuracy": a.final_accuracy,
             "accuracy_ci": t_interval(a.final_accuracy),
+            "base_accuracy": a.base_accuracy,
             "early_entropy": means[a.arm],  # per run: NaN when none of its first steps trained a token
             "early_entropy_steps": [len(v) for v in early[a.arm]],  # how many of them had a value
             "early_entropy_ci": _finite_interval(means[a.arm]),
@@ -337,10 +341,11 @@ def report_markdown(ablation: str, result: Mapping[str, Any], plots: Sequence[st
     lines = [f"# qerl ablation `{ablation}`", "", "## Verdict", ""]
     lines += [f"- {p.verdict()}" for p in result["pairs"]]
     lines += ["", "## Final held-out accuracy (95% t-interval across seeds)", ""]
-    lines += ["| arm | accuracy | per seed | runs |", "|---|---|---|---|"]
+    lines += ["| arm | base, no adapter | accuracy | per seed | runs |", "|---|---|---|---|---|"]
     for arm, r in result["arms"].items():
         seeds = ", ".join(f"{v:.3f}" for v in r["final_accuracy"])
-        lines.append(f"| {arm} | {r['accuracy_ci'].text()} | {seeds} | {', '.join(r['runs'])} |")
+        base = ", ".join(sorted({f"{v:.3f}" for v in r.get("base_accuracy", [])})) or "not evaluated"
+        lines.append(f"| {arm} | {base} | {r['accuracy_ci'].text()} | {seeds} | {', '.join(r['runs'])} |")
     lines += ["", "## Paired comparison on the same items (bootstrap over items)", ""]
     lines += ["| a - b | mean diff | 95% CI | items | significant |", "|---|---|---|---|---|"]
     for p in result["pairs"]:

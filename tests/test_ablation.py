@@ -217,6 +217,11 @@ def test_report_from_hand_built_runs(tmp_path):
         assert f"plots/{name}.png" in text
     rows = abl.table_rows(result)
     assert rows[0]["arm"] == "bf16-lora" and rows[0]["seeds"] == 2
+    # each arm's base, where its runs evaluated it (the same for every seed: printed once)
+    assert "| bf16-lora | not evaluated | 0.550 " in text
+    arms[1].base_accuracy = [0.25, 0.25]
+    _, report = abl.write_report("abl-test", arms, tmp_path, n_boot=300)
+    assert "| nvfp4-aqn | 0.250 | 0.550 " in report.read_text()
 
 
 # ---- the unquantized base ------------------------------------------------------------------------
