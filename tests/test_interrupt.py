@@ -42,8 +42,9 @@ def _servers(work: Path) -> list[int]:
 
 
 def _start(cfg_path: Path, work: Path, fault: str | None = None) -> tuple[subprocess.Popen, Path]:
-    env = {**os.environ, "QERL_WORK_DIR": str(work)}
-    for key in ("QERL_FAULT", "TRITON_INTERPRET", "VLLM_ENABLE_V1_MULTIPROCESSING", "PREFECT_API_URL"):
+    # PREFECT_*: in-process flows of earlier tests set PREFECT_HOME here (prepare_environment)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"QERL_WORK_DIR": str(work)}
+    for key in ("QERL_FAULT", "TRITON_INTERPRET", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         env.pop(key, None)
     if fault:
         env["QERL_FAULT"] = fault
