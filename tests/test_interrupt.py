@@ -92,6 +92,9 @@ def test_qerl_run_sets_prefects_environment_before_prefect_reads_it(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="/proc and the parent-death signal are Linux's"
+)
 def test_ctrl_c_ends_a_run_promptly_and_the_temporary_server_never_outlives_qerl(
     tiny_model_factory, tmp_path
 ):
