@@ -327,6 +327,42 @@ def _resources(ray: Any, cpus: float, gpus: float | None, tensor_parallel: int) 
     return {"num_cpus": float(cpus), "num_gpus": gpus}
 
 
+CLIENT_ATTEMPTS, CLIENT_RETRY_S = 3, 5.0
+
+
+def connect(ray: Any, address: str, runtime_env: dict[str, Any]) -> None:
+    """``ray.init`` in the namespace RayTaskRunner uses by default (it finds this connection and leaves
+    it to us). Through a Ray Client address (``ray://``) the head starts a server process per
+    connection, and that start can fail once and then succeed (seen in CI on a loaded 2-core machine:
+    "Starting Ray client server failed"): the server's refusal (``ConnectionAbortedError``) is retried
+    ``CLIENT_ATTEMPTS`` times in all, each retry said on the console. Any other failure, or the last
+    one, is the CLI's one-line error."""
+    attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, namespace="prefect", runtime_env=runtime_env)
+            return
+        except ConnectionAbortedError as err:
+            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            if attempt == attempts:
+                raise FanoutError(
+                    f"cannot connect to the Ray cluster at {address}: the head refused the connection "
+                    f"{attempts} times, last: {reason} (the reason is in ray_client_server*.err under the "
+                    "head's Ray log directory, by default /tmp/ray/session_latest/logs)"
+                ) from err
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            console.current().line(
+                f"Ray Client at {address} refused the connection ({reason}); "
+                f"retrying in {CLIENT_RETRY_S:g} s (attempt {attempt + 1} of {attempts})"
+            )
+            time.sleep(CLIENT_RETRY_S)
+        except Exception as err:  # ConnectionError and friends: the CLI's one-line error, not a traceback
+            raise FanoutError(
+                f"cannot connect to the Ray cluster at {address}: {type(err).__name__}: {err}"
+            ) from err
+
+
 @contextmanager
 def cluster(
     address: str, work: Path, tracking_uri: str, cpus: float = 1.0, gpus: float | None = None,
@@ -349,13 +385,7 @@ def cluster(
             "py_modules": [str(Path(__file__).resolve().parent.parent / p) for p in PACKAGES],
             "env_vars": forwarded_env(),
         }
-        # the namespace is RayTaskRunner's default: it finds this connection and leaves it to us
-        try:
-            ray.init(address=address, namespace="prefect", runtime_env=runtime_env)
-        except Exception as err:  # ConnectionError and friends: the CLI's one-line error, not a traceback
-            raise FanoutError(
-                f"cannot connect to the Ray cluster at {address}: {type(err).__name__}: {err}"
-            ) from err
+        connect(ray, address, runtime_env)
         try:
             remote = bool(static) or cluster_is_remote(ray)
             if remote and not static:

@@ -80,6 +80,47 @@ def test_a_dead_ray_address_fails_at_once():
     fanout.check_reachable("auto")  # left to Ray
 
 
+class _RefusingRay:
+    """A ``ray`` module whose ``init`` is refused by the head ``refusals`` times, as a Ray Client
+    server that fails to start is (``ConnectionAbortedError``), then connects."""
+
+    def __init__(self, refusals: int):
+        self.refusals, self.inits, self.shutdowns = refusals, 0, 0
+
+    def init(self, address: str, namespace: str, runtime_env: dict) -> None:
+        self.inits += 1
+        if self.inits <= self.refusals:
+            raise ConnectionAbortedError(
+                "Initialization failure from server:\nTraceback ...\nRuntimeError: Starting Ray client "
+                "server failed. See ray_client_server_23000.err for detailed logs."
+            )
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def test_a_ray_client_connection_refused_by_the_head_is_retried_and_then_named(monkeypatch, caplog):
+    monkeypatch.setattr(fanout, "CLIENT_RETRY_S", 0.0)
+    ray = _RefusingRay(refusals=2)
+    with caplog.at_level("INFO"):
+        fanout.connect(ray, "ray://127.0.0.1:10001", {})
+    assert ray.inits == 3 and ray.shutdowns == 2
+    assert (
+        "retrying in 0 s (attempt 3 of 3)" in caplog.text
+        and "Starting Ray client server failed" in caplog.text
+    )
+    ray = _RefusingRay(refusals=3)
+    with pytest.raises(
+        fanout.FanoutError, match="refused the connection 3 times.*ray_client_server_23000.err"
+    ):
+        fanout.connect(ray, "ray://127.0.0.1:10001", {})
+    assert ray.inits == 3
+    ray = _RefusingRay(refusals=1)  # a GCS address has no per-connection server: no retry
+    with pytest.raises(fanout.FanoutError, match="cannot connect to the Ray cluster at 127.0.0.1:6379"):
+        fanout.connect(ray, "127.0.0.1:6379", {})
+    assert ray.inits == 1
+
+
 def test_the_cli_refuses_a_remote_cluster_with_the_sqlite_registry_before_the_flow(
     monkeypatch, capsys, tmp_path
 ):
@@ -103,10 +144,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _client_server_logs(temp: Path) -> str:
+    """The tails of the head's Ray Client server logs: the reason a ``ray://`` connection failed is
+    there, and the fixture deletes the directory at teardown."""
+    tails = [
+        f"--- {f.name}:\n{f.read_text(errors='replace')[-1500:]}"
+        for f in sorted(temp.glob("session_*/logs/ray_client_server*"))
+        if f.is_file() and f.stat().st_size
+    ]
+    return "\n".join(tails) or f"(no Ray Client server logs under {temp})"
+
+
 @pytest.fixture
 def ray_head(monkeypatch):
     """A Ray head on 127.0.0.1 with 2 CPUs in its own process group; yields its GCS address
-    (``host:port``) and its Ray Client address (``ray://host:port``)."""
+    (``host:port``), its Ray Client address (``ray://host:port``) and a function returning the tails
+    of the Ray Client server's logs (for failure messages)."""
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # node address 127.0.0.1 (module docstring)
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     temp = Path(tempfile.mkdtemp(prefix="qerl-ray-", dir="/tmp"))  # short: Ray's socket paths have a limit
@@ -126,7 +179,7 @@ def ray_head(monkeypatch):
                 -3000:
             ]
             time.sleep(0.5)
-        yield f"127.0.0.1:{port}", f"ray://127.0.0.1:{client_port}"
+        yield f"127.0.0.1:{port}", f"ray://127.0.0.1:{client_port}", lambda: _client_server_logs(temp)
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
@@ -152,7 +205,7 @@ def test_ablate_on_a_local_ray_head_runs_in_workers_and_resumes_without_rebuildi
     path = tiny_ablation_config(tiny_model_factory, tmp_path)
     work = tmp_path / "work"
     args = ["ablate", "--config", str(path), "--arms", "bf16-lora,nvfp4-aqn", "--seeds", "2"]
-    gcs, client = ray_head
+    gcs, client, client_server_logs = ray_head
     args += ["--bootstrap", "200"]
     killed = _qerl([*args, "--ray", gcs], work, fault="train:2")
     assert killed.returncode == 2, (killed.returncode, killed.stderr[-4000:])
@@ -164,7 +217,7 @@ def test_ablate_on_a_local_ray_head_runs_in_workers_and_resumes_without_rebuildi
     assert Counter(e["stage"] for e in _journal(work))["train"] == 4  # each run's first step survived
 
     proc = _qerl([*args, "--ray", client], work)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:], client_server_logs())
     record = json.loads(record_path.read_text())
     assert record["status"] == "completed", record.get("error")
     assert record["ray"]["address"] == client and record["ray"]["num_cpus"] == 1
