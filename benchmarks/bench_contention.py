@@ -268,8 +268,8 @@ if __name__ == "__main__":
     if cli.child:
         _child(cli.child, json.loads(Path(cli.paths).read_text()), cli.in_process)
     else:
-        from pipeline.artifacts import atomic_write_text
+        from benchmarks import write_section
 
         result, met = main(cli.rounds, cli.in_process, tuple(cli.arms.split(",")), cli.busy)
-        atomic_write_text(cli.out, result)
+        write_section(cli.out, result)
         sys.exit(0 if met else 1)

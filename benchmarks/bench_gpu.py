@@ -503,7 +503,8 @@ def main(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from pipeline.artifacts import atomic_write_json, atomic_write_text
+    from benchmarks import write_section
+    from pipeline.artifacts import atomic_write_json
     from pipeline.plan import KNOWN_SHAPES, ModelShape
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -530,7 +531,7 @@ def main(args: argparse.Namespace) -> dict:
 
     def save() -> None:
         atomic_write_json(out_dir / "gpu.json", report)
-        atomic_write_text(out_dir / "gpu.md", render(report))
+        write_section(out_dir / "gpu.md", render(report))
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qerl-bench-gpu-") as tmp:

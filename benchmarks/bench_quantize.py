@@ -279,9 +279,9 @@ def main(argv: list[str] | None = None) -> str:
     text = "\n".join(lines)
     out = ROOT / "benchmarks" / "results" / "quantize.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    from pipeline.artifacts import atomic_write_text
+    from benchmarks import write_section
 
-    atomic_write_text(out, text + "\n")
+    write_section(out, text)
     print(text)
     return text
 

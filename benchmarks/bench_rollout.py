@@ -184,10 +184,10 @@ def main(argv: list[str] | None = None) -> str:
         "",
     ]
     text = "\n".join(lines)
-    from pipeline.artifacts import atomic_write_text
+    from benchmarks import write_section
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(RESULTS, text)
+    write_section(RESULTS, text)
     print(text)
     return text
 

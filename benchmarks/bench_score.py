@@ -175,10 +175,10 @@ def main(
     ]
     text = "\n".join(lines)
     print(text)
-    from pipeline.artifacts import atomic_write_text
+    from benchmarks import write_section
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(RESULTS, text)
+    write_section(RESULTS, text)
     return text
 
 

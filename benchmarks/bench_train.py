@@ -362,6 +362,6 @@ if __name__ == "__main__":
     if cli.child:
         _child(cli)
     else:
-        from pipeline.artifacts import atomic_write_text
+        from benchmarks import write_section
 
-        atomic_write_text(cli.out, main(cli.layers, cli.vocab, cli.steps))
+        write_section(cli.out, main(cli.layers, cli.vocab, cli.steps))

@@ -36,3 +36,17 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
         return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, dtype=dtype, **kwargs)
 
     return factory
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_prefects_temporary_servers():
+    """Stop the temporary Prefect servers in-process flows started, while pytest still captures output:
+    Prefect's own atexit stop logs to a stream pytest has closed by then (a logging traceback after the
+    summary)."""
+    yield
+    import sys
+
+    server = sys.modules.get("prefect.server.api.server")
+    if server is not None:
+        for instance in list(server.SubprocessASGIServer._instances.values()):
+            instance.stop()
