@@ -9,10 +9,12 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+OUTPUTS = ("benchmarks/results", "BENCHMARKS.md")  # what the benchmarks write: not code they measured
 
 
 def provenance() -> str:
-    """``commit 1a2b3c4, 2026-11-23`` (``+ uncommitted changes`` when the tree differs from it), or
+    """``commit 1a2b3c4, 2026-11-23`` (``+ uncommitted changes`` when a tracked file other than the
+    benchmarks' own outputs differs from it: a run of several benchmarks rewrites those), or
     ``commit unknown`` outside a git checkout."""
     day = datetime.date.today().isoformat()
     try:
@@ -20,7 +22,10 @@ def provenance() -> str:
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *[f":!{p}" for p in OUTPUTS]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return f"commit unknown (not a git checkout), {day}"

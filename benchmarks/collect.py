@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # gpu.md comes from bench_gpu.py on a CUDA machine only
-ORDER = ["quantize", "score", "rollout", "train", "contention", "gpu"]
+ORDER = ["quantize", "score", "rollout", "train", "contention", "contention-busy", "gpu"]
 
 HEADER = """# Benchmarks
 

@@ -20,6 +20,7 @@ def test_a_section_names_its_commit_and_says_when_the_tree_had_changes(tmp_path,
     repo.mkdir()
     _git(repo, "init", "-q")
     (repo / "code.py").write_text("x = 1\n")
+    (repo / "BENCHMARKS.md").write_text("# Benchmarks\n")
     _git(repo, "add", "code.py")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
     commit = _git(repo, "rev-parse", "--short", "HEAD")
@@ -31,6 +32,11 @@ def test_a_section_names_its_commit_and_says_when_the_tree_had_changes(tmp_path,
     text = out.read_text()
     assert text.startswith("## X\n\n| a |\n\nMeasured at commit ") and f"commit {commit}, " in text
     assert "uncommitted" not in text
+    _git(repo, "add", "BENCHMARKS.md")  # tracked, as results are
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    commit = _git(repo, "rev-parse", "--short", "HEAD")
+    (repo / "BENCHMARKS.md").write_text("rewritten by a benchmark\n")
+    assert benchmarks.provenance().startswith(f"commit {commit}, ")  # a benchmark's output is not code
     (repo / "code.py").write_text("x = 2\n")
     assert f"commit {commit} + uncommitted changes, " in benchmarks.provenance()
     monkeypatch.setattr(benchmarks, "ROOT", tmp_path / "results")  # not a checkout
