@@ -310,3 +310,55 @@ def test_dequantize_rejects_bad_out_buffer():
     packed, scale, gs = quantize_nvfp4(torch.randn(4, 32))
     with pytest.raises(NVFP4Error, match="out must be"):
         nvfp4.dequantize(packed, scale, gs, torch.bfloat16, out=torch.empty(4, 32))
+
+
+_THREADS_CHILD = """
+import logging, sys, threading
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
+import numba, torch
+from kernels import nvfp4, nvfp4_numba
+w = torch.randn(256, 512) * 3
+packed, scale, gs = nvfp4.quantize_nvfp4(w)
+want = nvfp4.dequantize_nvfp4(packed, scale, gs, dtype=torch.bfloat16)
+bad = []
+def decode():
+    out = torch.empty(256, 512, dtype=torch.bfloat16)
+    for _ in range(40):
+        nvfp4_numba.dequantize_into(packed, scale, float(gs), out)
+        if not torch.equal(out.view(torch.int16), want.view(torch.int16)):
+            bad.append(1)
+threads = [threading.Thread(target=decode) for _ in range(3)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print("layer", numba.threading_layer(), "bad", len(bad))
+"""
+
+
+@pytest.mark.parametrize("user_layer", [None, "omp"])
+def test_numba_decodes_park_their_threads_unless_the_user_chose_a_layer(user_layer):
+    """Numba's OpenMP layer spins beside torch's (kernels.nvfp4_numba docstring: a 3.4x slower NVFP4
+    train step); the module picks ``workqueue``, which aborts the process when two threads launch at
+    once, so launches are serialised: three threads decoding together get the reference's bits. A
+    user's NUMBA_THREADING_LAYER is kept, with a warning. A fresh process: the layer is fixed at a
+    process's first parallel launch."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kernels import nvfp4_numba
+
+    if not nvfp4_numba.available():
+        pytest.skip("numba not installed")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    if user_layer:
+        env["NUMBA_THREADING_LAYER"] = user_layer
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-c", _THREADS_CHILD], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layer = user_layer or "workqueue"
+    assert f"layer {layer} bad 0" in proc.stdout, proc.stdout[-2000:]
+    assert f"numba threading layer: {layer}" in proc.stdout
+    assert ("WARNING" in proc.stdout) == (layer != "workqueue"), proc.stdout[-2000:]
