@@ -143,12 +143,14 @@ def test_fresh_process_threading_undoes_what_set_num_threads_did_to_mkl_and_rest
 
 
 @pytest.mark.slow
-def test_train_step_next_to_a_live_engine_starts_no_thread_per_gemm(tmp_path):
+def test_train_step_next_to_a_live_engine_starts_no_thread_per_gemm(tmp_path, monkeypatch):
     """The cause of issue 12, counted with the benchmark's own child (a live vLLM engine in worker
     processes, then demo-shaped train steps): a bare step creates thousands of tasks (MKL's nested
     OpenMP team per GEMM); a step in the train stage's ``trainer_threads`` right after it, in the
     same process, creates none. Pinning alone, the earlier fix, did not stop it once a bare step had
-    run (bench_contention.py). Counts, not times."""
+    run (bench_contention.py). Counts, not times. The child decodes NVFP4 on numba's OpenMP layer,
+    as it did when the issue was found: on the default ``workqueue`` layer even a bare step starts
+    no threads (BENCHMARKS.md), which would leave the reset untested."""
     import json
     import sys
     from pathlib import Path
@@ -158,6 +160,7 @@ def test_train_step_next_to_a_live_engine_starts_no_thread_per_gemm(tmp_path):
 
     paths = tmp_path / "paths.json"
     paths.write_text(json.dumps(bench_contention.make_inputs(tmp_path)))
+    monkeypatch.setenv("NUMBA_THREADING_LAYER", "omp")
     child = bench_contention._start("engine", paths, in_process=False)
     try:
         steps = {}
