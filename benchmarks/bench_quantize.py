@@ -115,8 +115,8 @@ def library_quantize_all(src: Path) -> tuple[float, dict[str, tuple[torch.Tensor
     results = {}
     # Warm-up: the library torch.compiles its FP4 rounding (cast_to_fp4) on first use, and again for
     # dynamic shapes at the second shape it sees. Two shapes here, so the timed loop runs compiled code
-    # only: otherwise the timing depends on the inductor cache (cold on a fresh machine: 67.7 s in an
-    # earlier run against 19.8 s warm, with only the first shape warmed).
+    # only: with one, the recompile fell inside the timed loop and its cost followed the inductor cache
+    # (a one-off timing of this two-shape warm-up: 28.5 s on a cold cache, 12 s on a warm one).
     for rows, cols in ((32, 64), (48, 128)):
         w = torch.randn(rows, cols)
         s, _ = calculate_qparams(
