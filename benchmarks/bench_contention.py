@@ -12,7 +12,7 @@ that whatever else loads the machine loads them alike:
   engine  starts the vLLM engine on the dequantized twin (the demo's: worker processes; ``--in-process``
           for the in-process engine), generates once, and keeps it alive; one such process per arm,
           because what a step leaves in a process (libgomp's pool, MKL's state) decides later steps
-The arms (``pipeline.threads``):
+The arms (``qerl.pipeline.runtime.threads``):
   stage   what the train stage does (``trainer_threads``: ``unpinned`` + one core per thread)
   unpinned  MKL and OpenMP as a fresh process has them, no pinning (``fresh_process_threading``)
   pinned  one core per intra-op thread only (``pinned_intra_op_threads``: the first, partial fix)
@@ -58,12 +58,11 @@ def make_inputs(work: Path) -> dict[str, str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
-
-    from pipeline.artifacts import ArtifactStore
-    from pipeline.nvfp4 import QuantizeConfig
-    from pipeline.tiny import build_tiny_model
-    from stages.quantize import run as quantize
-    from stages.quantize import run_twin
+    from qerl.pipeline.demo.tiny_model import build_tiny_model
+    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.stages.quantize import run as quantize
+    from qerl.stages.quantize import run_twin
 
     src = build_tiny_model(work / "base", dtype=torch.float32, vocab_size=384, hidden_size=128, num_layers=4)
     store = ArtifactStore(work / "store")
@@ -105,16 +104,19 @@ def _last_pid() -> int:
 def _child(kind: str, paths: dict[str, str], in_process: bool) -> None:
     """Line protocol on stdin/stdout: an arm name -> one step, answer its seconds and tasks as JSON."""
     import torch
-
-    from pipeline.artifacts import Manifest
-    from pipeline.threads import fresh_process_threading, pinned_intra_op_threads, trainer_threads
-    from pipeline.training import TrainConfig, init_state, load_rollout_batch, train_step
+    from qerl.pipeline.rl.training import TrainConfig, init_state, load_rollout_batch, train_step
+    from qerl.pipeline.runtime.threads import (
+        fresh_process_threading,
+        pinned_intra_op_threads,
+        trainer_threads,
+    )
+    from qerl.pipeline.store.artifacts import Manifest
 
     cfg = TrainConfig(**TRAIN)
     batch = load_rollout_batch(paths["scored"], temperature=1.0)
     engine = None
     if kind == "engine":
-        from pipeline.engines import RolloutConfig, SamplingSpec, build_engine
+        from qerl.pipeline.rollout.engine import RolloutConfig, SamplingSpec, build_engine
 
         rollout = RolloutConfig(**ROLLOUT, in_process=in_process)
         engine = build_engine(rollout, Manifest.load(paths["quantized"]), Manifest.load(paths["twin"]))

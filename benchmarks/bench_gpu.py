@@ -2,10 +2,10 @@
 
 What, on one CUDA GPU, side by side in one run:
 
-1. Train: one GRPO update (``pipeline.training.train_step``: LoRA r=32 / alpha 64 on all seven
+1. Train: one GRPO update (``qerl.pipeline.rl.training.train_step``: LoRA r=32 / alpha 64 on all seven
    projections, gradient checkpointing, bf16 compute, AdamW, one minibatch) on a batch like the
    paper's: 8 sequences (2 prompts x 4 samples) of 256 prompt + 1,024 completion tokens. Models:
-   random weights at the shapes of Qwen2.5-7B, -14B and -32B (``pipeline.plan.KNOWN_SHAPES``), built
+   random weights at the shapes of Qwen2.5-7B, -14B and -32B (``qerl.pipeline.planning.memory.KNOWN_SHAPES``), built
    directly on the GPU, nothing downloaded. The NVFP4 arm quantizes each projection on the GPU with
    the dispatcher (the Triton kernel on CUDA; q/k/v and gate/up share one global scale, as the quantize
    stage does) and trains on ``NVFP4Linear``; the bf16 arm keeps plain ``nn.Linear`` weights. Each
@@ -81,10 +81,9 @@ def build_model(shape: Any, base: str, device: str) -> Any:
     """
     import torch
     from accelerate import init_empty_weights
+    from qerl.kernels import nvfp4
+    from qerl.pipeline.nvfp4.linear import NVFP4Linear
     from transformers import AutoModelForCausalLM
-
-    from kernels import nvfp4
-    from pipeline.qlinear import NVFP4Linear
 
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(_qwen2_config(shape), dtype=torch.bfloat16)
@@ -130,15 +129,14 @@ def build_model(shape: Any, base: str, device: str) -> Any:
 
 
 def lora_state(model: Any, cfg: Any, device: str) -> Any:
-    """The train state around an in-memory base, as ``pipeline.training.init_state`` builds it from a
+    """The train state around an in-memory base, as ``qerl.pipeline.rl.training.init_state`` builds it from a
     checkpoint (gradient checkpointing, peft LoRA with NVFP4Linear registered, AdamW, schedule)."""
     import warnings
 
     import torch
     from peft import LoraConfig, get_peft_model
-
-    from pipeline.qlinear import register_with_peft
-    from pipeline.training import TrainState, _lr_lambda, optimizer_impl
+    from qerl.pipeline.nvfp4.linear import register_with_peft
+    from qerl.pipeline.rl.training import TrainState, _lr_lambda, optimizer_impl
 
     torch.manual_seed(cfg.seed)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -162,8 +160,7 @@ def lora_state(model: Any, cfg: Any, device: str) -> Any:
 def make_batch(state: Any, vocab: int, b: dict) -> Any:
     """2 prompts x 4 samples of random ids, alternating rewards, sampler logprobs from the policy."""
     import torch
-
-    from pipeline.training import RolloutBatch, _collate, completion_logprobs
+    from qerl.pipeline.rl.training import RolloutBatch, _collate, completion_logprobs
 
     gen = torch.Generator().manual_seed(1)
     n = b["prompts"] * b["group"]
@@ -195,8 +192,7 @@ def _preload(device: str) -> None:
     import peft  # noqa: F401
     import torch
     import transformers  # noqa: F401
-
-    from kernels.nvfp4 import dequantize, quantize
+    from qerl.kernels.nvfp4 import dequantize, quantize
 
     dequantize(*quantize(torch.ones(16, 16, device=device)), dtype=torch.bfloat16)
 
@@ -204,8 +200,7 @@ def _preload(device: str) -> None:
 def train_arm(shape: Any, base: str, device: str, b: dict, steps: int) -> dict:
     """Build, warm up, time ``steps`` updates; peak memory over the timed updates. OOM is a result."""
     import torch
-
-    from pipeline.training import TrainConfig, train_step
+    from qerl.pipeline.rl.training import TrainConfig, train_step
 
     cuda = device == "cuda"
     out: dict[str, Any] = {"phase": "build"}
@@ -270,10 +265,9 @@ def kernel_bench(device: str, dry: bool) -> dict:
     """Copy bandwidth, dequantize GB/s, and dequantize+GEMM vs bf16 GEMM."""
     import torch
     import torch.nn.functional as F
-
-    from kernels import nvfp4
-    from pipeline.plan import KNOWN_SHAPES
-    from pipeline.qlinear import NVFP4Linear
+    from qerl.kernels import nvfp4
+    from qerl.pipeline.nvfp4.linear import NVFP4Linear
+    from qerl.pipeline.planning.memory import KNOWN_SHAPES
 
     iters = 3 if dry else 20
     n_copy = (1 << 16) if dry else (1 << 29)  # 1 GiB of bf16 on a GPU
@@ -330,7 +324,7 @@ def kernel_bench(device: str, dry: bool) -> dict:
 
 
 def _child(args: argparse.Namespace) -> None:
-    from pipeline.plan import KNOWN_SHAPES, ModelShape
+    from qerl.pipeline.planning.memory import KNOWN_SHAPES, ModelShape
 
     device = "cuda" if not args.dry_run else "cpu"
     b = DRY if args.dry_run else PAPER
@@ -370,7 +364,7 @@ def _gib(x: float | None) -> str:
 
 
 def _plan_bytes(shape: Any, base: str, b: dict, device: str) -> int:
-    from pipeline.plan import trainer_peak
+    from qerl.pipeline.planning.memory import trainer_peak
 
     peak = trainer_peak(
         shape,
@@ -434,7 +428,7 @@ def render(report: dict) -> str:
         "compute, AdamW; random weights at the model's real shape, built on the device. Time: median of "
         f"{report['steps']} updates after a warm-up; peak: `torch.cuda.max_memory_allocated` over them (tensors only, "
         "no CUDA context; on the CPU dry run the child's peak RSS above its baseline). `qerl plan` GiB is the "
-        "trainer's peak as `pipeline.plan.trainer_peak` predicts it. Each arm runs in its own process.",
+        "trainer's peak as `qerl.pipeline.planning.memory.trainer_peak` predicts it. Each arm runs in its own process.",
         "",
         *_train_rows(report),
     ]
@@ -502,10 +496,10 @@ def main(args: argparse.Namespace) -> dict:
     import tempfile
 
     import torch
+    from qerl.pipeline.planning.memory import KNOWN_SHAPES, ModelShape
+    from qerl.pipeline.store.artifacts import atomic_write_json
 
     from benchmarks import write_section
-    from pipeline.artifacts import atomic_write_json
-    from pipeline.plan import KNOWN_SHAPES, ModelShape
 
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit(
@@ -568,7 +562,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (CI)")
     parser.add_argument(
-        "--models", default="7b,14b,32b", help="Qwen2.5 sizes from pipeline.plan.KNOWN_SHAPES"
+        "--models", default="7b,14b,32b", help="Qwen2.5 sizes from qerl.pipeline.planning.memory.KNOWN_SHAPES"
     )
     parser.add_argument("--arms", default="nvfp4,bf16")
     parser.add_argument(

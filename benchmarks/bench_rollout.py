@@ -43,11 +43,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from pipeline.data import arithmetic_problems  # noqa: E402
-from pipeline.engines import RolloutConfig  # noqa: E402
-from pipeline.prompts import render_prompt  # noqa: E402
-from pipeline.tiny import build_tiny_model  # noqa: E402
+from qerl.pipeline.data.datasets import arithmetic_problems  # noqa: E402
+from qerl.pipeline.data.prompts import render_prompt  # noqa: E402
+from qerl.pipeline.demo.tiny_model import build_tiny_model  # noqa: E402
+from qerl.pipeline.rollout.engine import RolloutConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout.md"
 SHAPE = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
@@ -111,8 +110,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile (test setting)")
     args = parser.parse_args(argv)
 
-    from pipeline.engines.hf_engine import HFEngine
-    from pipeline.engines.vllm_engine import VLLMEngine
+    from qerl.pipeline.rollout.hf_engine import HFEngine
+    from qerl.pipeline.rollout.vllm_engine import VLLMEngine
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.rewards import RewardConfig, score_batch  # noqa: E402
+from qerl.pipeline.data.rewards import RewardConfig, score_batch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "score.md"
 

@@ -13,7 +13,7 @@ alpha 32 on all seven projections, AdamW, max grad norm 0.2, dapo loss, gradient
 (``lora_autocast``; TRL with ``bf16=True``, i.e. accelerate's autocast), one optimizer update per step.
 
 Arms, each in its own subprocess (so peak RSS is per arm: the child's VmHWM):
-  nvfp4  pipeline.training.train_step on the packed NVFP4 base (dequantize in forward and backward)
+  nvfp4  qerl.pipeline.rl.training.train_step on the packed NVFP4 base (dequantize in forward and backward)
   bf16   the same code on the bf16 base (plain nn.Linear)
   trl    trl.GRPOTrainer (use_vllm=False) on the bf16 base: the update only, i.e. its compute_loss +
          backward + clip + AdamW step on the same batch, since its generation is not what we compare.
@@ -65,12 +65,11 @@ def _current_rss_mb() -> float:
 def make_models(work: Path, layers: int, vocab: int) -> tuple[Path, Path]:
     """bf16 random model dir + its NVFP4 checkpoint (quantize stage)."""
     import torch
+    from qerl.pipeline.demo.tiny_model import tiny_config, train_tokenizer
+    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.stages.quantize import run as quantize
     from transformers import AutoModelForCausalLM
-
-    from pipeline.artifacts import ArtifactStore
-    from pipeline.nvfp4 import QuantizeConfig
-    from pipeline.tiny import tiny_config, train_tokenizer
-    from stages.quantize import run as quantize
 
     bf16 = work / "bf16"
     shape = {**SHAPE, "num_layers": layers}
@@ -100,9 +99,8 @@ def make_models(work: Path, layers: int, vocab: int) -> tuple[Path, Path]:
 def make_batch(model_dir: Path, vocab: int):  # noqa: ANN201
     """The shared batch; sampler logprobs from the bf16 base so that the ratio starts near 1."""
     import torch
+    from qerl.pipeline.rl.training import RolloutBatch, _collate, completion_logprobs
     from transformers import AutoModelForCausalLM
-
-    from pipeline.training import RolloutBatch, _collate, completion_logprobs
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(N_PROMPTS)]
@@ -125,13 +123,13 @@ def make_batch(model_dir: Path, vocab: int):  # noqa: ANN201
 
 
 def _train_config():  # noqa: ANN202
-    from pipeline.training import TrainConfig
+    from qerl.pipeline.rl.training import TrainConfig
 
     return TrainConfig(dtype="bfloat16", minibatch_size=8, gradient_checkpointing=True, lr=1e-5, seed=0)
 
 
 def arm_ours(base_dir: Path, batch, steps: int) -> dict:  # noqa: ANN001
-    from pipeline.training import init_state, train_step
+    from qerl.pipeline.rl.training import init_state, train_step
 
     baseline = _current_rss_mb()
     cfg = _train_config()
@@ -236,12 +234,11 @@ def _child(args: argparse.Namespace) -> None:
         import trl  # noqa: F401
     if args.child == "nvfp4":  # numba and its cached dequantize kernel are a library import too
         import torch
-
-        from kernels.nvfp4 import dequantize, quantize_nvfp4
+        from qerl.kernels.nvfp4 import dequantize, quantize_nvfp4
 
         dequantize(*quantize_nvfp4(torch.ones(16, 16)), dtype=torch.bfloat16)
 
-    from pipeline.training import RolloutBatch
+    from qerl.pipeline.rl.training import RolloutBatch
 
     batch = RolloutBatch(**json.loads(Path(args.batch).read_text()))
     work = Path(args.work)

@@ -1,7 +1,7 @@
 """The ablation flow (``qerl ablate``): one ordinary run per (arm, seed), then the comparison.
 
-What. ``ablate_flow`` runs ``flows.rl.rl_flow`` as a subflow for every (arm, replicate), one after the
-other (arm configs and seeds: ``pipeline.ablation``), then compares them: ``report.md`` and
+What. ``ablate_flow`` runs ``qerl.flows.rl.rl_flow`` as a subflow for every (arm, replicate), one after the
+other (arm configs and seeds: ``qerl.pipeline.evaluation.ablation``), then compares them: ``report.md`` and
 ``plots/*.png`` under ``<work>/ablations/<ablation id>/``, a Prefect table and markdown artifact, and
 an MLflow parent run (run name = the ablation id) whose children are the runs' own MLflow runs
 (``mlflow.parentRunId``), holding the report, the plots and each arm's accuracy.
@@ -14,12 +14,12 @@ its record (``ablation.json``) keeps the MLflow parent run id, so a resumed abla
 and the runs' register stages keep their cache keys.
 
 Ablation runs are registered with ``ablation_id`` and ``arm`` lineage tags and never move an alias
-(``stages.register`` with ``promote=False``).
+(``qerl.stages.register`` with ``promote=False``).
 
 Where the runs go. By default one after the other in this process, each run's stage lines and step
 bar on the ablation's console. With a Ray address (``qerl ablate --ray ADDRESS``, ``ray`` parameter)
 all runs are submitted at once, each a Prefect task in its own Ray worker process with the resources
-it asks for, and the console shows one line per finished run; ``flows.fanout`` has the rules (shared
+it asks for, and the console shows one line per finished run; ``qerl.flows.fanout`` has the rules (shared
 work dir, registry and Prefect API reachable by every node) and what a worker gets. Either way each
 run is the same ordinary run, so the ablation id, the run ids and resumption do not depend on where
 the runs went; the record notes the driver and, per run, the worker's node and pid.
@@ -37,13 +37,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
-from flows import console
-from flows.rl import load_run_record, rl_flow, run_id_for
-from pipeline import ablation as abl
-from pipeline import registry
-from pipeline.artifacts import atomic_write_json, default_work_dir
-from pipeline.runconfig import RunConfig
+from qerl.flows import console
+from qerl.flows.rl import load_run_record, rl_flow, run_id_for
+from qerl.pipeline.config.run import RunConfig
+from qerl.pipeline.evaluation import ablation as abl
+from qerl.pipeline.registry import tracking as registry
+from qerl.pipeline.store.artifacts import atomic_write_json, default_work_dir
 
 log = logging.getLogger("qerl.ablate")
 
@@ -145,7 +144,7 @@ def ablate_flow(
 ) -> dict[str, Any]:  # fmt: skip
     """Run every (arm, seed) and compare (see the module docstring); returns the ablation record.
 
-    ``ray``: run on a Ray cluster, the plan ``flows.fanout.cluster`` yields (with its task runner on
+    ``ray``: run on a Ray cluster, the plan ``qerl.flows.fanout.cluster`` yields (with its task runner on
     this flow: ``ablate_flow.with_options(task_runner=...)``); None: sequentially, in this process."""
     arms = abl.parse_arms(arms)
     base = RunConfig.model_validate(config)  # the user's config must be valid before any arm runs
@@ -168,7 +167,7 @@ def ablate_flow(
         if ray is None:
             _run_sequentially(aid, work, planned, parent)
         else:
-            from flows import fanout
+            from qerl.flows import fanout
 
             def done(i: int, worker: dict[str, Any]) -> None:  # progress on disk as runs finish
                 record["runs"][i]["worker"] = worker

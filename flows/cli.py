@@ -50,7 +50,7 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "ablate", help="compare arms (bf16-lora, nvfp4-lora, nvfp4-aqn) over seeds: a run each, then a report"
     )
-    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/presets)")
+    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/config/presets)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     p.add_argument("--arms", required=True, help="comma-separated arms, e.g. bf16-lora,nvfp4-lora,nvfp4-aqn")
     p.add_argument("--seeds", type=int, default=3, help="replicates per arm (default 3)")
@@ -77,9 +77,9 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     """Run (or continue) an ablation with the console; the log is <work>/ablations/<id>/run.log."""
     from pathlib import Path
 
-    from flows import console, runner
-    from pipeline.ablation import ablation_id, parse_arms
-    from pipeline.runconfig import load_run_config
+    from qerl.flows import console, runner
+    from qerl.pipeline.config.run import load_run_config
+    from qerl.pipeline.evaluation.ablation import ablation_id, parse_arms
 
     cfg = load_run_config(args.config, args.set)
     work = Path(_work_dir(args)).resolve()
@@ -88,8 +88,7 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     runner.prepare_environment(work)
     address, tracking_uri = _ablate_ray_checks(args, cfg, work)  # a bad cluster setup fails before the flow
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
-    from flows.ablate import ablate_flow, ablation_dir
+    from qerl.flows.ablate import ablate_flow, ablation_dir
 
     params = {
         "config": cfg.model_dump(mode="json"), "work_dir": str(work), "arms": arms, "seeds": args.seeds,
@@ -104,7 +103,7 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
             if address is None:
                 record = ablate_flow(**params)
             else:
-                from flows import fanout
+                from qerl.flows import fanout
 
                 with fanout.cluster(
                     address, work, tracking_uri, args.cpus_per_run, args.gpus_per_run,
@@ -120,13 +119,13 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
 
 def _ablate_ray_checks(args: argparse.Namespace, cfg: Any, work: Any) -> tuple[str | None, str]:
     """The Ray address (--ray, else $QERL_RAY_ADDRESS) and the resolved MLflow URI, with the static rules
-    of flows.fanout checked before the flow starts (after prepare_environment: fanout imports Prefect)."""
-    from flows import fanout
+    of qerl.flows.fanout checked before the flow starts (after prepare_environment: fanout imports Prefect)."""
+    from qerl.flows import fanout
 
     address = fanout.resolve_address(args.ray)
     if address is None:
         return None, ""
-    from pipeline import registry
+    from qerl.pipeline.registry import tracking as registry
 
     tracking_uri, _ = registry.resolve_uris(cfg.registry, work)
     remote = bool(fanout.address_is_remote(address))
@@ -147,7 +146,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="config.json, model dir, hub id or known shape (qwen2.5-7b ...); default: model.source",
     )
     p.add_argument("--gpu-mem", required=True, help="one GPU's memory: 80 (GiB), 80GiB, 80GB or 81559MiB")
-    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/presets)")
+    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/config/presets)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     p.add_argument("--prompt-tokens", type=int, default=None, help="longest prompt (default: the worst case)")
     p.add_argument(
@@ -157,7 +156,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from pipeline.plan import plan_for_run
+    from qerl.pipeline.planning.memory import plan_for_run
 
     plan = plan_for_run(args.model, args.gpu_mem, args.config, args.set, args.prompt_tokens, args.base)
     print(plan.render(), end="")
@@ -166,7 +165,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run the RL flow (no --config: the embedded demo)")
-    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/presets)")
+    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/config/presets)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     p.add_argument(
         "--night",
@@ -192,7 +191,7 @@ def _print_run(record: dict, work: str) -> None:
     """The run's result for people: the last thing ``qerl run``/``qerl resume`` prints."""
     from pathlib import Path
 
-    from flows.rl import eval_text
+    from qerl.flows.rl import eval_text
 
     def say(text: str) -> None:
         print(text, flush=True)
@@ -225,10 +224,10 @@ def _print_run(record: dict, work: str) -> None:
 
 def _run_with_console(args: argparse.Namespace, cfg: Any, work: Any, night: Any) -> int:
     """Run the flow with the console (flows/console.py): lines for people, chatter in run.log."""
-    from flows import console, runner
+    from qerl.flows import console, runner
 
-    runner.prepare_environment(work)  # before flows.rl imports Prefect, which reads its settings once
-    from flows.rl import run_dir, run_id_for
+    runner.prepare_environment(work)  # before qerl.flows.rl imports Prefect, which reads its settings once
+    from qerl.flows.rl import run_dir, run_id_for
 
     rid = run_id_for(cfg, night)
     with console.session(run_dir(work, rid), verbose=args.verbose) as ui:
@@ -241,8 +240,8 @@ def _run_with_console(args: argparse.Namespace, cfg: Any, work: Any, night: Any)
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pipeline.runconfig import load_run_config
-    from pipeline.runplan import parse_night
+    from qerl.pipeline.config.run import load_run_config
+    from qerl.pipeline.planning.run_plan import parse_night
 
     cfg = load_run_config(args.config, args.set)
     work = Path(_work_dir(args)).resolve()
@@ -252,7 +251,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_resume(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from flows import runner
+    from qerl.flows import runner
 
     work = Path(_work_dir(args)).resolve()
     runner.prepare_environment(work)  # recorded_run imports Prefect
@@ -263,8 +262,8 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from flows import runner
-    from pipeline.runconfig import load_run_config
+    from qerl.flows import runner
+    from qerl.pipeline.config.run import load_run_config
 
     cfg = load_run_config(args.config, args.set)
     runner.schedule(cfg, Path(_work_dir(args)).resolve(), args.cron)
@@ -319,11 +318,11 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from pipeline.artifacts import ArtifactStore
-    from pipeline.config import load_config
-    from pipeline.nvfp4 import QuantizeConfig
-    from stages.fetch_model import resolve_base
-    from stages.quantize import export, run_with_status
+    from qerl.pipeline.config.loading import load_config
+    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.stages.fetch_model import resolve_base
+    from qerl.stages.quantize import export, run_with_status
 
     t0 = time.perf_counter()
     cfg = load_config(QuantizeConfig, args.config, args.set)
@@ -353,11 +352,10 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
+    from qerl.pipeline.config.loading import load_config
+    from qerl.pipeline.data.rewards import RewardConfig
+    from qerl.stages.score import score_jsonl
     from tqdm import tqdm
-
-    from pipeline.config import load_config
-    from pipeline.rewards import RewardConfig
-    from stages.score import score_jsonl
 
     cfg = load_config(RewardConfig, args.config, args.set)
     total = None
@@ -375,7 +373,7 @@ def _cmd_score(args: argparse.Namespace) -> int:
 
 
 def _work_dir(args: argparse.Namespace) -> str:
-    from pipeline.artifacts import default_work_dir
+    from qerl.pipeline.store.artifacts import default_work_dir
 
     return str(default_work_dir(args.work_dir))
 
@@ -393,8 +391,8 @@ def _add_promote(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_promote(args: argparse.Namespace) -> int:
-    from pipeline import registry
-    from pipeline.config import load_config
+    from qerl.pipeline.config.loading import load_config
+    from qerl.pipeline.registry import tracking as registry
 
     cfg = load_config(registry.RegistryConfig, args.config, args.set).model_copy(
         update={"model_name": args.name}
@@ -436,14 +434,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from pipeline.artifacts import ArtifactStore
-    from pipeline.config import apply_overrides, load_config
-    from pipeline.device import cuda_available
-    from pipeline.engines import build_engine
-    from pipeline.evaluation import EvalConfig
-    from pipeline.rewards import RewardConfig
-    from pipeline.runconfig import eval_rollout_config
-    from stages import evaluate, fetch_model
+    from qerl.pipeline.config.loading import apply_overrides, load_config
+    from qerl.pipeline.config.run import eval_rollout_config
+    from qerl.pipeline.data.rewards import RewardConfig
+    from qerl.pipeline.evaluation.metrics import EvalConfig
+    from qerl.pipeline.rollout.engine import build_engine
+    from qerl.pipeline.runtime.device import cuda_available
+    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.stages import evaluate, fetch_model
 
     engine_sets = [s.removeprefix("rollout.") for s in args.set if s.startswith("rollout.")]
     cfg = load_config(EvalConfig, args.config, [s for s in args.set if not s.startswith("rollout.")])
@@ -490,8 +488,8 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from pipeline import retention
-    from pipeline.artifacts import default_work_dir
+    from qerl.pipeline.store import retention
+    from qerl.pipeline.store.artifacts import default_work_dir
 
     work = default_work_dir(args.work_dir)
     names = ("keep_optimizer_last", "keep_adapters_every", "live_window_h")

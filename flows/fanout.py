@@ -1,7 +1,7 @@
 """An ablation's runs on a Ray cluster (``qerl ablate --ray ADDRESS``): what the driver checks, what a
 worker gets, and how the runs come back.
 
-What. Without an address ``flows.ablate`` runs its (arm, seed) runs one after the other in its own
+What. Without an address ``qerl.flows.ablate`` runs its (arm, seed) runs one after the other in its own
 process. With one (``--ray ADDRESS`` or ``$QERL_RAY_ADDRESS``; ``local`` starts a private Ray instance
 on this machine) the ablation flow runs on prefect-ray's ``RayTaskRunner``: every run is one Prefect
 task (``ablation-run``) submitted at once with the Ray resources it asks for (``prefect_ray``'s
@@ -22,8 +22,8 @@ per finished run (arm, seed, final accuracy, duration, node and pid).
 
 What a worker needs, and how it gets it:
 
-- the code: the job's ``runtime_env`` ``py_modules`` ships the driver's ``pipeline``, ``flows``,
-  ``stages`` and ``kernels``, so every node runs the driver's code. Third-party packages and the
+- the code: the job's ``runtime_env`` ``py_modules`` ships the driver's ``qerl`` package (from a
+  source checkout, a staged copy that gathers its folders), so every node runs the driver's code. Third-party packages and the
   ``qerl`` distribution itself (its version is part of every cache key) must be installed on every
   node at the driver's versions: a probe checks that before any run starts.
 - the environment: workers of ``ray start`` inherit the raylet's environment, not the driver's, so
@@ -58,6 +58,7 @@ import json
 import logging
 import os
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -68,13 +69,12 @@ from urllib.parse import urlsplit
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-
-from flows import console
+from qerl.flows import console
 
 log = logging.getLogger("qerl.fanout")
 
 ADDRESS_ENV = "QERL_RAY_ADDRESS"
-PACKAGES = ("pipeline", "flows", "stages", "kernels")  # what py_modules ships (the project's code)
+SUBPACKAGES = ("pipeline", "flows", "stages", "kernels")  # qerl's sub-packages: what py_modules ships
 FORWARD_PREFIXES = ("QERL_", "HF_", "VLLM_", "TRITON_", "TRANSFORMERS_", "MLFLOW_", "PREFECT_")
 FORWARD_NAMES = ("TOKENIZERS_PARALLELISM", "DO_NOT_TRACK")
 VERSIONS = ("qerl", "prefect", "prefect-ray", "ray", "torch", "mlflow")  # must match on every node
@@ -162,7 +162,7 @@ def check_settings(
         )
     if not remote:
         return
-    from pipeline.registry_lock import backend_kind
+    from qerl.pipeline.registry.lock import backend_kind
 
     kind = backend_kind(tracking_uri)
     if kind == "sqlite":
@@ -330,6 +330,28 @@ def _resources(ray: Any, cpus: float, gpus: float | None, tensor_parallel: int) 
 CLIENT_ATTEMPTS, CLIENT_RETRY_S = 3, 5.0
 
 
+def qerl_package_dir(staging: Path) -> Path:
+    """The ``qerl`` package as one folder, for ``py_modules``: an installed package is one already; a
+    source checkout maps the top-level folders into it (pyproject's package-dir), so they are copied
+    under ``staging/qerl``."""
+    import importlib
+    import shutil
+
+    import qerl
+
+    root = Path(qerl.__file__).resolve().parent
+    dirs = {
+        name: Path(importlib.import_module(f"qerl.{name}").__file__).resolve().parent for name in SUBPACKAGES
+    }
+    if all(path == root / name for name, path in dirs.items()):
+        return root
+    staged = staging / "qerl"
+    shutil.copytree(root, staged, ignore=shutil.ignore_patterns("__pycache__"))
+    for name, path in dirs.items():
+        shutil.copytree(path, staged / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return staged
+
+
 def connect(ray: Any, address: str, runtime_env: dict[str, Any]) -> None:
     """``ray.init`` in the namespace RayTaskRunner uses by default (it finds this connection and leaves
     it to us). Through a Ray Client address (``ray://``) the head starts a server process per
@@ -380,11 +402,8 @@ def cluster(
     ray = _import_ray()
     from prefect_ray import RayTaskRunner
 
-    with _prefect_api(static):
-        runtime_env = {
-            "py_modules": [str(Path(__file__).resolve().parent.parent / p) for p in PACKAGES],
-            "env_vars": forwarded_env(),
-        }
+    with _prefect_api(static), tempfile.TemporaryDirectory(prefix="qerl-ray-code-") as staging:
+        runtime_env = {"py_modules": [str(qerl_package_dir(Path(staging)))], "env_vars": forwarded_env()}
         connect(ray, address, runtime_env)
         try:
             remote = bool(static) or cluster_is_remote(ray)
@@ -405,9 +424,9 @@ def cluster(
 # ---- the runs ------------------------------------------------------------------------------------------
 def _check_worker(work: Path, aid: str, tracking_uri: str, config: dict[str, Any]) -> None:
     """In the worker, before the run: the same store and the same registry as the driver."""
-    from flows.ablate import ablation_dir
-    from pipeline import registry
-    from pipeline.runconfig import RunConfig
+    from qerl.flows.ablate import ablation_dir
+    from qerl.pipeline.config.run import RunConfig
+    from qerl.pipeline.registry import tracking as registry
 
     if not (ablation_dir(work, aid) / "ablation.json").is_file():
         raise FanoutError(
@@ -428,9 +447,8 @@ def ablation_run(
     """One (arm, seed) run in a Ray worker, its console quiet (its log in the run's run.log); returns
     where it ran and its final accuracy."""
     import ray
-
-    from flows.rl import rl_flow, run_dir, run_id_for
-    from pipeline.runconfig import RunConfig
+    from qerl.flows.rl import rl_flow, run_dir, run_id_for
+    from qerl.pipeline.config.run import RunConfig
 
     work = Path(work_dir)
     _check_worker(work, ablation["id"], tracking_uri, config)
@@ -479,7 +497,7 @@ def run_all(
 
     ctx = FlowRunContext.get()
     if ctx is None or not isinstance(ctx.task_runner, RayTaskRunner):
-        raise FanoutError("run_all needs the ablation flow on a RayTaskRunner (flows.fanout.cluster)")
+        raise FanoutError("run_all needs the ablation flow on a RayTaskRunner (qerl.flows.fanout.cluster)")
     ui = console.current()
     ui.line(
         f"{len(planned)} runs on Ray at {plan['address']} ({plan['num_cpus']:g} CPU, {plan['num_gpus']:g} GPU each; "
@@ -508,7 +526,7 @@ def run_all(
         else:
             failed.append(f"{planned[i]['run_id']} ({type(err).__name__}: {err})")
     if failed:
-        from pipeline.ablation import AblationError
+        from qerl.pipeline.evaluation.ablation import AblationError
 
         raise AblationError(
             f"{len(failed)} of {len(planned)} runs failed: {'; '.join(failed)}; the others are complete, "

@@ -8,7 +8,7 @@ is the task's cache key in effect; Prefect's result persistence would duplicate 
 
 The rollout engine is built once per run (vLLM startup is the expensive part) and handed to the
 rollout and evaluate tasks; it takes each step's adapter version and AQN sigma. Only transient
-failures retry (``pipeline.runplan.is_transient``: a dead engine, which ``LazyEngine`` then rebuilds,
+failures retry (``qerl.pipeline.planning.run_plan.is_transient``: a dead engine, which ``LazyEngine`` then rebuilds,
 a dropped connection, a locked database); a config error, a misconfigured engine or bad data fails
 the run at once, and the run record says where. A run that dies is continued by ``qerl resume RUN``.
 
@@ -20,9 +20,9 @@ Two kinds of run:
   night (``-YYYYMMDD``, from Prefect's scheduled start time), so every night is a new run and a re-run
   of the same night is that night's run. It warm-starts from the champion (``loop.warm_start``),
   trains on the next slice of the data cursor, evaluates, registers and promotes only on a win; the
-  cursor advances when the night completes (``pipeline.runplan`` has the rules).
+  cursor advances when the night completes (``qerl.pipeline.planning.run_plan`` has the rules).
 
-A run of an ablation (``flows.ablate``, ``qerl ablate``) is a plain run with an ``ablation`` argument
+A run of an ablation (``qerl.flows.ablate``, ``qerl ablate``) is a plain run with an ``ablation`` argument
 (its id, the arm, the MLflow parent run): these become lineage tags (``ablation_id``, ``arm``) and the
 registered version takes no alias, so an ablation never moves the champion.
 
@@ -47,17 +47,23 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
-
-from flows import console
-from pipeline import evaluation as ev_stats
-from pipeline import retention, runplan
-from pipeline.aqn import sigma_schedule
-from pipeline.artifacts import ArtifactStore, Manifest, atomic_write_json, default_work_dir, package_version
-from pipeline.config import config_hash
-from pipeline.data import load_problems, problems_digest
-from pipeline.engines import LazyEngine, RolloutEngine
-from pipeline.runconfig import RunConfig
-from stages import demo_base, evaluate, fetch_model, quantize, register, rollout, score, train
+from qerl.flows import console
+from qerl.pipeline.config.loading import config_hash
+from qerl.pipeline.config.run import RunConfig
+from qerl.pipeline.data.datasets import load_problems, problems_digest
+from qerl.pipeline.evaluation import metrics as ev_stats
+from qerl.pipeline.planning import run_plan as runplan
+from qerl.pipeline.rollout.aqn import sigma_schedule
+from qerl.pipeline.rollout.engine import LazyEngine, RolloutEngine
+from qerl.pipeline.store import retention
+from qerl.pipeline.store.artifacts import (
+    ArtifactStore,
+    Manifest,
+    atomic_write_json,
+    default_work_dir,
+    package_version,
+)
+from qerl.stages import demo_base, evaluate, fetch_model, quantize, register, rollout, score, train
 
 log = logging.getLogger("qerl.flow")
 

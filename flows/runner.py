@@ -18,7 +18,7 @@ Scheduling needs a real server (cron schedules are evaluated by its scheduler): 
 refuses to run without PREFECT_API_URL and says how to start one on loopback. The deployment has
 a concurrency limit of one, so a nightly run that overruns delays the next instead of overlapping.
 Its flow runs are nightly runs (``nightly=True``): each takes its night from the flow run's
-scheduled start, so every night is a new run (see ``flows.rl``); ``run(cfg, work, night)`` runs a
+scheduled start, so every night is a new run (see ``qerl.flows.rl``); ``run(cfg, work, night)`` runs a
 given night by hand (``qerl run --night DATE``), and ``resume`` re-runs a recorded run with its own
 config and night.
 """
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.runconfig import RunConfig
+from qerl.pipeline.config.run import RunConfig
 
 DEPLOYMENT_NAME = "nightly"
 
@@ -107,8 +107,7 @@ def run(cfg: RunConfig, work: Path, night: dt.date | None = None) -> dict[str, A
     the plain run of ``cfg``."""
     prepare_environment(work)
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
-    from flows.rl import rl_flow
+    from qerl.flows.rl import rl_flow
 
     start_temporary_server()
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
@@ -119,7 +118,7 @@ def run(cfg: RunConfig, work: Path, night: dt.date | None = None) -> dict[str, A
 
 def recorded_run(run_id: str, work: Path) -> tuple[RunConfig, dt.date | None]:
     """The config and night of a recorded run (what ``resume`` re-runs)."""
-    from flows.rl import load_run_record
+    from qerl.flows.rl import load_run_record
 
     record = load_run_record(work, run_id)
     night = record.get("night")
@@ -153,10 +152,9 @@ def schedule(cfg: RunConfig, work: Path, cron: str) -> None:
 
 def nightly_deployment(cfg: RunConfig, work: Path, cron: str) -> Any:
     """The deployment object (cron schedule, concurrency 1, parameters = config + work dir + nightly):
-    each scheduled flow run is the nightly run of its scheduled date (see ``flows.rl``)."""
+    each scheduled flow run is the nightly run of its scheduled date (see ``qerl.flows.rl``)."""
     from prefect.deployments.runner import EntrypointType
-
-    from flows.rl import rl_flow
+    from qerl.flows.rl import rl_flow
 
     return rl_flow.to_deployment(
         name=DEPLOYMENT_NAME,

@@ -3,7 +3,7 @@
 What: ``quantize_nvfp4`` turns a 2-D weight ``[out, in]`` into the three tensors of a compressed-tensors
 "nvfp4-pack-quantized" Linear (``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` float8_e4m3fn
 ``[out, in/16]``, ``weight_global_scale`` float32 ``[1]``) and ``dequantize_nvfp4`` inverts it. The Triton
-kernels in ``kernels.nvfp4_triton`` and the numba loops in ``kernels.nvfp4_numba`` must agree with these
+kernels in ``qerl.kernels.nvfp4_triton`` and the numba loops in ``qerl.kernels.nvfp4_numba`` must agree with these
 functions bit for bit; ``quantize`` and ``dequantize`` at the bottom dispatch between them (Triton on
 CUDA tensors, numba on CPU, this file on CPU without numba; the choice is logged).
 
@@ -239,7 +239,7 @@ def quantize_backend(device: torch.device | str) -> str:
     """Which implementation ``quantize`` uses on ``device``: "triton", "numba" or "torch"."""
     if torch.device(device).type == "cuda":
         return "triton"
-    from kernels import nvfp4_numba
+    from qerl.kernels import nvfp4_numba
 
     return "numba" if nvfp4_numba.available() else "torch"
 
@@ -257,7 +257,7 @@ def _resolve_gs(w: torch.Tensor, gs: torch.Tensor | float | None, name: str) -> 
 def _quantize_numba(
     w: torch.Tensor, gs: torch.Tensor | float | None, name: str, chunk_elements: int = CHUNK_ELEMENTS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from kernels import nvfp4_numba
+    from qerl.kernels import nvfp4_numba
 
     check_weight(w, name)
     if gs is None:
@@ -290,7 +290,7 @@ def quantize(
     backend = quantize_backend(w.device)
     log.debug("nvfp4 quantize %s %s: %s backend", name, tuple(w.shape), backend)
     if backend == "triton":
-        from kernels import nvfp4_triton
+        from qerl.kernels import nvfp4_triton
 
         return nvfp4_triton.quantize_nvfp4_triton(w, gs, name=name)
     if backend == "numba":
@@ -304,7 +304,7 @@ def dequantize_backend(device: torch.device | str) -> str:
         return "triton"
     if torch.device(device).type != "cpu":
         return "torch"
-    from kernels import nvfp4_numba
+    from qerl.kernels import nvfp4_numba
 
     return "numba" if nvfp4_numba.available() else "torch"
 
@@ -345,7 +345,7 @@ def dequantize(
     backend = dequantize_backend(packed.device)
     _log_backend("dequantize", backend)
     if backend == "numba":
-        from kernels import nvfp4_numba
+        from qerl.kernels import nvfp4_numba
 
         if scale.dtype != torch.float8_e4m3fn:  # the kernel decodes the FP8 bytes itself
             raise NVFP4Error(f"weight_scale must be float8_e4m3fn, got {scale.dtype}")
@@ -361,7 +361,7 @@ def dequantize(
         )
         return dense.to(dtype) if out is None else out.copy_(dense)
     if backend == "triton":
-        from kernels import nvfp4_triton
+        from qerl.kernels import nvfp4_triton
 
         dense = nvfp4_triton.dequantize_nvfp4_triton(packed, scale, gs, dtype=dtype)
     else:

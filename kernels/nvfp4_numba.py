@@ -1,6 +1,6 @@
-"""NVFP4 on CPU as fused numba loops: the fast paths behind ``kernels.nvfp4.quantize`` and ``dequantize``.
+"""NVFP4 on CPU as fused numba loops: the fast paths behind ``qerl.kernels.nvfp4.quantize`` and ``dequantize``.
 
-What: the same function as ``kernels.nvfp4.quantize_nvfp4`` (the specification), computed block by
+What: the same function as ``qerl.kernels.nvfp4.quantize_nvfp4`` (the specification), computed block by
 block in a single pass over the weight instead of a dozen full-tensor torch passes. Eager PyTorch
 spends most of its time writing and re-reading float32 temporaries (block amax, the scaled quotient,
 seven threshold comparisons); on a two-core machine that made the reference only ~2x faster than the
@@ -10,7 +10,7 @@ the reference on random and adversarial weights).
 How it stays bit-exact: every operation is float32 in the reference's order (``gs * (amax / 6)``,
 ``x / (s / gs)``), constants are typed float32 so numba never promotes to float64, fastmath is off,
 and FP8 rounding is the same explicit exponent/step recipe with ``np.rint`` (round half to even).
-Dequantization (``dequantize_into``) is the training hot path: ``pipeline.qlinear.NVFP4Linear`` decodes
+Dequantization (``dequantize_into``) is the training hot path: ``qerl.pipeline.nvfp4.linear.NVFP4Linear`` decodes
 its weight in forward, in the recomputed forward under gradient checkpointing, and in backward. The
 torch reference gathers through an int64 copy of the codes and writes three float32 temporaries, and
 on two cores cost about as much as the bf16 matmul it feeds; this loop reads 4.5 bits and writes the
@@ -135,7 +135,7 @@ def quantize_rows(x: torch.Tensor, gs: float, packed: torch.Tensor, scale: torch
     (float32 holding E4M3 values), in place. Returns the number of non-finite inputs (the caller
     raises, naming the tensor); the caller has checked the shape."""
     if _compiled is None:
-        raise RuntimeError("numba is not installed; use kernels.nvfp4.quantize_nvfp4")
+        raise RuntimeError("numba is not installed; use qerl.kernels.nvfp4.quantize_nvfp4")
     with _launch:
         bad = int(_compiled(x.contiguous().numpy(), np.float32(gs), packed.numpy(), scale.numpy()))
         _launched()
@@ -194,10 +194,10 @@ def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, gs: float, out: t
 
     ``out`` is a contiguous float32 or bfloat16 CPU tensor written in place (so callers can reuse one
     buffer for every row or column chunk); ``packed``/``scale`` may be strided slices (a column range
-    of a weight). Bit-identical to ``kernels.nvfp4.dequantize_nvfp4``; the caller has checked shapes.
+    of a weight). Bit-identical to ``qerl.kernels.nvfp4.dequantize_nvfp4``; the caller has checked shapes.
     """
     if _deq_f32_c is None:
-        raise RuntimeError("numba is not installed; use kernels.nvfp4.dequantize_nvfp4")
+        raise RuntimeError("numba is not installed; use qerl.kernels.nvfp4.dequantize_nvfp4")
     if not out.is_contiguous():
         raise ValueError("dequantize_into needs a contiguous output tensor")
     args = (packed.numpy(), scale.view(torch.uint8).numpy(), np.float32(gs), _FP4, _FP8)

@@ -1,7 +1,7 @@
-"""NVFP4 quantize and dequantize as Triton kernels; ``kernels.nvfp4`` is their specification.
+"""NVFP4 quantize and dequantize as Triton kernels; ``qerl.kernels.nvfp4`` is their specification.
 
 What: ``quantize_nvfp4_triton`` / ``dequantize_nvfp4_triton`` compute exactly what
-``kernels.nvfp4.quantize_nvfp4`` / ``dequantize_nvfp4`` compute, bit for bit, on CUDA (compiled) or
+``qerl.kernels.nvfp4.quantize_nvfp4`` / ``dequantize_nvfp4`` compute, bit for bit, on CUDA (compiled) or
 anywhere under ``TRITON_INTERPRET=1`` (how the tests run them on CPU).
 
 How: a weight ``[out, in]`` with ``in % 16 == 0`` is viewed as ``out*in/16`` contiguous groups of 16,
@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.nvfp4 import GROUP_SIZE, NVFP4Error, _resolve_gs, check_weight
+from qerl.kernels.nvfp4 import GROUP_SIZE, NVFP4Error, _resolve_gs, check_weight
 
 __all__ = ["dequantize_nvfp4_triton", "quantize_nvfp4_triton", "round_fp8_e4m3_triton"]
 
@@ -140,7 +139,7 @@ def round_fp8_e4m3_triton(x: torch.Tensor) -> torch.Tensor:
 def quantize_nvfp4_triton(
     w: torch.Tensor, global_scale: torch.Tensor | float | None = None, name: str = "weight"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton twin of ``kernels.nvfp4.quantize_nvfp4`` (same arguments, same bits)."""
+    """Triton twin of ``qerl.kernels.nvfp4.quantize_nvfp4`` (same arguments, same bits)."""
     check_weight(w, name)
     gs = _resolve_gs(w, global_scale, name)
     w = w.contiguous()
@@ -159,7 +158,7 @@ def dequantize_nvfp4_triton(
     global_scale: torch.Tensor | float,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Triton twin of ``kernels.nvfp4.dequantize_nvfp4``."""
+    """Triton twin of ``qerl.kernels.nvfp4.dequantize_nvfp4``."""
     out_f, in_f = packed.shape[0], packed.shape[1] * 2
     if packed.dtype != torch.uint8 or tuple(scale.shape) != (out_f, in_f // GROUP_SIZE):
         raise NVFP4Error(

@@ -10,8 +10,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipeline import data, demo, tiny
-from pipeline.artifacts import ArtifactStore, BuildResult, Manifest, code_version
+from qerl.pipeline.data import datasets as data
+from qerl.pipeline.demo import base_model as demo
+from qerl.pipeline.demo import tiny_model as tiny
+from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult, Manifest, code_version
 
 STAGE = "demo-base"
 

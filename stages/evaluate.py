@@ -1,9 +1,9 @@
 """Stage ``evaluate``: pass@1 averaged over k samples (avg@k) of the base + adapter on a benchmark.
 
-What: load the benchmark's problems (``pipeline.data``, test split by default), render each with
+What: load the benchmark's problems (``qerl.pipeline.data.datasets``, test split by default), render each with
 the benchmark's prompt template through the engine's tokenizer, generate k completions per
 item with the rollout engine (clean weights: AQN noise is set to 0), score them with the training
-scorer (``pipeline.rewards.score_batch``, same config as training, so "correct" means the same in
+scorer (``qerl.pipeline.data.rewards.score_batch``, same config as training, so "correct" means the same in
 both), and write
 
 * ``results.parquet`` - one row per (item, sample): id, question, answer, sample, completion_text,
@@ -29,12 +29,19 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline import evaluation as ev
-from pipeline import prompts, rewards
-from pipeline.artifacts import MANIFEST, ArtifactError, ArtifactStore, BuildResult, Manifest, code_version
-from pipeline.data import DataConfig, dataset_name, load_problems, problems_digest
-from pipeline.engines import RolloutEngine, SamplingSpec
-from pipeline.rewards import RewardConfig, score_batch
+from qerl.pipeline.data import prompts, rewards
+from qerl.pipeline.data.datasets import DataConfig, dataset_name, load_problems, problems_digest
+from qerl.pipeline.data.rewards import RewardConfig, score_batch
+from qerl.pipeline.evaluation import metrics as ev
+from qerl.pipeline.rollout.engine import RolloutEngine, SamplingSpec
+from qerl.pipeline.store.artifacts import (
+    MANIFEST,
+    ArtifactError,
+    ArtifactStore,
+    BuildResult,
+    Manifest,
+    code_version,
+)
 
 log = logging.getLogger("qerl.stages.evaluate")
 
@@ -189,8 +196,8 @@ def base_artifacts(
     directory is quantized with the default recipe (a cached stage, so a repeat is a lookup). The
     twin (what CPU serving needs) is derived through the dequantize stage, also cached.
     """
-    from pipeline.nvfp4 import QuantizeConfig
-    from stages import quantize
+    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.stages import quantize
 
     base = Path(base)
     if not base.is_dir():

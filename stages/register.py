@@ -5,7 +5,7 @@ clip fractions, sigma, tokens/s, stage times: every numeric key the flow recorde
 the train config as params, the adapter, its manifest and the evaluation table. The adapter becomes
 a version of ``cfg.model_name`` with lineage tags; a complete run's version becomes ``challenger``
 (unless a newer one already is) and ``champion`` when it beats the current champion (see
-``pipeline.registry`` for the rule and its lock). A failed or partial run is still registered (its
+``qerl.pipeline.registry.tracking`` for the rule and its lock). A failed or partial run is still registered (its
 lineage is worth keeping, tagged ``complete=false``) but gets no alias. The adapter is copied into
 the MLflow run's artifacts (uploaded through the tracking server when the URI is ``http[s]://``), so
 a registered version never depends on the store's copy; ``qerl gc`` keeps that copy anyway (local
@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline import registry
-from pipeline.artifacts import (
+from qerl.pipeline.registry import tracking as registry
+from qerl.pipeline.store.artifacts import (
     MANIFEST,
     ArtifactError,
     ArtifactStore,

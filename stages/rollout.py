@@ -3,7 +3,7 @@
 What: renders each problem with the configured template, sets the engine's adapter version and
 the step's AQN sigma, generates ``cfg.n_samples`` completions per prompt and writes one row per
 completion: ids and text of prompt and completion, the sampler's per-token logprobs
-(``log_softmax(logits / T)``, see ``pipeline.engines``), finish reason, the problem's gold answer
+(``log_softmax(logits / T)``, see ``qerl.pipeline.rollout.engine``), finish reason, the problem's gold answer
 (so scoring needs only this table), and the provenance of the row (seed, sigma, step, adapter
 digest, engine mode, temperature).
 
@@ -27,13 +27,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-import pipeline.aqn
-import pipeline.engines
-from pipeline.artifacts import ArtifactStore, BuildResult, Manifest, code_version, sha256_json
-from pipeline.engines import RolloutConfig, RolloutEngine
-from pipeline.prompts import render_prompt
-from pipeline.seeds import derive_seed
+import qerl.pipeline.rollout.aqn
+import qerl.pipeline.rollout.engine
+from qerl.pipeline.data.prompts import render_prompt
+from qerl.pipeline.rollout.engine import RolloutConfig, RolloutEngine
+from qerl.pipeline.runtime.seeds import derive_seed
+from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult, Manifest, code_version, sha256_json
 
 STAGE = "rollout"
 TABLE = "rollouts.parquet"
@@ -115,7 +114,9 @@ def run(
         "step": int(step),
         "engine_mode": engine.mode,
     }
-    code = code_version(sys.modules[__name__], pipeline.engines, pipeline.aqn, _engine_module(engine))
+    code = code_version(
+        sys.modules[__name__], qerl.pipeline.rollout.engine, qerl.pipeline.rollout.aqn, _engine_module(engine)
+    )
     sample_seed, noise_seed = step_seed(cfg.seed, step, "sample"), step_seed(cfg.seed, step, "aqn")
 
     def build(tmp: Path) -> BuildResult:

@@ -1,7 +1,7 @@
 """Stage ``score``: verifiable rewards for a rollouts table, plus the ``qerl score`` file scorer.
 
 What: reads ``rollouts.parquet`` from the rollout stage's manifest, scores ``completion_text``
-against the gold ``answer`` with ``pipeline.rewards.score_batch`` (worker processes, a wall-clock
+against the gold ``answer`` with ``qerl.pipeline.data.rewards.score_batch`` (worker processes, a wall-clock
 deadline per answer), and writes ``scored.parquet``: every input column, then ``extracted``,
 ``correct``, ``reward``, ``status``, ``group_reward_mean``, ``group_reward_std`` and ``group_size``
 (groups by ``group_id``, rows in input order). Metrics: reward mean/std, accuracy, counts per status,
@@ -23,8 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import ArtifactStore, BuildResult, Manifest, atomic_write_text, code_version
-from pipeline.rewards import STATUSES, RewardConfig, ScoreRecord, score_batch
+from qerl.pipeline.data.rewards import STATUSES, RewardConfig, ScoreRecord, score_batch
+from qerl.pipeline.store.artifacts import (
+    ArtifactStore,
+    BuildResult,
+    Manifest,
+    atomic_write_text,
+    code_version,
+)
 
 STAGE = "score"
 REQUIRED_COLUMNS = ("group_id", "completion_text", "answer")

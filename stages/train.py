@@ -1,8 +1,8 @@
 """Train stage: one RL step's LoRA GRPO update on the NVFP4 base, from scored rollouts.
 
 What: ``run(cfg, base, scored, prev, step, store)`` loads the quantize stage's checkpoint as packed
-NVFP4 layers (pipeline.qlinear), restores the previous step's adapter/optimizer/scheduler/RNG
-checkpoint (or initialises LoRA from ``cfg.seed`` at step 0), applies ``pipeline.training.train_step``
+NVFP4 layers (qerl.pipeline.nvfp4.linear), restores the previous step's adapter/optimizer/scheduler/RNG
+checkpoint (or initialises LoRA from ``cfg.seed`` at step 0), applies ``qerl.pipeline.rl.training.train_step``
 to ``scored.parquet`` and writes the next checkpoint:
 
     adapter/                  plain peft adapter (adapter_config.json + adapter_model.safetensors);
@@ -32,7 +32,7 @@ place). Whether a step reused or reloaded is logged at INFO and recorded in the 
 
 Threads. The step runs with torch's MKL and OpenMP threading as a fresh process has it (no nested
 OpenMP teams, MKL dynamic, no thread-local MKL count) and, on CPU, intra-op thread i pinned to the
-i-th allowed CPU, all restored after (``pipeline.threads.trainer_threads``). Any earlier
+i-th allowed CPU, all restored after (``qerl.pipeline.runtime.threads.trainer_threads``). Any earlier
 ``torch.set_num_threads`` (a vLLM engine start does one) otherwise makes MKL open a nested team, a
 new thread, for every GEMM inside torch's parallel regions: 15-40x slower steps (issue 12). The
 same GEMMs as in a fresh process run, so the bytes are a fresh process's.
@@ -49,16 +49,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import qerl.kernels.nvfp4
+import qerl.pipeline.nvfp4.linear
+import qerl.pipeline.rl.logprobs
+import qerl.pipeline.rl.objective
+import qerl.pipeline.rl.training
 import torch
-
-import kernels.nvfp4
-import pipeline.grpo
-import pipeline.logprobs
-import pipeline.qlinear
-import pipeline.training
-from pipeline.artifacts import ArtifactError, ArtifactStore, BuildResult, Manifest, code_version
-from pipeline.threads import trainer_threads
-from pipeline.training import (
+from qerl.pipeline.rl.training import (
     TrainConfig,
     TrainState,
     init_state,
@@ -67,6 +64,8 @@ from pipeline.training import (
     save_checkpoint,
     train_step,
 )
+from qerl.pipeline.runtime.threads import trainer_threads
+from qerl.pipeline.store.artifacts import ArtifactError, ArtifactStore, BuildResult, Manifest, code_version
 
 log = logging.getLogger("qerl.stages.train")
 
@@ -153,11 +152,11 @@ def _key_parts(
     """(config, inputs, code) of a train step's store key."""
     code = code_version(
         sys.modules[__name__],
-        pipeline.training,
-        pipeline.logprobs,
-        pipeline.grpo,
-        pipeline.qlinear,
-        kernels.nvfp4,
+        qerl.pipeline.rl.training,
+        qerl.pipeline.rl.logprobs,
+        qerl.pipeline.rl.objective,
+        qerl.pipeline.nvfp4.linear,
+        qerl.kernels.nvfp4,
     )
     inputs = {
         "base": base.digest,
@@ -208,7 +207,7 @@ def run(
     built: dict[str, Any] = {}
 
     def build(tmp: Path) -> BuildResult:
-        # MKL/OpenMP as in a fresh process, one core per intra-op thread (pipeline.threads: issue 12)
+        # MKL/OpenMP as in a fresh process, one core per intra-op thread (qerl.pipeline.runtime.threads: issue 12)
         with trainer_threads(device) as pins:
             if pins:
                 log.info("train step %d: intra-op threads pinned one per CPU %s", step, pins)

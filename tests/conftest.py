@@ -22,7 +22,7 @@ import torch  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Qwen2-architecture toy model (bf16, 2 layers, hidden 128, head_dim 32)."""
-    from pipeline.tiny import build_tiny_model
+    from qerl.pipeline.demo.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", norm_jitter=0.05)
 
@@ -30,7 +30,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
     """Build more toy models: ``factory(arch="llama", dtype=torch.float32, ...)``."""
-    from pipeline.tiny import build_tiny_model
+    from qerl.pipeline.demo.tiny_model import build_tiny_model
 
     def factory(arch: str = "qwen2", dtype: torch.dtype = torch.bfloat16, **kwargs) -> Path:
         return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, dtype=dtype, **kwargs)

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-from pipeline import ablation as abl
+from qerl.pipeline.evaluation import ablation as abl
 
 
 # ---- arms and seeds ------------------------------------------------------------------------------
@@ -62,7 +61,7 @@ def test_a_seed_count_below_one_fails_before_prefect_starts(monkeypatch, capsys)
         with pytest.raises(abl.AblationError, match=r"--seeds must be a whole number >= 1"):
             abl.ablation_id({}, ["bf16-lora", "nvfp4-aqn"], bad)
     assert abl.check_seeds(2) == 2
-    from flows import cli, runner
+    from qerl.flows import cli, runner
 
     def no_prefect(*args, **kwargs):
         raise AssertionError("the environment for Prefect was prepared")
@@ -126,12 +125,12 @@ def test_trainer_metrics_of_a_step_that_trained_nothing_are_left_out():
 
 
 def test_steps_without_a_trained_token_are_null_and_the_report_counts_the_early_steps(tmp_path):
-    """A step that trained no token records null entropy and mismatch (``pipeline.training``), the run
+    """A step that trained no token records null entropy and mismatch (``qerl.pipeline.rl.training``), the run
     record keeps the null, the curves skip it, and the early-entropy comparison averages only the steps
     with a value, says how many per run, and leaves a run with none out of its arm's interval."""
     from types import SimpleNamespace
 
-    from flows.rl import _step_record
+    from qerl.flows.rl import _step_record
 
     def manifest(key: str, **metrics) -> SimpleNamespace:
         return SimpleNamespace(key=key, metrics=metrics)
@@ -226,11 +225,16 @@ def test_report_from_hand_built_runs(tmp_path):
 
 # ---- the unquantized base ------------------------------------------------------------------------
 def test_scheme_none_is_the_base_in_the_twin_dtype_and_engines_serve_it(tiny_model_factory, tmp_path):
-    from pipeline.artifacts import ArtifactError, ArtifactStore
-    from pipeline.engines import LazyEngine, RolloutConfig, build_engine
-    from pipeline.nvfp4 import UNQUANTIZED_MODE, QuantizeConfig, read_tensor, safetensors_index
-    from pipeline.runplan import needs_twin
-    from stages import quantize
+    from qerl.pipeline.nvfp4.checkpoint import (
+        UNQUANTIZED_MODE,
+        QuantizeConfig,
+        read_tensor,
+        safetensors_index,
+    )
+    from qerl.pipeline.planning.run_plan import needs_twin
+    from qerl.pipeline.rollout.engine import LazyEngine, RolloutConfig, build_engine
+    from qerl.pipeline.store.artifacts import ArtifactError, ArtifactStore
+    from qerl.stages import quantize
 
     src = tiny_model_factory(arch="qwen2", dtype=torch.float32)
     store = ArtifactStore(tmp_path / "store")
@@ -343,11 +347,10 @@ def _assert_registry(work: Path, record: dict, runs: dict) -> None:
 
 
 def test_an_ablation_run_is_registered_as_a_child_and_never_moves_an_alias(tmp_path):
+    from qerl.pipeline.registry import tracking as reg
+    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.stages import register
     from test_register import HISTORY, LINEAGE, fake_eval, fake_train
-
-    from pipeline import registry as reg
-    from pipeline.artifacts import ArtifactStore
-    from stages import register
 
     store, cfg = ArtifactStore(tmp_path / "store"), reg.RegistryConfig(model_name="abl-adapter")
     register.run(

@@ -23,8 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from flows import fanout
+from qerl.flows import fanout
 
 
 # ---- the rules -------------------------------------------------------------------------------------
@@ -124,7 +123,7 @@ def test_a_ray_client_connection_refused_by_the_head_is_retried_and_then_named(m
 def test_the_cli_refuses_a_remote_cluster_with_the_sqlite_registry_before_the_flow(
     monkeypatch, capsys, tmp_path
 ):
-    from flows import cli, runner
+    from qerl.flows import cli, runner
 
     monkeypatch.setattr(runner, "prepare_environment", lambda work: None)  # no Prefect settings here
     monkeypatch.delenv("PREFECT_API_URL", raising=False)

@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from pipeline.aqn import (
+from qerl.pipeline.rollout.aqn import (
     AQNConfig,
     apply_to_hf_model,
     layer_generator,

@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from pipeline.artifacts import (
+from qerl.pipeline.store.artifacts import (
     ArtifactStore,
     BuildResult,
     Manifest,

@@ -12,10 +12,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from pipeline import catalogue
-from pipeline.artifacts import ArtifactStore
-from stages import fetch_model
+from qerl.pipeline.data import catalogue
+from qerl.pipeline.store.artifacts import ArtifactStore
+from qerl.stages import fetch_model
 
 SMOL = catalogue.CATALOGUE["smollm2-135m-instruct"]
 
@@ -124,7 +123,7 @@ def test_corrupt_gguf_is_refused(tmp_path):
 
 
 def test_cli_names_the_catalogue_for_an_unknown_model(tmp_path, capsys):
-    from flows.cli import main
+    from qerl.flows.cli import main
 
     argv = ["quantize", "smollm3-135m", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "w")]
     assert main(argv) == 2

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from pipeline.config import (
+from qerl.pipeline.config.loading import (
     ConfigError,
     StrictModel,
     apply_overrides,
@@ -73,14 +72,13 @@ def test_configs_are_frozen():
         Outer().steps = 3  # type: ignore[misc]
 
 
-# ---- the run config's cross-checks (pipeline/runconfig.py) ----------------------------------------
+# ---- the run config's cross-checks (pipeline/config/run.py) ----------------------------------------
 
 
 def _updates_run_by_the_trainer(cfg) -> int:
     """Optimizer updates of one RL step as the training loop itself groups them."""
     import torch
-
-    from pipeline.training import _update_groups
+    from qerl.pipeline.rl.training import _update_groups
 
     samples = cfg.loop.prompts_per_step * cfg.rollout.n_samples
     return len(_update_groups(samples, cfg.train, torch.Generator().manual_seed(0)))
@@ -96,7 +94,7 @@ def _updates_run_by_the_trainer(cfg) -> int:
     ],
 )
 def test_schedule_length_is_derived_from_the_loop(shape):
-    from pipeline.runconfig import load_run_config
+    from qerl.pipeline.config.run import load_run_config
 
     cfg = load_run_config(None, [f"{k}={v}" for k, v in {**shape, "train.total_steps": "null"}.items()])
     assert cfg.train.total_steps == cfg.loop.steps * _updates_run_by_the_trainer(cfg)
@@ -104,7 +102,7 @@ def test_schedule_length_is_derived_from_the_loop(shape):
 
 def test_every_preset_schedule_spans_its_loop():
     """The 7B preset had total_steps 500 for 2,000 updates: lr 0 for the last three quarters."""
-    from pipeline.runconfig import load_run_config, preset_names
+    from qerl.pipeline.config.run import load_run_config, preset_names
 
     for name in preset_names():
         cfg = load_run_config(name)
@@ -113,7 +111,7 @@ def test_every_preset_schedule_spans_its_loop():
 
 
 def test_a_schedule_shorter_than_the_loop_is_rejected_with_the_numbers():
-    from pipeline.runconfig import load_run_config
+    from qerl.pipeline.config.run import load_run_config
 
     over = ["loop.steps=10", "loop.prompts_per_step=16", "rollout.n_samples=8", "train.minibatch_size=4"]
     over += ["train.grad_accum=8"]
@@ -128,7 +126,7 @@ def test_a_schedule_shorter_than_the_loop_is_rejected_with_the_numbers():
 
 def test_the_twin_is_stored_in_the_trainers_dtype():
     """The demo served a bf16 twin beside an fp32 trainer: every nonzero weight differed."""
-    from pipeline.runconfig import load_run_config
+    from qerl.pipeline.config.run import load_run_config
 
     for name in ("demo", "qwen2.5-7b-gsm8k"):
         cfg = load_run_config(name)
@@ -150,7 +148,7 @@ def test_the_twin_is_stored_in_the_trainers_dtype():
 
 
 def test_the_adapter_must_fit_the_engine():
-    from pipeline.runconfig import load_run_config
+    from qerl.pipeline.config.run import load_run_config
 
     with pytest.raises(ConfigError, match=r"train\.lora_r \(32\) exceeds rollout\.max_lora_rank \(16\)"):
         load_run_config(None, ["train.lora_r=32"])
@@ -164,7 +162,7 @@ def test_the_adapter_must_fit_the_engine():
 
 def test_a_derived_config_round_trips():
     """A run record stores the derived values; loading it again (``qerl resume``) gives the same config."""
-    from pipeline.runconfig import RunConfig, load_run_config
+    from qerl.pipeline.config.run import RunConfig, load_run_config
 
     cfg = load_run_config()
     assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg
@@ -175,8 +173,8 @@ def test_eval_engine_caps_are_derived_and_configurable(tmp_path):
     the adapter, and ``--set rollout.KEY=...`` overrides them."""
     import json
 
-    from pipeline.evaluation import EvalConfig
-    from pipeline.runconfig import eval_rollout_config, vllm_lora_rank
+    from qerl.pipeline.config.run import eval_rollout_config, vllm_lora_rank
+    from qerl.pipeline.evaluation.metrics import EvalConfig
 
     model = tmp_path / "model"
     model.mkdir()
@@ -196,7 +194,7 @@ def test_eval_engine_caps_are_derived_and_configurable(tmp_path):
     with pytest.raises(ValueError, match="exceeds vLLM's largest"):
         vllm_lora_rank(513)
     with pytest.raises(ConfigError, match="rollout.logprobs is false"):
-        from pipeline.runconfig import load_run_config
+        from qerl.pipeline.config.run import load_run_config
 
         load_run_config(None, ["rollout.logprobs=false"])
 
@@ -207,8 +205,8 @@ def test_eval_benchmarks_read_the_runs_data_root(tmp_path, monkeypatch):
     environment variable needs nothing derived, every load without a root reads it."""
     import json
 
-    from pipeline.data import load_problems
-    from pipeline.runconfig import RunConfig
+    from qerl.pipeline.config.run import RunConfig
+    from qerl.pipeline.data.datasets import load_problems
 
     monkeypatch.delenv("QERL_DATA_DIR", raising=False)
     shared, own = tmp_path / "shared", tmp_path / "own"

@@ -13,14 +13,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from flows import console
+from qerl.flows import console
 
 SCRIPT = textwrap.dedent(
     """
     import logging, subprocess, sys
     from pathlib import Path
-    from flows import console
+    from qerl.flows import console
 
     run_dir = Path(sys.argv[1])
     with console.session(run_dir, verbose=sys.argv[2] == "v") as ui:

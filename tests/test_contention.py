@@ -9,8 +9,7 @@ import threading
 
 import pytest
 import torch
-
-from pipeline.threads import (
+from qerl.pipeline.runtime.threads import (
     THREAD_ENV,
     intra_op_thread_ids,
     pinned_intra_op_threads,
@@ -88,8 +87,8 @@ def model_dir(tiny_model_factory):
     "in_process", [True, pytest.param(False, marks=pytest.mark.slow, id="multiprocess")], ids=str
 )
 def test_engine_start_leaves_the_trainer_thread_state_alone(model_dir, in_process, two_threads):
-    from pipeline.artifacts import Manifest
-    from pipeline.engines import RolloutConfig, SamplingSpec, build_engine
+    from qerl.pipeline.rollout.engine import RolloutConfig, SamplingSpec, build_engine
+    from qerl.pipeline.store.artifacts import Manifest
 
     twin = Manifest(
         stage="dequantize", key="test", config={}, inputs={}, code_version="test", files={}, created_at="",
@@ -124,7 +123,7 @@ def test_fresh_process_threading_undoes_what_set_num_threads_did_to_mkl_and_rest
     """``torch.set_num_threads`` turns MKL's dynamic mode off and sets a thread-local MKL count (the
     trigger of issue 12's nested teams); the train step's context puts a fresh process's values back
     for its duration, with nested OpenMP teams off, and leaves everything as it found it."""
-    from pipeline.threads import _torch_libgomp, _torch_mkl, fresh_process_threading
+    from qerl.pipeline.runtime.threads import _torch_libgomp, _torch_mkl, fresh_process_threading
 
     gomp, mkl = _torch_libgomp(), _torch_mkl()
     if gomp is None or mkl is None:

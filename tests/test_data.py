@@ -11,9 +11,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from pipeline.config import ConfigError, load_config
-from pipeline.data import (
+from qerl.pipeline.config.loading import ConfigError, load_config
+from qerl.pipeline.data.datasets import (
     DataConfig,
     arithmetic_problems,
     dataset_name,
@@ -266,7 +265,7 @@ def test_dataset_names_in_reports():
 
 
 def test_templates_render_through_the_chat_template_explicitly():
-    from pipeline.prompts import TEMPLATES, answer_format, render_prompt
+    from qerl.pipeline.data.prompts import TEMPLATES, answer_format, render_prompt
 
     class Chat:
         chat_template = "{{ chatml }}"

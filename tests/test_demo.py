@@ -5,8 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
-
-from pipeline.demo import DemoBaseConfig, build_demo_base
+from qerl.pipeline.demo.base_model import DemoBaseConfig, build_demo_base
 
 
 def test_demo_base_is_the_same_for_any_thread_count(tmp_path):

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pipeline.aqn import layer_noise
-from pipeline.artifacts import Manifest
-from pipeline.engines import EngineError, RolloutConfig, SamplingSpec, build_engine
-from pipeline.prompts import render_prompt
+from qerl.pipeline.data.prompts import render_prompt
+from qerl.pipeline.rollout.aqn import layer_noise
+from qerl.pipeline.rollout.engine import EngineError, RolloutConfig, SamplingSpec, build_engine
+from qerl.pipeline.store.artifacts import Manifest
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 5 apples and buys 7 more. How many apples?", "12 * 4 = ?"]
 GREEDY = SamplingSpec(temperature=0.0, max_new_tokens=12)
@@ -178,7 +177,7 @@ def test_aqn_reaches_vllm_exact_restore_no_accumulation(vllm_engine, hf_engine, 
         vllm_engine.set_noise(0.0, 0)
         hf_engine.set_noise(0.0, 0)
     restored = vllm_engine.generate(prompts, 1, GREEDY, seed=0)
-    # The workers hold exactly clean + z (z from pipeline.aqn, the same draw as the HF engine's).
+    # The workers hold exactly clean + z (z from qerl.pipeline.rollout.aqn, the same draw as the HF engine's).
     assert len(weights) == 4
     for name, w in weights.items():
         layer, kind = int(name.split(".layers.")[1].split(".")[0]), name.split(".")[-1]
@@ -192,7 +191,7 @@ def test_aqn_reaches_vllm_exact_restore_no_accumulation(vllm_engine, hf_engine, 
 
 
 def test_logprobs_mode_choice():
-    from pipeline.engines.vllm_engine import logprobs_mode_for
+    from qerl.pipeline.rollout.vllm_engine import logprobs_mode_for
 
     assert logprobs_mode_for(SamplingSpec(temperature=0.6)) == "processed_logprobs"
     assert logprobs_mode_for(SamplingSpec(temperature=0.0, top_p=0.9)) == "processed_logprobs"

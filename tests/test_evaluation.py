@@ -11,13 +11,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
-from pipeline import evaluation as ev
-from pipeline.artifacts import ArtifactStore, BuildResult
-from pipeline.config import ConfigError, apply_overrides
-from pipeline.data import DataConfig, load_problems
-from pipeline.engines import Completion, RolloutEngine, SamplingSpec
-from pipeline.rewards import RewardConfig
+from qerl.pipeline.config.loading import ConfigError, apply_overrides
+from qerl.pipeline.data.datasets import DataConfig, load_problems
+from qerl.pipeline.data.rewards import RewardConfig
+from qerl.pipeline.evaluation import metrics as ev
+from qerl.pipeline.rollout.engine import Completion, RolloutEngine, SamplingSpec
+from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -75,7 +74,7 @@ def test_eval_config():
     assert (greedy.n_samples, greedy.sampling_temperature, greedy.sampling_top_p) == (1, 0.0, 1.0)
     assert greedy.benchmark.dataset == "gsm8k"
     # a nested override keeps the evaluation defaults of the other benchmark fields
-    from pipeline.config import load_config
+    from qerl.pipeline.config.loading import load_config
 
     loaded = load_config(ev.EvalConfig, None, ["benchmark.limit=3"])
     assert (loaded.benchmark.split, loaded.benchmark.limit, loaded.benchmark.arithmetic_size) == (
@@ -148,7 +147,7 @@ def base(tiny_model_dir, tmp_path):
 
 
 def test_evaluate_stage(base, tmp_path):
-    from stages import evaluate
+    from qerl.stages import evaluate
 
     store, base_manifest, tokenizer = base
     cfg = apply_overrides(ev.EvalConfig(), ["benchmark.limit=6", "k=3"])
@@ -202,7 +201,7 @@ def test_evaluate_stage(base, tmp_path):
 def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
     """eval.also: a second benchmark (a local GSM8K-layout file) is scored and reported beside the main
     one, whose accuracy alone stays the artifact's."""
-    from stages import evaluate
+    from qerl.stages import evaluate
 
     store, base_manifest, tokenizer = base
     (tmp_path / "gsm8k").mkdir()
@@ -230,7 +229,7 @@ def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
     assert len(pq.read_table(manifest.file("also/gsm8k-test/results.parquet"))) == 8
 
     # the run record's entry (issue 11): benchmark id, accuracy +- stderr, items, k and the also benchmarks
-    from flows import rl
+    from qerl.flows import rl
 
     entry = rl._eval_entry(3, None, manifest)
     assert entry["benchmark"] == summary["benchmark"] and entry["benchmark"].startswith("arithmetic/test@")
@@ -254,7 +253,7 @@ def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
 
 
 def test_evaluate_rejects_short_engine_output(base):
-    from stages import evaluate
+    from qerl.stages import evaluate
 
     store, base_manifest, tokenizer = base
     cfg = apply_overrides(ev.EvalConfig(), ["benchmark.limit=2", "k=2"])
@@ -279,7 +278,7 @@ def test_evaluate_rejects_short_engine_output(base):
 @pytest.mark.slow
 def test_cli_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     """``qerl quantize`` then ``qerl eval`` on the tiny model with the transformers engine."""
-    from flows.cli import main
+    from qerl.flows.cli import main
 
     work, ckpt = tmp_path / "work", tmp_path / "ckpt"
     assert main(["quantize", str(tiny_model_dir), "--out", str(ckpt), "--work-dir", str(work)]) == 0
@@ -305,7 +304,8 @@ def test_cli_eval_on_the_default_vllm_engine(tiny_model_dir, tmp_path, capsys):
     vLLM cannot record un-renormalised logprobs under T != 1 with top-p, and the engine used to demand
     an exact logprob mode even though evaluation records none, so this command always failed.
     """
-    from flows.cli import main
+    from qerl.flows.cli import main
+
     from tests.test_engines import make_adapter
 
     work, ckpt = tmp_path / "work", tmp_path / "ckpt"

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from pipeline.config import ConfigError
-from pipeline.runconfig import PRESET_DIR, load_run_config, preset_names
+from qerl.pipeline.config.loading import ConfigError
+from qerl.pipeline.config.run import PRESET_DIR, load_run_config, preset_names
 
 
 def tiny_run_config(model_dir: Path, engine: str = "hf") -> dict:
@@ -73,7 +72,7 @@ def _qerl(args: list[str], work: Path, fault: str | None = None) -> subprocess.C
     if fault:
         env["QERL_FAULT"] = fault
     work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "flows.cli", *args]
+    cmd = [sys.executable, "-m", "qerl.flows.cli", *args]
     out_path, err_path = work / f"cli-{os.getpid()}.out", work / f"cli-{os.getpid()}.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
@@ -200,7 +199,7 @@ def test_run_config_rejects_bad_keys_and_mismatches(tmp_path):
 
 
 def test_step_prompts_cover_the_dataset_in_turn():
-    from pipeline.runplan import step_prompts
+    from qerl.pipeline.planning.run_plan import step_prompts
 
     items = list(range(10))
     first_epoch = [x for step in range(5) for x in step_prompts(items, step, 2, seed=0)]
@@ -209,7 +208,7 @@ def test_step_prompts_cover_the_dataset_in_turn():
 
 
 def test_cli_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "qerl.flows.cli", "--help"], capture_output=True, text=True)
     for command in ("quantize", "score", "run", "resume", "eval", "promote", "schedule", "bench"):
         assert command in out.stdout
 
@@ -226,7 +225,7 @@ def test_schedule_needs_a_server(tmp_path, monkeypatch):
 
 
 def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
-    from flows.runner import nightly_deployment, prepare_environment
+    from qerl.flows.runner import nightly_deployment, prepare_environment
 
     prepare_environment(tmp_path)
     deployment = nightly_deployment(load_run_config(), tmp_path, "0 2 * * *")
@@ -235,11 +234,13 @@ def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
     assert deployment.concurrency_limit == 1
     assert deployment.parameters["work_dir"] == str(tmp_path)
     assert deployment.parameters["nightly"] is True  # each scheduled run is the night of its date
-    assert deployment.entrypoint == "flows.rl.rl_flow"
+    assert deployment.entrypoint == "qerl.flows.rl.rl_flow"
 
 
 def test_readme_configuration_reference_is_current():
-    from pipeline.runconfig import readme_with_reference
+    from qerl.pipeline.config.run import readme_with_reference
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert readme_with_reference(readme) == readme, "run: python -m pipeline.runconfig --readme README.md"
+    assert readme_with_reference(readme) == readme, (
+        "run: python -m qerl.pipeline.config.run --readme README.md"
+    )

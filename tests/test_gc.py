@@ -7,9 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-
-from pipeline import retention
-from pipeline.artifacts import ArtifactError, ArtifactStore, BuildResult, Manifest, atomic_write_json
+from qerl.pipeline.store import retention
+from qerl.pipeline.store.artifacts import (
+    ArtifactError,
+    ArtifactStore,
+    BuildResult,
+    Manifest,
+    atomic_write_json,
+)
 
 OPT_BYTES, ADAPTER_BYTES = 3000, 1000
 
@@ -170,7 +175,7 @@ def test_gc_keeps_what_an_ablation_compares_and_leaves_its_files_alone(tmp_path,
     """``<work>/ablations/<id>/``: the runs it lists are ordinary runs (old optimizer states go), their
     final evaluated adapters stay whatever the policy, and gc neither deletes the ablation's files nor
     stops on an unreadable ablation record (its runs' own records are read regardless)."""
-    from pipeline.ablation import ABLATION_DIR
+    from qerl.pipeline.evaluation.ablation import ABLATION_DIR
 
     config = {"loop": {"steps": 4}, "store": {"keep_adapters_every": 3}}
     arm = fake_run(tmp_path, "abl-arm-s0", 4, config=config)
@@ -238,10 +243,10 @@ def test_crash_between_manifest_and_delete_is_harmless(tmp_path, monkeypatch):
             raise KeyboardInterrupt("power cut")
         return real_replace(src, dst)
 
-    monkeypatch.setattr("pipeline.artifacts.os.replace", crash)
+    monkeypatch.setattr("qerl.pipeline.store.artifacts.os.replace", crash)
     with pytest.raises(KeyboardInterrupt):
         store.prune("train", steps[0].key, ["optimizer.safetensors"], "test")
-    monkeypatch.setattr("pipeline.artifacts.os.replace", real_replace)
+    monkeypatch.setattr("qerl.pipeline.store.artifacts.os.replace", real_replace)
     hit = store.get("train", steps[0].key, verify="full")  # marked pruned, file still there: fine
     assert hit is not None and "optimizer.safetensors" in hit.pruned
     gc_plan = retention.plan(tmp_path, now=_dt.datetime.now(_dt.UTC) + _dt.timedelta(hours=1))  # next gc
@@ -251,7 +256,7 @@ def test_crash_between_manifest_and_delete_is_harmless(tmp_path, monkeypatch):
 
 
 def test_cli_gc_dry_run_then_real(tmp_path, capsys):
-    from flows.cli import main
+    from qerl.flows.cli import main
 
     fake_run(tmp_path, "cli", 4)
     assert main(["gc", "--dry-run", "--work-dir", str(tmp_path)]) == 0
@@ -289,9 +294,10 @@ def test_real_train_steps_resume_after_gc(tiny_model_dir, tmp_path):
     """The real train stage: gc a run that died after 3 steps, re-walk it (all cache hits), continue
     from its kept checkpoint to the same adapter as an uninterrupted run; a branch from a pruned step
     fails naming the missing optimizer state."""
-    from pipeline.nvfp4 import QuantizeConfig
-    from pipeline.training import TrainConfig, init_state
-    from stages import quantize, train
+    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.pipeline.rl.training import TrainConfig, init_state
+    from qerl.stages import quantize, train
+
     from tests.test_train import PROMPTS, TINY, _scored_manifest, sample_batch
 
     def setup(work: Path) -> tuple[ArtifactStore, Manifest, list[Manifest]]:
@@ -353,7 +359,7 @@ def test_gc_between_real_runs(tiny_model_factory, tmp_path, capsys):
     pruned = [set(Manifest.load(work / "store" / "objects" / "train" / k).pruned) for k in keys]
     assert pruned == [{"optimizer.safetensors"}] * (len(keys) - 1) + [set()]  # pruned by the flow
 
-    from flows.cli import main
+    from qerl.flows.cli import main
 
     capsys.readouterr()
     assert main(["gc", "--work-dir", str(work)]) == 0

@@ -60,7 +60,7 @@ def _kit_modules() -> list[str]:
     kit = ("tests/test_gpu.py", "tests/conftest.py", "tests/test_qlinear.py", "tests/test_nvfp4_kernels.py")
     for path in [ROOT / p for p in kit] + [ROOT / "benchmarks" / "bench_gpu.py"]:
         for mod in re.findall(
-            r"^\s*(?:from|import) ((?:pipeline|stages|kernels)[\w.]*)", path.read_text(), re.M
+            r"^\s*(?:from|import) (qerl\.(?:pipeline|stages|kernels)[\w.]*)", path.read_text(), re.M
         ):
             found.add(mod)
     return sorted(found)
@@ -69,10 +69,10 @@ def _kit_modules() -> list[str]:
 def test_kit_imports_no_prefect_mlflow_or_vllm():
     modules = _kit_modules()
     assert {
-        "pipeline.training",
-        "pipeline.qlinear",
-        "kernels.nvfp4_triton",
-        "pipeline.engines.hf_engine",
+        "qerl.pipeline.rl.training",
+        "qerl.pipeline.nvfp4.linear",
+        "qerl.kernels.nvfp4_triton",
+        "qerl.pipeline.rollout.hf_engine",
     } <= set(modules)
     code = (
         "import importlib, json, sys\n"
@@ -96,7 +96,7 @@ import json, re
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import nvfp4_triton as k
+from qerl.kernels import nvfp4_triton as k
 sigs = {
     "_dequantize_kernel": ({"packed_ptr": "*u8", "scale_ptr": "*fp32", "gs_ptr": "*fp32", "out_ptr": "*bf16",
                             "n_groups": "i32", "BLOCK": "constexpr", "BF16": "constexpr"}, {"BLOCK": 64, "BF16": True}),
@@ -173,11 +173,14 @@ def test_gpu_check_dry_run(tmp_path):
 
 @pytest.mark.gpu
 def test_triton_kernels_bit_exact_on_cuda(cuda):
+    from qerl.kernels import nvfp4
+    from qerl.kernels.nvfp4 import FP4_VALUES, dequantize_nvfp4, pack_codes, quantize_nvfp4
+    from qerl.kernels.nvfp4_triton import (
+        dequantize_nvfp4_triton,
+        quantize_nvfp4_triton,
+        round_fp8_e4m3_triton,
+    )
     from test_nvfp4_kernels import _adversarial, _adversarial_packed
-
-    from kernels import nvfp4
-    from kernels.nvfp4 import FP4_VALUES, dequantize_nvfp4, pack_codes, quantize_nvfp4
-    from kernels.nvfp4_triton import dequantize_nvfp4_triton, quantize_nvfp4_triton, round_fp8_e4m3_triton
 
     assert nvfp4.quantize_backend(cuda) == "triton" and nvfp4.dequantize_backend(cuda) == "triton"
     # truth table: every code decodes to its value, sign of zero included
@@ -218,10 +221,10 @@ def cuda_checkpoints(request, tmp_path_factory):
     if not CUDA:  # before the tiny model is built: nothing to do on a CPU
         pytest.skip("needs a CUDA GPU: run `bash scripts/gpu_check.sh` on one")
     tiny_model_dir = request.getfixturevalue("tiny_model_dir")
-    from pipeline.artifacts import ArtifactStore
-    from pipeline.nvfp4 import QuantizeConfig
-    from stages.quantize import run as quantize
-    from stages.quantize import run_twin
+    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.stages.quantize import run as quantize
+    from qerl.stages.quantize import run_twin
 
     store = ArtifactStore(tmp_path_factory.mktemp("gpu-store"))
     manifest = quantize(QuantizeConfig(), str(tiny_model_dir), store)
@@ -230,9 +233,8 @@ def cuda_checkpoints(request, tmp_path_factory):
 
 @pytest.mark.gpu
 def test_quantize_stage_on_cuda_matches_the_reference(cuda, cuda_checkpoints):
+    from qerl.kernels.nvfp4 import global_scale, quantize_nvfp4
     from safetensors.torch import load_file
-
-    from kernels.nvfp4 import global_scale, quantize_nvfp4
 
     manifest, _ = cuda_checkpoints
     assert manifest.mode == "nvfp4/triton"
@@ -260,7 +262,7 @@ def test_quantize_stage_on_cuda_matches_the_reference(cuda, cuda_checkpoints):
 
 
 def _lora_grads(model, mb) -> dict[str, torch.Tensor]:
-    from pipeline.training import completion_logprobs
+    from qerl.pipeline.rl.training import completion_logprobs
 
     model.zero_grad(set_to_none=True)
     logp, _ = completion_logprobs(model, mb, 1.0)
@@ -279,10 +281,13 @@ def test_nvfp4_linear_and_lora_grads_on_cuda_equal_dense_bf16(
     """Our packed model on CUDA vs an HF model holding dequant(W) in bf16: same logits, same LoRA grads."""
     import shutil
 
+    from qerl.pipeline.nvfp4.linear import (
+        NVFP4Linear,
+        load_dequantized_reference,
+        load_quantized_for_training,
+    )
+    from qerl.pipeline.rl.training import TrainConfig, init_state
     from test_qlinear import _minibatch
-
-    from pipeline.qlinear import NVFP4Linear, load_dequantized_reference, load_quantized_for_training
-    from pipeline.training import TrainConfig, init_state
 
     ckpt = cuda_checkpoints[0].dir
     qmodel = load_quantized_for_training(ckpt, device="cuda")
@@ -317,7 +322,7 @@ def test_nvfp4_linear_and_lora_grads_on_cuda_equal_dense_bf16(
 
 @pytest.mark.gpu
 def test_grpo_step_on_cuda_and_its_checkpoint_reloads_bit_exactly(cuda, cuda_checkpoints, tmp_path):
-    from pipeline.training import (
+    from qerl.pipeline.rl.training import (
         RolloutBatch,
         TrainConfig,
         init_state,
@@ -363,10 +368,9 @@ def test_grpo_step_on_cuda_and_its_checkpoint_reloads_bit_exactly(cuda, cuda_che
 def test_hf_engine_generates_on_cuda_from_the_twin(cuda, cuda_checkpoints):
     """The transformers engine puts the twin on the GPU and records the logprobs of what it sampled:
     checked against a float32 CPU forward of the same weights (bf16 on the GPU: 0.05 nats)."""
+    from qerl.pipeline.rollout.engine import RolloutConfig, SamplingSpec, build_engine
+    from qerl.pipeline.rollout.hf_engine import HFEngine
     from transformers import AutoModelForCausalLM
-
-    from pipeline.engines import RolloutConfig, SamplingSpec, build_engine
-    from pipeline.engines.hf_engine import HFEngine
 
     twin = cuda_checkpoints[1]
     cfg = RolloutConfig(engine="hf", max_new_tokens=12, max_model_len=64, template="terse", dtype="bfloat16")
@@ -410,7 +414,7 @@ def _bench_module():
 def test_bench_report_records_oom_and_merges_runs(tmp_path):
     """An arm that ran out of memory is a result row, and --merge keeps the other models' arms."""
     bench = _bench_module()
-    from pipeline.plan import KNOWN_SHAPES
+    from qerl.pipeline.planning.memory import KNOWN_SHAPES
 
     shape = KNOWN_SHAPES["qwen2.5-32b"].__dict__
     arms = [

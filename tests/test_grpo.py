@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-
-from pipeline.config import ConfigError, load_config
-from pipeline.grpo import (
+from qerl.pipeline.config.loading import ConfigError, load_config
+from qerl.pipeline.rl.objective import (
     GRPOConfig,
     aggregate,
     clip_masks,

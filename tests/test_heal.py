@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from pipeline.artifacts import ArtifactError, ArtifactStore, BuildResult
+from qerl.pipeline.store.artifacts import ArtifactError, ArtifactStore, BuildResult
 
 
 def _produce(store: ArtifactStore, payload: bytes, heal: bool = False):

@@ -1,7 +1,7 @@
 """Stopping a run from outside: Ctrl-C (SIGINT to the terminal's process group) ends it promptly with
 its crash reported, and Prefect's temporary server never outlives qerl, not even a SIGKILLed qerl.
 
-Before ``flows.runner.start_temporary_server`` the server shared the terminal's process group: Ctrl-C
+Before ``qerl.flows.runner.start_temporary_server`` the server shared the terminal's process group: Ctrl-C
 stopped it with qerl, and Prefect then retried the crash report against the dead server for about
 3.5 minutes, ending in connection tracebacks; a SIGKILLed qerl left the server running."""
 
@@ -50,7 +50,7 @@ def _start(cfg_path: Path, work: Path, fault: str | None = None) -> tuple[subpro
         env["QERL_FAULT"] = fault
     err_path = work / f"cli-{fault or 'run'}.err"
     with open(err_path, "w") as err:  # the terminal's process group: its own session here
-        cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(cfg_path)]
+        cmd = [sys.executable, "-m", "qerl.flows.cli", "run", "--config", str(cfg_path)]
         proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=err, start_new_session=True)
     return proc, err_path
 
@@ -63,7 +63,7 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
 
 
 def test_qerl_run_sets_prefects_environment_before_prefect_reads_it(tmp_path):
-    """Prefect reads its settings once, at import: ``qerl run`` imported it (through flows.rl) before
+    """Prefect reads its settings once, at import: ``qerl run`` imported it (through qerl.flows.rl) before
     setting PREFECT_HOME and the 180 s server start-up budget, so the temporary server had Prefect's
     default 20 s, too little on a loaded 2-core machine."""
     probe = tmp_path / "settings.txt"

@@ -1,6 +1,6 @@
 """Nightly runs: a new run per night, warm start from the champion, the data cursor, promotion on a win.
 
-Three "nights" are driven in one process through ``flows.runner.run(..., night=...)`` (what the
+Three "nights" are driven in one process through ``qerl.flows.runner.run(..., night=...)`` (what the
 deployment does with Prefect's scheduled date), on the transformers engine and a tiny model.
 """
 
@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
-from pipeline import runplan
-from pipeline.artifacts import Manifest
+from qerl.pipeline.planning import run_plan as runplan
+from qerl.pipeline.store.artifacts import Manifest
 
 LONG_ID = "math500-13"
 
@@ -57,9 +56,8 @@ def _manifest(work: Path, stage: str, key: str) -> dict:
 def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_model_factory, tmp_path):
     import torch
     from mlflow.tracking import MlflowClient
-
-    from flows import runner
-    from pipeline.runconfig import RunConfig
+    from qerl.flows import runner
+    from qerl.pipeline.config.run import RunConfig
 
     model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
     cfg = RunConfig.model_validate(_night_config(model, _dataset(tmp_path / "data.jsonl")))
@@ -143,7 +141,7 @@ def test_cursor_advances_only_forward_and_atomically(tmp_path):
 
 
 def test_night_parsing_and_the_scheduled_date(monkeypatch):
-    import flows.rl as rl
+    import qerl.flows.rl as rl
 
     assert runplan.parse_night("2026-03-04") == dt.date(2026, 3, 4)
     assert runplan.parse_night(
@@ -162,9 +160,9 @@ def test_night_parsing_and_the_scheduled_date(monkeypatch):
 
 
 def test_warm_start_refuses_a_champion_of_another_base_or_lora_shape(tmp_path):
-    from pipeline import registry
-    from pipeline.artifacts import ArtifactStore
-    from pipeline.runconfig import RunConfig
+    from qerl.pipeline.config.run import RunConfig
+    from qerl.pipeline.registry import tracking as registry
+    from qerl.pipeline.store.artifacts import ArtifactStore
 
     cfg = RunConfig.model_validate(
         {"registry": {"model_name": "warm-probe"}, "train": {"lora_r": 16, "lora_alpha": 32}}
@@ -203,8 +201,7 @@ def test_warm_start_refuses_a_champion_of_another_base_or_lora_shape(tmp_path):
 
 def test_init_state_from_an_adapter_takes_its_weights_and_a_fresh_optimizer(tiny_model_dir, tmp_path):
     import torch
-
-    from pipeline.training import TrainConfig, init_state, save_checkpoint
+    from qerl.pipeline.rl.training import TrainConfig, init_state, save_checkpoint
 
     cfg = TrainConfig(lora_r=8, lora_alpha=16, dtype="float32")
     donor = init_state(tiny_model_dir, cfg)

@@ -14,9 +14,8 @@ import torch
 from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
-
-from kernels.nvfp4 import dequantize_nvfp4, global_scale, quantize, quantize_nvfp4
-from pipeline.nvfp4 import quantization_config
+from qerl.kernels.nvfp4 import dequantize_nvfp4, global_scale, quantize, quantize_nvfp4
+from qerl.pipeline.nvfp4.checkpoint import quantization_config
 
 SCHEME = preset_name_to_scheme("NVFP4A16", ["Linear"])
 
@@ -112,7 +111,7 @@ def test_quantization_config_is_the_libraries_nvfp4a16():
 
 
 def test_in_features_not_multiple_of_16_is_rejected_like_the_library():
-    from kernels.nvfp4 import NVFP4Error
+    from qerl.kernels.nvfp4 import NVFP4Error
 
     with pytest.raises(NVFP4Error, match="multiple of 16"):
         quantize_nvfp4(torch.randn(4, 40), name="odd")

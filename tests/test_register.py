@@ -8,10 +8,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from pipeline import registry as reg
-from pipeline.artifacts import ArtifactStore, BuildResult, Manifest
-from stages import register
+from qerl.pipeline.registry import tracking as reg
+from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult, Manifest
+from qerl.stages import register
 
 HISTORY = [
     {"step": s, "reward_mean": 0.2 + 0.1 * s, "reward_std": 0.3, "entropy": 1.5 - 0.2 * s, "kl": 0.01 * s,

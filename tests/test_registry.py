@@ -20,9 +20,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from pipeline import registry as reg
-from pipeline.registry_lock import LOCK_SUFFIX
+from qerl.pipeline.registry import tracking as reg
+from qerl.pipeline.registry.lock import LOCK_SUFFIX
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,7 +193,7 @@ _WORKER = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     sys.path.insert(0, {repo!r})
-    from pipeline import registry as reg
+    from qerl.pipeline.registry import tracking as reg
     work, name, tag, acc, go, ready = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5], sys.argv[6]
     cfg = reg.RegistryConfig(model_name=name, tracking_uri=os.environ.get("QERL_TEST_URI") or None)
     reg.open_tracking(cfg, work)
@@ -376,7 +375,7 @@ def test_postgresql_backend(pg_uri, tmp_path):
 
 
 def test_cli_promote(cfg, sqlite_work, tmp_path, capsys):
-    from flows.cli import main
+    from qerl.flows.cli import main
 
     v1 = register(cfg, tmp_path, "c1", 0.9)
     v2 = register(cfg, tmp_path, "c2", 0.1)
@@ -453,8 +452,9 @@ def test_tracking_server_backend(mlflow_server, tmp_path):
     check_race(race_cfg, tmp_path, env={"QERL_TEST_URI": uri})
 
     # the register stage, as the flow runs it, through the server
-    from pipeline.artifacts import ArtifactStore
-    from stages import register as register_stage
+    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.stages import register as register_stage
+
     from tests.test_register import HISTORY, LINEAGE, fake_eval, fake_train
 
     store = ArtifactStore(tmp_path / "store")

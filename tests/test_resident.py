@@ -10,9 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
-from pipeline.artifacts import ArtifactStore, BuildResult, Manifest
-from pipeline.training import TrainConfig
+from qerl.pipeline.rl.training import TrainConfig
+from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult, Manifest
 
 CFG = dict(
     lora_r=4,
@@ -29,15 +28,15 @@ FILES = ("adapter/adapter_model.safetensors", "optimizer.safetensors", "trainer_
 
 @pytest.fixture(scope="module")
 def nvfp4_base(tiny_model_dir, tmp_path_factory) -> Path:
-    from pipeline.nvfp4 import QuantizeConfig
-    from stages.quantize import run as quantize
+    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.stages.quantize import run as quantize
 
     return quantize(QuantizeConfig(), str(tiny_model_dir), ArtifactStore(tmp_path_factory.mktemp("q"))).dir
 
 
 @pytest.fixture(autouse=True)
 def no_resident_policy():
-    from stages.train import drop_resident_policy
+    from qerl.stages.train import drop_resident_policy
 
     drop_resident_policy()
     yield
@@ -69,7 +68,7 @@ def _scored(store: ArtifactStore, step: int) -> Manifest:
 
 
 def _chain(base: Manifest, store: ArtifactStore, steps: int, reload_each_step: bool) -> list[Manifest]:
-    from stages.train import drop_resident_policy, run
+    from qerl.stages.train import drop_resident_policy, run
 
     cfg = TrainConfig(**CFG)
     out: list[Manifest] = []
@@ -96,7 +95,7 @@ def test_resident_policy_equals_reloading_every_step(nvfp4_base, tmp_path, caplo
 
 
 def test_resident_policy_is_reused_only_for_its_own_checkpoint(nvfp4_base, tmp_path, caplog):
-    from stages.train import run
+    from qerl.stages.train import run
 
     base, store = Manifest.load(nvfp4_base), ArtifactStore(tmp_path / "s")
     cfg = TrainConfig(**CFG)

@@ -6,10 +6,10 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-
-from pipeline import engines, runplan
-from pipeline.config import ConfigError
-from pipeline.engines import EngineError, LazyEngine, RolloutConfig
+from qerl.pipeline.config.loading import ConfigError
+from qerl.pipeline.planning import run_plan as runplan
+from qerl.pipeline.rollout import engine as engines
+from qerl.pipeline.rollout.engine import EngineError, LazyEngine, RolloutConfig
 
 
 class EngineDeadError(RuntimeError):
@@ -98,12 +98,11 @@ def test_transient_or_not():
 @pytest.mark.slow
 def test_flow_tasks_retry_transient_errors_only(fake_engines, tmp_path):
     """Through Prefect itself: a deterministic error runs once, a dead engine is retried and rebuilt."""
-    from flows.runner import prepare_environment
+    from qerl.flows.runner import prepare_environment
 
     prepare_environment(tmp_path)
     from prefect import flow, task
-
-    from flows.rl import RETRY_OPTS
+    from qerl.flows.rl import RETRY_OPTS
 
     opts = {**RETRY_OPTS, "retry_delay_seconds": 0}
     attempts: list[str] = []

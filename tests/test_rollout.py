@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from qerl.pipeline.data.prompts import Problem, render_prompt
+from qerl.pipeline.rollout.engine import RolloutConfig, SamplingSpec, build_engine
+from qerl.pipeline.store.artifacts import ArtifactStore, sha256_file
+from qerl.stages import rollout
 
-from pipeline.artifacts import ArtifactStore, sha256_file
-from pipeline.engines import RolloutConfig, SamplingSpec, build_engine
-from pipeline.prompts import Problem, render_prompt
-from stages import rollout
 from tests.test_engines import fake_manifest, make_adapter
 
 PROBLEMS = [
@@ -144,9 +144,9 @@ def test_derived_seeds_are_unchanged_by_the_shared_helper():
     are pinned to what the earlier per-module copies returned, so cached rollouts stay valid."""
     import hashlib
 
-    from pipeline.aqn import layer_generator
-    from pipeline.engines import sample_seed
-    from pipeline.seeds import derive_seed
+    from qerl.pipeline.rollout.aqn import layer_generator
+    from qerl.pipeline.rollout.engine import sample_seed
+    from qerl.pipeline.runtime.seeds import derive_seed
 
     assert [sample_seed(0, 0, 0), sample_seed(7, 3, -1), sample_seed(123456789, 15, 7)] == [
         325866218452587183, 6032442204645994562, 4083698714882082309,
@@ -168,8 +168,8 @@ def test_derived_seeds_are_unchanged_by_the_shared_helper():
 
 def test_an_engine_without_logprobs_takes_any_sampling():
     """Evaluation samples at T 0.6 / top_p 0.95 and records no logprobs: no exact mode is needed."""
-    from pipeline.engines import EngineError
-    from pipeline.engines.vllm_engine import _compatible, logprobs_mode_for
+    from qerl.pipeline.rollout.engine import EngineError
+    from qerl.pipeline.rollout.vllm_engine import _compatible, logprobs_mode_for
 
     truncated = SamplingSpec(temperature=0.6, top_p=0.95, logprobs=False)
     assert logprobs_mode_for(truncated) == "processed_logprobs"

@@ -8,10 +8,9 @@ import statistics
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from pipeline.artifacts import ArtifactStore, BuildResult
-from pipeline.rewards import RewardConfig
-from stages import score
+from qerl.pipeline.data.rewards import RewardConfig
+from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult
+from qerl.stages import score
 
 ROWS = [
     # group, completion, gold
@@ -79,7 +78,7 @@ def test_stage_rejects_tables_without_needed_columns(tmp_path):
 
 
 def test_cli_score_jsonl(tmp_path, capsys):
-    from flows.cli import main
+    from qerl.flows.cli import main
 
     src = tmp_path / "in.jsonl"
     rows = [

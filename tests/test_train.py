@@ -10,9 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from pipeline.training import (
+from qerl.pipeline.rl.training import (
     RolloutBatch,
     TrainConfig,
     accumulate_gradients,
@@ -23,6 +21,7 @@ from pipeline.training import (
     step_context,
     train_step,
 )
+from safetensors.torch import load_file
 
 TINY = dict(lora_r=4, lora_alpha=8, dtype="float32", max_grad_norm=1.0, seed=3)
 
@@ -30,9 +29,9 @@ TINY = dict(lora_r=4, lora_alpha=8, dtype="float32", max_grad_norm=1.0, seed=3)
 @pytest.fixture(scope="module")
 def nvfp4_base(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model quantized by the real quantize stage: training runs on packed NVFP4 weights."""
-    from pipeline.artifacts import ArtifactStore
-    from pipeline.nvfp4 import QuantizeConfig
-    from stages.quantize import run as quantize
+    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.stages.quantize import run as quantize
 
     store = ArtifactStore(tmp_path_factory.mktemp("store"))
     return quantize(QuantizeConfig(), str(tiny_model_dir), store).dir
@@ -202,7 +201,7 @@ def test_truncated_completions_are_masked(nvfp4_base):
     assert metrics["tokens_trained"] == 0 and metrics["grad_norm"] == 0.0 and metrics["frac_truncated"] == 1.0
     # no token trained: the per-token means are undefined (None, JSON null), not a placeholder 0 that a
     # curve or an ablation's early-entropy average would read as a collapsed policy (issue 13)
-    from pipeline.training import TOKEN_MEAN_METRICS
+    from qerl.pipeline.rl.training import TOKEN_MEAN_METRICS
 
     assert {k: metrics[k] for k in TOKEN_MEAN_METRICS} == dict.fromkeys(TOKEN_MEAN_METRICS)
     assert "entropy" in TOKEN_MEAN_METRICS and "mismatch_kl" in TOKEN_MEAN_METRICS
@@ -260,7 +259,7 @@ def test_load_rollout_batch_checks_rows(tmp_path):
 
 def _scored_manifest(store, batch: RolloutBatch, tag: str):
     """A 'score' artifact holding ``batch`` as scored.parquet (the columns the train stage reads)."""
-    from pipeline.artifacts import BuildResult
+    from qerl.pipeline.store.artifacts import BuildResult
 
     def build(tmp):
         n = len(batch)
@@ -282,8 +281,8 @@ def _scored_manifest(store, batch: RolloutBatch, tag: str):
 
 
 def test_train_stage_chains_and_caches(nvfp4_base, tmp_path):
-    from pipeline.artifacts import ArtifactError, ArtifactStore, Manifest
-    from stages.train import run
+    from qerl.pipeline.store.artifacts import ArtifactError, ArtifactStore, Manifest
+    from qerl.stages.train import run
 
     store = ArtifactStore(tmp_path / "store")
     base = Manifest.load(nvfp4_base)
@@ -320,8 +319,8 @@ def test_train_stage_chains_and_caches(nvfp4_base, tmp_path):
         run(cfg, base, scored[1], m0, 2, store)
 
     # the stage's chained checkpoints equal two steps in one process
-    from pipeline.threads import trainer_threads
-    from stages.train import _pad_id
+    from qerl.pipeline.runtime.threads import trainer_threads
+    from qerl.stages.train import _pad_id
 
     direct = init_state(nvfp4_base, cfg)
     # the stage's threading (MKL/OpenMP as in a fresh process): MKL's thread split changes the bits,
@@ -339,7 +338,7 @@ def test_train_stage_chains_and_caches(nvfp4_base, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_token_logprobs_equal_plain_log_softmax(dtype, bias):
     """The slab-wise lm_head + logprob/entropy Function gives the plain expression's values and gradients."""
-    from pipeline.logprobs import _TokenLogprobs
+    from qerl.pipeline.rl.logprobs import _TokenLogprobs
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 11, 16, generator=g).to(dtype)
@@ -365,7 +364,7 @@ def test_fused_token_logprobs_equal_plain_log_softmax(dtype, bias):
 
 def _two_sample_minibatch() -> dict[str, torch.Tensor]:
     """Two samples with prompts and completions of different lengths, collated with padding."""
-    from pipeline.training import _collate
+    from qerl.pipeline.rl.training import _collate
 
     batch = RolloutBatch(
         prompt_ids=[[5, 6, 7], [8, 9]],
@@ -380,9 +379,8 @@ def _two_sample_minibatch() -> dict[str, torch.Tensor]:
 
 def test_completion_logprobs_equal_the_full_logits_path(tiny_model_dir):
     """Decoder + fused head give what ``model(...).logits`` gives: values and every gradient."""
+    from qerl.pipeline.rl.training import completion_logprobs
     from transformers import AutoModelForCausalLM
-
-    from pipeline.training import completion_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     mb = _two_sample_minibatch()
@@ -413,9 +411,8 @@ def test_lora_autocast_computes_the_adapter_in_the_base_dtype(tiny_model_dir):
     import copy
 
     from peft import LoraConfig, get_peft_model
+    from qerl.pipeline.rl.training import completion_logprobs
     from transformers import AutoModelForCausalLM
-
-    from pipeline.training import completion_logprobs
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).requires_grad_(False)
     torch.manual_seed(0)
@@ -444,7 +441,7 @@ def test_lora_autocast_computes_the_adapter_in_the_base_dtype(tiny_model_dir):
 def _handmade_batch(state, lengths, rewards, groups=None, shift=None, truncated=None) -> RolloutBatch:
     """Completions of the given lengths (fixed ids); the sampler's logprobs are the policy's own (each
     row computed alone) plus ``shift(row, token)``, the way a noisy (AQN) sampler would differ."""
-    from pipeline.training import _collate, completion_logprobs
+    from qerl.pipeline.rl.training import _collate, completion_logprobs
 
     gen = torch.Generator().manual_seed(7)
     n = len(lengths)
@@ -476,7 +473,7 @@ def test_tis_with_reshuffled_minibatches_of_other_widths(nvfp4_base, monkeypatch
     """Issue item 3: 4 rows of different lengths in minibatches of 2 over mu = 2 passes (reshuffled, so
     a row lands in minibatches of other padded widths); with TIS on (the default). Every minibatch's
     old logprobs must be the step-start policy's, row by row, not the current one's."""
-    import pipeline.training as training
+    import qerl.pipeline.rl.training as training
 
     cfg = TrainConfig(**TINY, lr=5e-2, minibatch_size=2, mu=2, grpo={"tis_cap": 2.0})
     state = init_state(nvfp4_base, cfg)
@@ -579,8 +576,8 @@ def test_a_truncated_row_is_a_dropped_sample(nvfp4_base, loss_type):
 def test_device_settings_are_chosen_by_device_type():
     """Issue item 10: the CPU keeps its memory-bounding settings; CUDA gets large slabs, whole-layer
     decode and fused AdamW (the CUDA path itself runs in tests/test_gpu.py on a GPU machine)."""
-    from pipeline.qlinear import CHUNK_ELEMENTS, CHUNK_ELEMENTS_CUDA, slice_elements
-    from pipeline.training import (
+    from qerl.pipeline.nvfp4.linear import CHUNK_ELEMENTS, CHUNK_ELEMENTS_CUDA, slice_elements
+    from qerl.pipeline.rl.training import (
         LOGPROB_CHUNK_ELEMENTS,
         LOGPROB_CHUNK_ELEMENTS_CUDA,
         _with_impl,
@@ -601,8 +598,8 @@ def test_device_settings_are_chosen_by_device_type():
 
 
 def test_cpu_policy_uses_the_cpu_settings(nvfp4_base, monkeypatch):
-    import pipeline.logprobs as logprobs
-    import pipeline.training as training
+    import qerl.pipeline.rl.logprobs as logprobs
+    import qerl.pipeline.rl.training as training
 
     cfg = TrainConfig(**TINY)
     state = init_state(nvfp4_base, cfg)

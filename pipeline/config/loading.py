@@ -1,0 +1,131 @@
+"""Typed, validated configuration: one pydantic model per stage, defaults in one place.
+
+Every config is a frozen pydantic model that rejects unknown keys. Loading goes YAML first, then
+``--set section.key=value`` overrides (values parsed as YAML scalars, so ``3``, ``1e-5``, ``true``
+and ``[a, b]`` mean what they look like). A misspelled key fails with the list of valid keys at that
+level, which pydantic's own message does not give.
+
+The per-stage models (QuantizeConfig, RolloutConfig, ...) live in the modules that own them and are
+assembled into ``RunConfig`` by ``qerl.pipeline.config.run``; this module holds only the machinery, so
+that adding a stage never means editing a central file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+__all__ = [
+    "ConfigError",
+    "StrictModel",
+    "apply_overrides",
+    "config_hash",
+    "load_config",
+    "parse_overrides",
+]
+
+M = TypeVar("M", bound="StrictModel")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the offending key and the valid ones."""
+
+
+class StrictModel(BaseModel):
+    """Base for all configs: unknown keys are errors, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+def _valid_keys(model: type[BaseModel]) -> list[str]:
+    return sorted(model.model_fields)
+
+
+def _check_keys(model: type[BaseModel], data: Any, where: str) -> None:
+    """Walk ``data`` against ``model`` and raise on the first unknown key, listing the valid ones."""
+    if not isinstance(data, dict):
+        return
+    valid = _valid_keys(model)
+    for key, value in data.items():
+        if key not in model.model_fields:
+            path = f"{where}.{key}" if where else key
+            raise ConfigError(f"unknown config key '{path}'; valid keys here: {', '.join(valid)}")
+        annotation = model.model_fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            _check_keys(annotation, value, f"{where}.{key}" if where else key)
+
+
+def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
+    """Turn ``["a.b=1", "c=x"]`` into a nested dict; values are YAML scalars."""
+    nested: dict[str, Any] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ConfigError(f"override '{pair}' is not of the form section.key=value")
+        dotted, raw = pair.split("=", 1)
+        parts = [p for p in dotted.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"override '{pair}' has an empty key")
+        node = nested
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{pair}' sets a key below the scalar '{part}'")
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    return nested
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def apply_overrides(cfg: M, overrides: list[str] | dict[str, Any] | None) -> M:
+    """Return a copy of ``cfg`` with dotted overrides applied and re-validated."""
+    extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+    return _validate(type(cfg), _deep_merge(cfg.model_dump(mode="json"), extra or {}), "overrides")
+
+
+def _validate(model: type[M], data: dict[str, Any], source: str) -> M:
+    _check_keys(model, data, "")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors()
+        )
+        raise ConfigError(f"invalid config from {source}: {problems}") from None
+
+
+def load_config(model: type[M], path: str | Path | None = None, overrides: list[str] | None = None) -> M:
+    """Load ``model`` from an optional YAML file, then apply ``--set`` style overrides."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        data = loaded
+        source = str(path)
+    data = _deep_merge(data, parse_overrides(overrides))
+    return _validate(model, data, source)
+
+
+def config_hash(cfg: BaseModel | dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of a config (sorted keys), the config part of a cache key."""
+    payload = cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else cfg
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

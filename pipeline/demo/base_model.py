@@ -1,0 +1,132 @@
+"""The embedded demo's base model: a tiny Qwen2 built here, then warmed up with a short SFT.
+
+QeRL starts from an instruction-tuned model that already solves some problems; RL then raises the
+share it solves. Nothing can be downloaded here, so the demo makes its own such model: a byte-level
+BPE tokenizer trained on the procedural arithmetic train split, a Qwen2-architecture model of about
+a million parameters (head_dim 32, as vLLM's CPU attention needs), and a deliberately *short*
+supervised warm-up on ``question -> <answer>N</answer>`` so the model answers in the right format
+but is often wrong. That leaves room for GRPO to show a real gain within minutes on two cores.
+
+The warm-up is deterministic on CPU (seeded init, fixed data order) and runs on ONE intra-op thread
+(``SFT_THREADS``), whatever the machine's core count. Measured here: the same seed gave different
+weights with 1 and 2 torch threads (the float reductions are blocked per thread), so a base built
+on a 2-core box differed from one built on a 4-core box, and with it every accuracy the demo
+reports. One thread is also no slower for a model this small (69 s vs 302 s for 2 threads on a
+loaded 2-core machine, where the second OpenMP thread mostly waits). The same CPU type is still
+assumed: another instruction set (AVX-512 vs AVX2 kernels) can round differently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+from pydantic import Field
+from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.data.datasets import arithmetic_problems
+from qerl.pipeline.data.prompts import render_prompt
+from qerl.pipeline.demo.tiny_model import build_tiny_model
+
+log = logging.getLogger("qerl.demo")
+
+SFT_THREADS = 1  # the warm-up's intra-op threads: fixed so the base does not depend on the core count
+
+
+class DemoBaseConfig(StrictModel):
+    """How the embedded demo's base model is built and warmed up."""
+
+    levels: list[int] = Field(default_factory=lambda: [1, 2])
+    n_train: int = 800
+    template: str = "terse"
+    vocab_size: int = 384
+    hidden_size: int = 128
+    num_layers: int = 4
+    intermediate_size: int = 384
+    sft_steps: int = 300
+    sft_batch: int = 32
+    sft_lr: float = 3e-3
+    seed: int = 0
+
+
+def completion_text(answer: str) -> str:
+    """What the warm-up teaches the model to write (the reward reads the answer tags)."""
+    return f"<answer>{answer}</answer>"
+
+
+def _encode(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    target_ids = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    return prompt_ids + target_ids, [-100] * len(prompt_ids) + target_ids
+
+
+def build_demo_base(out_dir: str | Path, cfg: DemoBaseConfig) -> dict[str, float]:
+    """Write the warmed-up demo model to ``out_dir`` (an HF model dir) and return warm-up metrics."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SFT_THREADS)
+    try:
+        metrics = _build(Path(out_dir), cfg)
+    finally:
+        torch.set_num_threads(threads)
+    return metrics
+
+
+def _build(out: Path, cfg: DemoBaseConfig) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    problems = arithmetic_problems(cfg.n_train, seed=cfg.seed, split="train", levels=cfg.levels)
+    corpus = [f"{p['question']} {completion_text(p['answer'])}" for p in problems]
+    build_tiny_model(
+        out,
+        arch="qwen2",
+        seed=cfg.seed,
+        dtype=torch.float32,
+        corpus=corpus,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        intermediate_size=cfg.intermediate_size,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    examples = [
+        _encode(
+            tokenizer, render_prompt(tokenizer, p["question"], cfg.template), completion_text(p["answer"])
+        )
+        for p in problems
+    ]
+    torch.manual_seed(cfg.seed)
+    order = random.Random(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    model.train()
+    started, losses = time.perf_counter(), []
+    for step in range(cfg.sft_steps):
+        batch = order.sample(examples, min(cfg.sft_batch, len(examples)))
+        width = max(len(ids) for ids, _ in batch)
+        pad = tokenizer.pad_token_id
+        input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
+        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
+        attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss))
+        if step % 20 == 0:
+            log.info("demo warm-up step %d/%d loss %.3f", step, cfg.sft_steps, losses[-1])
+    model.eval()
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    metrics = {
+        "sft_final_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "sft_seconds": time.perf_counter() - started,
+        "n_train": len(problems),
+        "sft_threads": torch.get_num_threads(),
+    }
+    # no wall time in the model directory: its content digest is every downstream cache key's input
+    stable = {k: v for k, v in metrics.items() if k != "sft_seconds"}
+    (out / "qerl_demo.json").write_text(json.dumps({"config": cfg.model_dump(), "metrics": stable}, indent=2))
+    return metrics

@@ -1,0 +1,412 @@
+"""Store retention (``qerl gc``): delete what no resume, lookup or registration needs.
+
+Why: every train artifact holds the fp32 adapter and the AdamW moments; at 7B with r=32 that is
+about 1 GB a step (a third adapter, two thirds optimizer), so a 500-step run fills ~480 GB. Only the
+newest optimizer state is ever read again (by the next step, or by a resume), and only some adapters
+are worth keeping.
+
+What is deleted (per run, from its record ``<work>/runs/<id>/run.json``; policy ``RetentionConfig``,
+the run config's ``store`` section, defaults here):
+
+- the optimizer state (``optimizer.safetensors``) of every train step but the run's last
+  ``keep_optimizer_last`` (the last one is what a resume continues from);
+- with ``keep_adapters_every = E > 0``, the adapters of steps that are not a multiple of E; the last
+  step's, every evaluated step's, every registered one's and every step whose optimizer is kept stay;
+- everything in ``store/trash`` (corrupt artifacts moved aside) older than ten minutes (a younger
+  entry may be a prune still moving files), and build folders in ``store/tmp`` whose producer is
+  dead (its key's lock is free).
+
+What is never deleted: anything of a *live* run (status ``running`` and updated within
+``live_window_h``: gc cannot know which of its files the running process holds, so all of them stay),
+the adapter of every version registered from this store (its register manifest names the train
+digest; MLflow holds its own copy, but ``qerl eval`` and champion lookups read the store's), the
+final evaluated adapter of every run an ablation lists (below), any train artifact that no run record
+names (benchmarks, tests: not ours to judge), manifests, and anything outside the store: run records,
+logs, and ablations (``<work>/ablations/<id>/``: ``ablation.json``, ``report.md``, ``plots/``).
+
+Ablations (``qerl ablate``, ``qerl.flows.ablate``): each (arm, seed) is an ordinary run with its own run
+record, so its steps follow that run's policy like any other run's: its old optimizer states go (an
+ablation never trains a finished run again: re-running the ablation finds every stage in the store,
+and a lookup serves a pruned artifact), and its last steps' stay, so a killed ablation resumes. What
+the comparison is about, each listed run's final evaluated adapter, is kept like a registered one,
+whatever the policy (``keep_adapters_every`` included). Its evaluation tables (``items.parquet``, read
+by the report) are evaluate artifacts, which gc never touches. An unreadable ``ablation.json`` is
+noted and skipped rather than stopping gc: every run it lists has its own record, read regardless, and
+that record already names the same adapters; the ablation record only makes the guarantee explicit.
+
+How: a train artifact is *pruned*, not removed (``ArtifactStore.prune``): the manifest keeps every
+file's record, so its digest and every downstream cache key stay valid and a re-run of a finished
+run is still all cache hits; the deleted files are listed in the manifest's ``pruned``. A lookup
+serves the artifact; a consumer of a pruned file gets an ArtifactError naming the step and why.
+Departure from "recompute on demand": an optimizer state cannot be recomputed without the previous
+one (recursively back to step 0), so a resume that needs a pruned one fails with that message
+instead; resuming a run never does, because its last checkpoint is always kept.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError
+from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.evaluation.ablation import ABLATION_DIR
+from qerl.pipeline.store.artifacts import MANIFEST, ArtifactError, ArtifactStore, Manifest
+
+log = logging.getLogger("qerl.retention")
+
+TRAIN_STAGE = "train"
+REGISTER_STAGE = "register"
+OPTIMIZER_FILES = ("optimizer.safetensors",)  # what qerl.pipeline.rl.training.save_checkpoint writes
+TRASH_MIN_AGE_S = 600.0  # younger trash entries may still be filling (a prune in progress)
+
+
+class RetentionConfig(StrictModel):
+    """What ``qerl gc`` (and the flow, after each step) may delete from the store."""
+
+    keep_optimizer_last: int = Field(
+        2, ge=1, description="optimizer states kept per run: those of its last K steps (resume needs 1)"
+    )
+    keep_adapters_every: int = Field(
+        0, ge=0, description="keep every E-th step's adapter (0: all); last/evaluated/registered always kept"
+    )
+    live_window_h: float = Field(
+        24.0, gt=0, description="a run 'running' and updated within this many hours is live: gc skips it"
+    )
+
+
+class RetentionError(RuntimeError):
+    """gc cannot decide safely (an unreadable run record or register manifest); names the file."""
+
+
+@dataclass
+class Deletion:
+    """One thing the plan deletes: files of an artifact (``prune``) or a folder (``trash``/``tmp``)."""
+
+    kind: str
+    path: Path
+    nbytes: int
+    reason: str
+    stage: str = ""
+    key: str = ""
+    files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GcPlan:
+    deletions: list[Deletion] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for d in self.deletions)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def load_runs(work: Path) -> list[dict[str, Any]]:
+    """Every run record under ``work/runs``; an unreadable one stops gc (its references are unknown)."""
+    records = []
+    for path in sorted((work / "runs").glob("*/run.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise RetentionError(f"cannot read run record {path} ({err}): refusing to collect") from err
+        if not isinstance(record, dict) or not isinstance(record.get("steps"), list):
+            raise RetentionError(f"run record {path} has no 'steps' list: refusing to collect")
+        record.setdefault("run_id", path.parent.name)
+        records.append(record)
+    return records
+
+
+def policy_for(record: dict[str, Any], overrides: dict[str, Any] | None = None) -> RetentionConfig:
+    """The run's own ``store`` section (defaults for records that predate it) with ``overrides``."""
+    own = (record.get("config") or {}).get("store") or {}
+    try:
+        return RetentionConfig.model_validate({**own, **(overrides or {})})
+    except ValidationError as err:
+        raise RetentionError(f"run {record.get('run_id')}: bad store retention settings: {err}") from err
+
+
+def is_live(record: dict[str, Any], window_h: float, now: _dt.datetime | None = None) -> bool:
+    """Status running and touched within ``window_h`` (a record without a time counts as live)."""
+    if record.get("status") != "running":
+        return False
+    stamp = record.get("updated_at") or record.get("started_at")
+    if not stamp:
+        return True
+    try:
+        when = _dt.datetime.fromisoformat(str(stamp))
+    except ValueError:
+        return True
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=_dt.UTC)
+    now = now or _dt.datetime.now(_dt.UTC)
+    return (now - when).total_seconds() < window_h * 3600
+
+
+def _train_keys(record: dict[str, Any]) -> list[tuple[int, str]]:
+    """(step, train key) of every recorded step, in step order."""
+    out = []
+    for i, entry in enumerate(record["steps"]):
+        key = ((entry or {}).get("manifests") or {}).get("train")
+        if key:
+            out.append((int(entry.get("step", i)), str(key)))
+    return sorted(out)
+
+
+def load_ablations(work: Path, notes: list[str]) -> list[dict[str, Any]]:
+    """Every readable ablation record ``<work>/ablations/<id>/ablation.json`` (an unreadable one is
+    noted and skipped: see the module docstring)."""
+    records = []
+    for path in sorted((work / ABLATION_DIR).glob("*/ablation.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            notes.append(f"skipped ablation record {path} ({err}): its runs' own records still protect them")
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
+            notes.append(f"skipped ablation record {path}: no 'runs' list")
+            continue
+        record.setdefault("id", path.parent.name)
+        records.append(record)
+    return records
+
+
+def ablation_adapters(record: dict[str, Any]) -> set[str]:
+    """Train keys of a run's final evaluated adapter: what an ablation compares (``qerl.flows.ablate``
+    reads the evaluation of the adapter after ``loop.steps``), and the run's ``final_adapter``."""
+    steps = int(((record.get("config") or {}).get("loop") or {}).get("steps") or 0)
+    keys = {
+        str(e["adapter"])
+        for e in record.get("evaluations") or []
+        if isinstance(e, dict) and e.get("adapter") and int(e.get("step", -1)) == steps
+    }
+    if record.get("final_adapter"):
+        keys.add(Path(record["final_adapter"]).parent.name)
+    return keys
+
+
+def _mark_ablations(
+    marks: _Marks, ablations: list[dict[str, Any]], runs: list[dict[str, Any]], notes: list[str]
+) -> None:
+    """Keep each listed run's final evaluated adapter (a run not started yet has nothing to keep)."""
+    by_id = {r["run_id"]: r for r in runs}
+    for ablation in ablations:
+        listed = [str(e.get("run_id")) for e in ablation["runs"] if isinstance(e, dict)]
+        finals = [ablation_adapters(by_id[r]) for r in listed if r in by_id]
+        marks.keep_adapter.update(*finals)
+        if any(finals):
+            done = sum(1 for f in finals if f)
+            notes.append(
+                f"kept the final adapters of ablation {ablation['id']}: {done} of its {len(listed)} runs"
+            )
+
+
+def registered_train_digests(store: ArtifactStore) -> set[str]:
+    """Digests of the train artifacts whose adapters were registered from this store."""
+    digests = set()
+    for directory in sorted((store.root / "objects" / REGISTER_STAGE).glob("*")):
+        if not (directory / MANIFEST).is_file():
+            continue
+        try:
+            manifest = Manifest.load(directory)
+        except (ValueError, ArtifactError) as err:
+            raise RetentionError(f"cannot read register manifest in {directory} ({err})") from err
+        if "train" in manifest.inputs:
+            digests.add(manifest.inputs["train"])
+    return digests
+
+
+@dataclass
+class _Marks:
+    keep_opt: set[str] = field(default_factory=set)
+    keep_adapter: set[str] = field(default_factory=set)
+    drop_opt: dict[str, str] = field(default_factory=dict)  # key -> reason
+    drop_adapter: dict[str, str] = field(default_factory=dict)
+
+
+def _mark_run(marks: _Marks, record: dict[str, Any], policy: RetentionConfig, live: bool) -> None:
+    steps = _train_keys(record)
+    keys = [k for _, k in steps]
+    rid = record["run_id"]
+    if live or not keys:
+        marks.keep_opt.update(keys)
+        marks.keep_adapter.update(keys)
+        return
+    last_k = keys[-policy.keep_optimizer_last :]
+    marks.keep_opt.update(last_k)
+    marks.keep_adapter.update(last_k)  # a resume from a kept optimizer state needs its adapter too
+    marks.keep_adapter.update(e["adapter"] for e in record.get("evaluations") or [] if e.get("adapter"))
+    if record.get("final_adapter"):
+        marks.keep_adapter.add(Path(record["final_adapter"]).parent.name)
+    if not policy.keep_adapters_every:
+        marks.keep_adapter.update(keys)
+    for step, key in steps:
+        if key not in last_k:
+            marks.drop_opt.setdefault(
+                key, f"run {rid} step {step}: older than its last {policy.keep_optimizer_last} steps"
+            )
+        every = policy.keep_adapters_every
+        if every and (step + 1) % every:
+            marks.drop_adapter.setdefault(key, f"run {rid} step {step}: not a multiple of {every} steps")
+
+
+def _pruning(store: ArtifactStore, marks: _Marks, registered: set[str], notes: list[str]) -> list[Deletion]:
+    out = []
+    for key in sorted(set(marks.drop_opt) | set(marks.drop_adapter)):
+        directory = store.path_for(TRAIN_STAGE, key)
+        if not (directory / MANIFEST).is_file():
+            continue  # already gone (a re-run rebuilds it if ever needed)
+        try:
+            manifest = Manifest.load(directory)
+        except (ValueError, ArtifactError) as err:  # the next lookup moves it aside; not gc's to judge
+            notes.append(f"kept {directory}: unreadable manifest ({err})")
+            continue
+        names, reasons = [], []
+        if key in marks.drop_opt and key not in marks.keep_opt:
+            names += [n for n in OPTIMIZER_FILES if n in manifest.files]
+            reasons.append(f"optimizer: {marks.drop_opt[key]}")
+        if key in marks.drop_adapter and key not in marks.keep_adapter and manifest.digest not in registered:
+            folder = str(manifest.extra.get("adapter", "adapter")).rstrip("/") + "/"
+            names += [n for n in manifest.files if n.startswith(folder)]
+            reasons.append(f"adapter: {marks.drop_adapter[key]}")
+        names = [n for n in names if n not in manifest.pruned]
+        # files an interrupted prune marked but did not delete (ArtifactStore.prune removes them too)
+        leftovers = [n for n in manifest.pruned if (directory / n).is_file()]
+        if leftovers:
+            reasons.append(f"left over by an interrupted prune: {leftovers}")
+        if names or leftovers:
+            nbytes = sum(
+                (directory / n).stat().st_size for n in {*names, *leftovers} if (directory / n).is_file()
+            )
+            out.append(Deletion("prune", directory, nbytes, "; ".join(reasons), TRAIN_STAGE, key, names))
+    return out
+
+
+def _tmp_lock_name(folder: Path) -> str | None:
+    """``<stage>-<key>`` of a build folder ``tmp/<stage>-<key>-<nonce>`` (see ArtifactStore.produce)."""
+    parts = folder.name.rsplit("-", 2)
+    return f"{parts[0]}-{parts[1]}" if len(parts) == 3 and len(parts[1]) == 32 else None
+
+
+def _sweeps(store: ArtifactStore, notes: list[str], now: _dt.datetime) -> list[Deletion]:
+    out = []
+    for entry in sorted((store.root / "trash").iterdir()):
+        # a fresh entry may be a prune (or a gc) still moving files into it: leave it to the next gc
+        if now.timestamp() - entry.lstat().st_mtime < TRASH_MIN_AGE_S:
+            notes.append(f"kept {entry}: moved to trash less than {TRASH_MIN_AGE_S:.0f} s ago")
+            continue
+        out.append(Deletion("trash", entry, _tree_bytes(entry), "moved aside earlier (corrupt or pruned)"))
+    for entry in sorted((store.root / "tmp").iterdir()):
+        name = _tmp_lock_name(entry)
+        if name is None:
+            notes.append(f"kept {entry}: not a build folder of this store")
+            continue
+        with store.try_lock(name) as free:
+            if free:  # the lock name rides in ``key``: apply re-takes it before deleting
+                out.append(
+                    Deletion("tmp", entry, _tree_bytes(entry), "unfinished build of a dead process", key=name)
+                )
+            else:
+                notes.append(f"kept {entry}: its build is running")
+    return out
+
+
+def plan(
+    work: str | Path,
+    overrides: dict[str, Any] | None = None,
+    now: _dt.datetime | None = None,
+    only_run: str | None = None,
+) -> GcPlan:
+    """What gc would delete under ``work`` (nothing is touched).
+
+    ``overrides`` replace RetentionConfig fields for every run; ``only_run`` restricts pruning to that
+    run's steps and treats it as not live (the flow pruning its own past steps) and skips the sweeps.
+    """
+    work = Path(work)
+    if not (work / "store" / "objects").is_dir():
+        raise RetentionError(f"no artifact store under {work} (expected {work / 'store' / 'objects'})")
+    store = ArtifactStore(work / "store")
+    result = GcPlan()
+    marks = _Marks()
+    records = load_runs(work)
+    if only_run is not None and only_run not in {r["run_id"] for r in records}:
+        raise RetentionError(f"no run record for '{only_run}' under {work / 'runs'}")
+    for record in records:
+        policy = policy_for(record, overrides)
+        live = record["run_id"] != only_run and is_live(record, policy.live_window_h, now)
+        if live:
+            result.notes.append(
+                f"kept every artifact of live run {record['run_id']} (updated within {policy.live_window_h} h)"
+            )
+        # with only_run, every other run only protects (as a live one does): none of its drops count
+        protect_only = live or (only_run is not None and record["run_id"] != only_run)
+        _mark_run(marks, record, policy, protect_only)
+    _mark_ablations(marks, load_ablations(work, result.notes), records, result.notes)
+    result.deletions += _pruning(store, marks, registered_train_digests(store), result.notes)
+    if only_run is None:
+        result.deletions += _sweeps(store, result.notes, now or _dt.datetime.now(_dt.UTC))
+    return result
+
+
+def apply(work: str | Path, gc_plan: GcPlan) -> int:
+    """Carry out ``gc_plan``; returns the bytes freed. Folders are renamed aside, then deleted."""
+    store = ArtifactStore(Path(work) / "store")
+    freed = 0
+    for d in gc_plan.deletions:
+        if d.kind == "prune":
+            freed += store.prune(d.stage, d.key, d.files, d.reason)
+        elif d.kind == "trash":
+            claimed = d.path.with_name(f"{d.path.name}.gc-{uuid.uuid4().hex[:8]}")
+            try:  # claim it first: a second gc running at the same time skips what this one took
+                os.replace(d.path, claimed)
+            except FileNotFoundError:
+                continue
+            freed += _tree_bytes(claimed)
+            shutil.rmtree(claimed) if claimed.is_dir() else claimed.unlink()
+        elif d.kind == "tmp":
+            with store.try_lock(d.key) as free:
+                if free and d.path.exists():  # re-checked: a producer may have started since the plan
+                    aside = store.root / "trash" / f"gc-{d.path.name}-{uuid.uuid4().hex[:8]}"
+                    os.replace(d.path, aside)
+                    freed += _tree_bytes(aside)
+                    shutil.rmtree(aside)
+        else:
+            raise ValueError(f"unknown deletion kind {d.kind!r} for {d.path}")
+    log.info("gc freed %s in %d deletions", human_bytes(freed), len(gc_plan.deletions))
+    return freed
+
+
+def prune_run(work: str | Path, run_id: str, policy: RetentionConfig | None = None) -> int:
+    """Apply retention to one run's past steps (the flow calls this after each step); bytes freed.
+
+    When gc cannot decide safely (another run's record or a register manifest is unreadable) this
+    deletes nothing and logs a warning instead of failing the run: space is worth less than the run.
+    """
+    overrides = policy.model_dump() if policy is not None else None
+    try:
+        gc_plan = plan(work, overrides=overrides, only_run=run_id)
+    except RetentionError as err:
+        log.warning("retention skipped for run %s: %s", run_id, err)
+        return 0
+    return apply(work, gc_plan)

@@ -1,0 +1,98 @@
+"""The distribution installs one importable name, ``qerl``, mapped from the repository's top-level
+folders (pyproject.toml's package-dir); nothing in the tree imports those folders by their own names."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MAPPED = {
+    "qerl": "qerl",
+    "qerl.pipeline": "pipeline",
+    "qerl.stages": "stages",
+    "qerl.kernels": "kernels",
+    "qerl.flows": "flows",
+}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    setuptools = _pyproject()["tool"]["setuptools"]
+    assert setuptools["package-dir"] == MAPPED
+    found = set()
+    for name, folder in MAPPED.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join((name, *rel)))
+    assert sorted(setuptools["packages"]) == sorted(found)
+
+
+def test_nothing_imports_the_folders_by_their_own_names():
+    pattern = re.compile(r"^\s*(from|import) (pipeline|stages|kernels|flows)\b", re.M)
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True)
+    offenders = [
+        f for f in files.stdout.split() if (REPO / f).exists() and pattern.search((REPO / f).read_text())
+    ]
+    assert offenders == []
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    # --no-build-isolation: the test environment's setuptools builds it (nothing is downloaded)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (path,) = out.glob("qerl-*.whl")
+    return path
+
+
+def test_the_wheel_installs_qerl_alone(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    top = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
+    assert top == ["qerl"]
+    for sub in ("pipeline/rl", "stages", "kernels", "flows", "pipeline/config/presets/demo.yaml"):
+        assert (target / "qerl" / sub).exists(), sub
+    # the installed copy imports from the target alone (not from this checkout)
+    code = "import qerl.pipeline.config.run as r, qerl.flows.cli; print(r.__file__); print(r.preset_names())"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+        env={"PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    first = done.stdout.splitlines()[0]
+    assert first.startswith(str(target)), done.stdout
+    assert "demo" in done.stdout
+
+
+def test_the_wheel_holds_no_tests_or_benchmarks(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    roots = {n.split("/")[0] for n in names}
+    assert {r for r in roots if not r.endswith(".dist-info")} == {"qerl"}
