@@ -39,8 +39,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from qerl.flows import console
 from qerl.flows.rl import load_run_record, rl_flow, run_id_for
-from qerl.pipeline.config.run import RunConfig
 from qerl.pipeline.evaluation import ablation as abl
+from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.registry import tracking as registry
 from qerl.pipeline.store.artifacts import atomic_write_json, default_work_dir
 

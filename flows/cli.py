@@ -50,7 +50,7 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "ablate", help="compare arms (bf16-lora, nvfp4-lora, nvfp4-aqn) over seeds: a run each, then a report"
     )
-    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/config/presets)")
+    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/planning/presets)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     p.add_argument("--arms", required=True, help="comma-separated arms, e.g. bf16-lora,nvfp4-lora,nvfp4-aqn")
     p.add_argument("--seeds", type=int, default=3, help="replicates per arm (default 3)")
@@ -78,8 +78,8 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from qerl.flows import console, runner
-    from qerl.pipeline.config.run import load_run_config
     from qerl.pipeline.evaluation.ablation import ablation_id, parse_arms
+    from qerl.pipeline.planning.run_config import load_run_config
 
     cfg = load_run_config(args.config, args.set)
     work = Path(_work_dir(args)).resolve()
@@ -146,7 +146,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="config.json, model dir, hub id or known shape (qwen2.5-7b ...); default: model.source",
     )
     p.add_argument("--gpu-mem", required=True, help="one GPU's memory: 80 (GiB), 80GiB, 80GB or 81559MiB")
-    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/config/presets)")
+    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/planning/presets)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     p.add_argument("--prompt-tokens", type=int, default=None, help="longest prompt (default: the worst case)")
     p.add_argument(
@@ -165,7 +165,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run the RL flow (no --config: the embedded demo)")
-    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/config/presets)")
+    p.add_argument("--config", default=None, help="YAML file or preset name (see pipeline/planning/presets)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     p.add_argument(
         "--night",
@@ -240,7 +240,7 @@ def _run_with_console(args: argparse.Namespace, cfg: Any, work: Any, night: Any)
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from qerl.pipeline.config.run import load_run_config
+    from qerl.pipeline.planning.run_config import load_run_config
     from qerl.pipeline.planning.run_plan import parse_night
 
     cfg = load_run_config(args.config, args.set)
@@ -263,7 +263,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from qerl.flows import runner
-    from qerl.pipeline.config.run import load_run_config
+    from qerl.pipeline.planning.run_config import load_run_config
 
     cfg = load_run_config(args.config, args.set)
     runner.schedule(cfg, Path(_work_dir(args)).resolve(), args.cron)
@@ -318,7 +318,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from qerl.pipeline.config.loading import load_config
+    from qerl.pipeline.config import load_config
     from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
     from qerl.pipeline.store.artifacts import ArtifactStore
     from qerl.stages.fetch_model import resolve_base
@@ -352,7 +352,7 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
-    from qerl.pipeline.config.loading import load_config
+    from qerl.pipeline.config import load_config
     from qerl.pipeline.data.rewards import RewardConfig
     from qerl.stages.score import score_jsonl
     from tqdm import tqdm
@@ -391,7 +391,7 @@ def _add_promote(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_promote(args: argparse.Namespace) -> int:
-    from qerl.pipeline.config.loading import load_config
+    from qerl.pipeline.config import load_config
     from qerl.pipeline.registry import tracking as registry
 
     cfg = load_config(registry.RegistryConfig, args.config, args.set).model_copy(
@@ -434,10 +434,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from qerl.pipeline.config.loading import apply_overrides, load_config
-    from qerl.pipeline.config.run import eval_rollout_config
+    from qerl.pipeline.config import apply_overrides, load_config
     from qerl.pipeline.data.rewards import RewardConfig
     from qerl.pipeline.evaluation.metrics import EvalConfig
+    from qerl.pipeline.planning.run_config import eval_rollout_config
     from qerl.pipeline.rollout.engine import build_engine
     from qerl.pipeline.runtime.device import cuda_available
     from qerl.pipeline.store.artifacts import ArtifactStore

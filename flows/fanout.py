@@ -425,7 +425,7 @@ def cluster(
 def _check_worker(work: Path, aid: str, tracking_uri: str, config: dict[str, Any]) -> None:
     """In the worker, before the run: the same store and the same registry as the driver."""
     from qerl.flows.ablate import ablation_dir
-    from qerl.pipeline.config.run import RunConfig
+    from qerl.pipeline.planning.run_config import RunConfig
     from qerl.pipeline.registry import tracking as registry
 
     if not (ablation_dir(work, aid) / "ablation.json").is_file():
@@ -448,7 +448,7 @@ def ablation_run(
     where it ran and its final accuracy."""
     import ray
     from qerl.flows.rl import rl_flow, run_dir, run_id_for
-    from qerl.pipeline.config.run import RunConfig
+    from qerl.pipeline.planning.run_config import RunConfig
 
     work = Path(work_dir)
     _check_worker(work, ablation["id"], tracking_uri, config)

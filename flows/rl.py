@@ -48,11 +48,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from qerl.flows import console
-from qerl.pipeline.config.loading import config_hash
-from qerl.pipeline.config.run import RunConfig
+from qerl.pipeline.config import config_hash
 from qerl.pipeline.data.datasets import load_problems, problems_digest
 from qerl.pipeline.evaluation import metrics as ev_stats
 from qerl.pipeline.planning import run_plan as runplan
+from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.rollout.aqn import sigma_schedule
 from qerl.pipeline.rollout.engine import LazyEngine, RolloutEngine
 from qerl.pipeline.store import retention

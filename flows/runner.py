@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qerl.pipeline.config.run import RunConfig
+from qerl.pipeline.planning.run_config import RunConfig
 
 DEPLOYMENT_NAME = "nightly"
 

@@ -13,7 +13,7 @@ it is its own stage ("dequantize", mode ``nvfp4-dequantized-twin``) so lineage s
 (mode ``unquantized``): every floating tensor cast to the twin dtype (``train.dtype`` in a run), the
 rest copied, no ``quantization_config``. Engines serve it directly and the trainer loads it as a plain
 HF model, so no twin is derived. The cast is why it is a stage and not the source directory itself:
-sampler and trainer must hold the same weights, exactly as for the twin (``qerl.pipeline.config.run``).
+sampler and trainer must hold the same weights, exactly as for the twin (``qerl.pipeline.planning.run_config``).
 
 How: everything that can reject the model (architecture, MoE, unknown linears, shapes) runs on
 config.json and the safetensors headers before the store is asked to build anything; the build then

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from qerl.pipeline.config.loading import (
+from qerl.pipeline.config import (
     ConfigError,
     StrictModel,
     apply_overrides,
@@ -72,7 +72,7 @@ def test_configs_are_frozen():
         Outer().steps = 3  # type: ignore[misc]
 
 
-# ---- the run config's cross-checks (pipeline/config/run.py) ----------------------------------------
+# ---- the run config's cross-checks (pipeline/planning/run_config.py) ----------------------------------------
 
 
 def _updates_run_by_the_trainer(cfg) -> int:
@@ -94,7 +94,7 @@ def _updates_run_by_the_trainer(cfg) -> int:
     ],
 )
 def test_schedule_length_is_derived_from_the_loop(shape):
-    from qerl.pipeline.config.run import load_run_config
+    from qerl.pipeline.planning.run_config import load_run_config
 
     cfg = load_run_config(None, [f"{k}={v}" for k, v in {**shape, "train.total_steps": "null"}.items()])
     assert cfg.train.total_steps == cfg.loop.steps * _updates_run_by_the_trainer(cfg)
@@ -102,7 +102,7 @@ def test_schedule_length_is_derived_from_the_loop(shape):
 
 def test_every_preset_schedule_spans_its_loop():
     """The 7B preset had total_steps 500 for 2,000 updates: lr 0 for the last three quarters."""
-    from qerl.pipeline.config.run import load_run_config, preset_names
+    from qerl.pipeline.planning.run_config import load_run_config, preset_names
 
     for name in preset_names():
         cfg = load_run_config(name)
@@ -111,7 +111,7 @@ def test_every_preset_schedule_spans_its_loop():
 
 
 def test_a_schedule_shorter_than_the_loop_is_rejected_with_the_numbers():
-    from qerl.pipeline.config.run import load_run_config
+    from qerl.pipeline.planning.run_config import load_run_config
 
     over = ["loop.steps=10", "loop.prompts_per_step=16", "rollout.n_samples=8", "train.minibatch_size=4"]
     over += ["train.grad_accum=8"]
@@ -126,7 +126,7 @@ def test_a_schedule_shorter_than_the_loop_is_rejected_with_the_numbers():
 
 def test_the_twin_is_stored_in_the_trainers_dtype():
     """The demo served a bf16 twin beside an fp32 trainer: every nonzero weight differed."""
-    from qerl.pipeline.config.run import load_run_config
+    from qerl.pipeline.planning.run_config import load_run_config
 
     for name in ("demo", "qwen2.5-7b-gsm8k"):
         cfg = load_run_config(name)
@@ -148,7 +148,7 @@ def test_the_twin_is_stored_in_the_trainers_dtype():
 
 
 def test_the_adapter_must_fit_the_engine():
-    from qerl.pipeline.config.run import load_run_config
+    from qerl.pipeline.planning.run_config import load_run_config
 
     with pytest.raises(ConfigError, match=r"train\.lora_r \(32\) exceeds rollout\.max_lora_rank \(16\)"):
         load_run_config(None, ["train.lora_r=32"])
@@ -162,7 +162,7 @@ def test_the_adapter_must_fit_the_engine():
 
 def test_a_derived_config_round_trips():
     """A run record stores the derived values; loading it again (``qerl resume``) gives the same config."""
-    from qerl.pipeline.config.run import RunConfig, load_run_config
+    from qerl.pipeline.planning.run_config import RunConfig, load_run_config
 
     cfg = load_run_config()
     assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg
@@ -173,8 +173,8 @@ def test_eval_engine_caps_are_derived_and_configurable(tmp_path):
     the adapter, and ``--set rollout.KEY=...`` overrides them."""
     import json
 
-    from qerl.pipeline.config.run import eval_rollout_config, vllm_lora_rank
     from qerl.pipeline.evaluation.metrics import EvalConfig
+    from qerl.pipeline.planning.run_config import eval_rollout_config, vllm_lora_rank
 
     model = tmp_path / "model"
     model.mkdir()
@@ -194,7 +194,7 @@ def test_eval_engine_caps_are_derived_and_configurable(tmp_path):
     with pytest.raises(ValueError, match="exceeds vLLM's largest"):
         vllm_lora_rank(513)
     with pytest.raises(ConfigError, match="rollout.logprobs is false"):
-        from qerl.pipeline.config.run import load_run_config
+        from qerl.pipeline.planning.run_config import load_run_config
 
         load_run_config(None, ["rollout.logprobs=false"])
 
@@ -205,8 +205,8 @@ def test_eval_benchmarks_read_the_runs_data_root(tmp_path, monkeypatch):
     environment variable needs nothing derived, every load without a root reads it."""
     import json
 
-    from qerl.pipeline.config.run import RunConfig
     from qerl.pipeline.data.datasets import load_problems
+    from qerl.pipeline.planning.run_config import RunConfig
 
     monkeypatch.delenv("QERL_DATA_DIR", raising=False)
     shared, own = tmp_path / "shared", tmp_path / "own"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from qerl.pipeline.config.loading import ConfigError, load_config
+from qerl.pipeline.config import ConfigError, load_config
 from qerl.pipeline.data.datasets import (
     DataConfig,
     arithmetic_problems,

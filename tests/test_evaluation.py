@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from qerl.pipeline.config.loading import ConfigError, apply_overrides
+from qerl.pipeline.config import ConfigError, apply_overrides
 from qerl.pipeline.data.datasets import DataConfig, load_problems
 from qerl.pipeline.data.rewards import RewardConfig
 from qerl.pipeline.evaluation import metrics as ev
@@ -74,7 +74,7 @@ def test_eval_config():
     assert (greedy.n_samples, greedy.sampling_temperature, greedy.sampling_top_p) == (1, 0.0, 1.0)
     assert greedy.benchmark.dataset == "gsm8k"
     # a nested override keeps the evaluation defaults of the other benchmark fields
-    from qerl.pipeline.config.loading import load_config
+    from qerl.pipeline.config import load_config
 
     loaded = load_config(ev.EvalConfig, None, ["benchmark.limit=3"])
     assert (loaded.benchmark.split, loaded.benchmark.limit, loaded.benchmark.arithmetic_size) == (

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from qerl.pipeline.config.loading import ConfigError
-from qerl.pipeline.config.run import PRESET_DIR, load_run_config, preset_names
+from qerl.pipeline.config import ConfigError
+from qerl.pipeline.planning.run_config import PRESET_DIR, load_run_config, preset_names
 
 
 def tiny_run_config(model_dir: Path, engine: str = "hf") -> dict:
@@ -238,9 +238,9 @@ def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
 
 
 def test_readme_configuration_reference_is_current():
-    from qerl.pipeline.config.run import readme_with_reference
+    from qerl.pipeline.planning.run_config import readme_with_reference
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert readme_with_reference(readme) == readme, (
-        "run: python -m qerl.pipeline.config.run --readme README.md"
+        "run: python -m qerl.pipeline.planning.run_config --readme README.md"
     )

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from qerl.pipeline.config.loading import ConfigError, load_config
+from qerl.pipeline.config import ConfigError, load_config
 from qerl.pipeline.rl.objective import (
     GRPOConfig,
     aggregate,

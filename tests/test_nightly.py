@@ -57,7 +57,7 @@ def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_mod
     import torch
     from mlflow.tracking import MlflowClient
     from qerl.flows import runner
-    from qerl.pipeline.config.run import RunConfig
+    from qerl.pipeline.planning.run_config import RunConfig
 
     model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
     cfg = RunConfig.model_validate(_night_config(model, _dataset(tmp_path / "data.jsonl")))
@@ -160,7 +160,7 @@ def test_night_parsing_and_the_scheduled_date(monkeypatch):
 
 
 def test_warm_start_refuses_a_champion_of_another_base_or_lora_shape(tmp_path):
-    from qerl.pipeline.config.run import RunConfig
+    from qerl.pipeline.planning.run_config import RunConfig
     from qerl.pipeline.registry import tracking as registry
     from qerl.pipeline.store.artifacts import ArtifactStore
 

@@ -4,6 +4,7 @@ folders (pyproject.toml's package-dir); nothing in the tree imports those folder
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -48,24 +49,29 @@ def test_nothing_imports_the_folders_by_their_own_names():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    # from a copy of the tree as git sees it (a build in place would reuse a stale build/ folder)
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for rel in filter(None, listed):
+        if (REPO / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, src / rel)
     # --no-build-isolation: the test environment's setuptools builds it (nothing is downloaded)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(out),
-            str(REPO),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    pip_wheel = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(out),
+    ]
+    subprocess.run([*pip_wheel, str(src)], check=True, capture_output=True)
     (path,) = out.glob("qerl-*.whl")
     return path
 
@@ -79,14 +85,15 @@ def test_the_wheel_installs_qerl_alone(wheel, tmp_path):
     )
     top = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
     assert top == ["qerl"]
-    for sub in ("pipeline/rl", "stages", "kernels", "flows", "pipeline/config/presets/demo.yaml"):
+    for sub in ("pipeline/rl", "stages", "kernels", "flows", "pipeline/planning/presets/demo.yaml"):
         assert (target / "qerl" / sub).exists(), sub
     # the installed copy imports from the target alone (not from this checkout)
-    code = "import qerl.pipeline.config.run as r, qerl.flows.cli; print(r.__file__); print(r.preset_names())"
+    code = "import qerl.pipeline.planning.run_config as r, qerl.flows.cli; print(r.__file__); print(r.preset_names())"
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
         env={"PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
     first = done.stdout.splitlines()[0]
     assert first.startswith(str(target)), done.stdout
     assert "demo" in done.stdout

@@ -10,7 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
-from qerl.pipeline.config.loading import ConfigError
+from qerl.pipeline.config import ConfigError
 from qerl.pipeline.planning import memory as plan
 from qerl.pipeline.planning.memory import (
     KNOWN_SHAPES,
@@ -175,7 +175,7 @@ def test_trainer_peak_matches_the_gpu_benchmark():
 
 
 def _run(**overrides):
-    from qerl.pipeline.config.run import load_run_config
+    from qerl.pipeline.planning.run_config import load_run_config
 
     return load_run_config("qwen2.5-7b-gsm8k", [f"{k}={v}" for k, v in overrides.items()])
 
@@ -249,7 +249,7 @@ def test_bad_inputs_name_the_problem(tmp_path):
 
 
 def test_tensor_parallel_rules():
-    from qerl.pipeline.config.run import check_parallelism
+    from qerl.pipeline.planning.run_config import check_parallelism
     from qerl.pipeline.rollout.engine import RolloutConfig
 
     qwen7b = {"num_attention_heads": 28, "num_key_value_heads": 4}
@@ -270,7 +270,7 @@ def test_tensor_parallel_checked_at_config_load(tiny_model_dir, monkeypatch):
     """A local model's config.json is read at load: 2 GPUs for the tiny model's 4 heads are fine on
     CUDA, rejected on a CPU; 3 never divides 4 heads."""
     import qerl.pipeline.runtime.device
-    from qerl.pipeline.config.run import load_run_config
+    from qerl.pipeline.planning.run_config import load_run_config
 
     src = f"model.source={tiny_model_dir}"
     monkeypatch.setattr(qerl.pipeline.runtime.device, "cuda_available", lambda: False)

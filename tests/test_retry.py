@@ -6,7 +6,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from qerl.pipeline.config.loading import ConfigError
+from qerl.pipeline.config import ConfigError
 from qerl.pipeline.planning import run_plan as runplan
 from qerl.pipeline.rollout import engine as engines
 from qerl.pipeline.rollout.engine import EngineError, LazyEngine, RolloutConfig

@@ -210,7 +210,7 @@ def test_unparseable_gold_is_an_error_not_a_zero():
 
 
 def test_config_rejects_unknown_keys():
-    from qerl.pipeline.config.loading import ConfigError, load_config
+    from qerl.pipeline.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="timeout_sec"):
         load_config(RewardConfig, overrides=["timeout_sec=3"])

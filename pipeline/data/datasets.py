@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
-from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.config import StrictModel
 from qerl.pipeline.data.prompts import TEMPLATES, Problem
 from qerl.pipeline.store.artifacts import sha256_json
 

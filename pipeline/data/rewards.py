@@ -54,7 +54,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any, Literal
 
 from pydantic import Field
-from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.config import StrictModel
 
 log = logging.getLogger("qerl.rewards")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from pydantic import Field
-from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.config import StrictModel
 from qerl.pipeline.data.datasets import arithmetic_problems
 from qerl.pipeline.data.prompts import render_prompt
 from qerl.pipeline.demo.tiny_model import build_tiny_model

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qerl.pipeline.config.loading import config_hash
+from qerl.pipeline.config import config_hash
 from qerl.pipeline.store.artifacts import atomic_write_text
 
 ARMS: dict[str, dict[str, dict[str, Any]]] = {

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pydantic import Field, model_validator
-from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.config import StrictModel
 from qerl.pipeline.data.datasets import DataConfig, dataset_name
 
 

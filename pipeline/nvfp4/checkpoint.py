@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
-from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.config import StrictModel
 
 log = logging.getLogger("qerl.nvfp4")
 

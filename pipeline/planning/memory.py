@@ -487,7 +487,7 @@ def plan_for_run(
 ) -> Plan:
     """``qerl plan``: load the run config (YAML or preset, then ``--set``), resolve the model (default:
     the config's ``model.source``), check tensor parallelism against its heads, and plan one GPU."""
-    from qerl.pipeline.config.run import check_parallelism, load_run_config
+    from qerl.pipeline.planning.run_config import check_parallelism, load_run_config
 
     run = load_run_config(config, overrides or [])
     spec = model or run.model.source

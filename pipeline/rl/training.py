@@ -62,7 +62,7 @@ from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator
-from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.config import StrictModel
 from qerl.pipeline.rl.logprobs import (  # re-exported: callers import them from here
     LOGPROB_CHUNK_ELEMENTS,
     LOGPROB_CHUNK_ELEMENTS_CUDA,

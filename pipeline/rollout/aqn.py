@@ -37,7 +37,7 @@ from collections.abc import Iterable
 
 import torch
 from pydantic import Field, model_validator
-from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.config import StrictModel
 from qerl.pipeline.runtime.seeds import derive_seed
 
 __all__ = [

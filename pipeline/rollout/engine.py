@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import Field, model_validator
-from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.config import StrictModel
 from qerl.pipeline.data.prompts import template_names
 from qerl.pipeline.nvfp4.checkpoint import TWIN_MODE, UNQUANTIZED_MODE
 from qerl.pipeline.runtime import device

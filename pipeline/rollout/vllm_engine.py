@@ -130,7 +130,7 @@ class VLLMEngine:
             "logprobs_mode": self.logprobs_mode,
             "worker_extension_cls": EXTENSION,
             "enforce_eager": cfg.enforce_eager,
-            # checked against the model's heads and the device by qerl.pipeline.config.run.check_parallelism
+            # checked against the model's heads and the device by qerl.pipeline.planning.run_config.check_parallelism
             "tensor_parallel_size": cfg.tensor_parallel_size,
         }
         # vLLM reads this switch from the environment only; set it both ways so one in-process

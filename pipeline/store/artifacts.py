@@ -45,7 +45,7 @@ from types import ModuleType
 from typing import Any
 
 from pydantic import BaseModel, Field
-from qerl.pipeline.config.loading import config_hash
+from qerl.pipeline.config import config_hash
 
 log = logging.getLogger("qerl.artifacts")
 

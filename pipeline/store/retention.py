@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError
-from qerl.pipeline.config.loading import StrictModel
+from qerl.pipeline.config import StrictModel
 from qerl.pipeline.evaluation.ablation import ABLATION_DIR
 from qerl.pipeline.store.artifacts import MANIFEST, ArtifactError, ArtifactStore, Manifest
 

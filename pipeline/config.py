@@ -6,7 +6,7 @@ and ``[a, b]`` mean what they look like). A misspelled key fails with the list o
 level, which pydantic's own message does not give.
 
 The per-stage models (QuantizeConfig, RolloutConfig, ...) live in the modules that own them and are
-assembled into ``RunConfig`` by ``qerl.pipeline.config.run``; this module holds only the machinery, so
+assembled into ``RunConfig`` by ``qerl.pipeline.planning.run_config``; this module holds only the machinery, so
 that adding a stage never means editing a central file.
 """
 

@@ -1,7 +1,7 @@
 """The whole run's configuration: every stage's config under one root.
 
 Defaults live in one place, each stage's own config class (the QeRL recipe's values). Presets are
-YAML files in ``pipeline/config/presets``: ``demo.yaml`` is the embedded demo that ``qerl run`` uses with
+YAML files in ``pipeline/planning/presets``: ``demo.yaml`` is the embedded demo that ``qerl run`` uses with
 no config (a tiny Qwen2 built and warmed up here, the procedural arithmetic task, the vLLM CPU
 engine), ``qwen2.5-7b-gsm8k.yaml`` the paper's GSM8K recipe on one H100; ``qerl run --config FILE --set a.b=c`` loads YAML then applies overrides, and
 an unknown key anywhere fails with the list of valid keys at that level.
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ModelWrapValidatorHandler, model_validator
-from qerl.pipeline.config.loading import StrictModel, apply_overrides, load_config
+from qerl.pipeline.config import StrictModel, apply_overrides, load_config
 from qerl.pipeline.data.datasets import NAMED, DataConfig
 from qerl.pipeline.data.rewards import RewardConfig
 from qerl.pipeline.demo.base_model import DemoBaseConfig
@@ -287,7 +287,7 @@ def check_parallelism(rollout: RolloutConfig, model_config: dict[str, Any], cuda
     replicates the KV heads (``num_key_value_heads % tp == 0`` or ``tp % num_key_value_heads == 0``);
     on a CPU it runs a single worker.
     """
-    from qerl.pipeline.config.loading import ConfigError
+    from qerl.pipeline.config import ConfigError
 
     tp = rollout.tensor_parallel_size
     if tp == 1:
