@@ -296,7 +296,7 @@ def is_unquantized(quantized: Manifest | None) -> bool:
 def planned_mode(cfg: RolloutConfig, unquantized: bool = False) -> tuple[str, str]:
     """(mode, implementation module) that ``build_engine`` will choose on this machine."""
     if unquantized:
-        return f"{cfg.engine}-unquantized", f"qerl.pipeline.rollout.engine.{cfg.engine}_engine"
+        return f"{cfg.engine}-unquantized", f"qerl.pipeline.rollout.{cfg.engine}_engine"
     if cfg.engine == "vllm":
         mode = "vllm-nvfp4-marlin" if device.cuda_available() else "vllm-nvfp4-emulated"
         return mode, "qerl.pipeline.rollout.vllm_engine"
