@@ -34,6 +34,6 @@ def provenance() -> str:
 
 def write_section(path: Path | str, text: str) -> None:
     """Write a results section atomically, ending with the line naming the code it measured."""
-    from qerl.pipeline.store.artifacts import atomic_write_text
+    from qerl.pipeline.store.files import atomic_write_text
 
     atomic_write_text(Path(path), f"{text.rstrip()}\n\nMeasured at {provenance()}.\n")

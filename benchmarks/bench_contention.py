@@ -59,8 +59,8 @@ def make_inputs(work: Path) -> dict[str, str]:
     import pyarrow.parquet as pq
     import torch
     from qerl.pipeline.demo.tiny_model import build_tiny_model
-    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
-    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages.quantize import run as quantize
     from qerl.stages.quantize import run_twin
 
@@ -104,19 +104,24 @@ def _last_pid() -> int:
 def _child(kind: str, paths: dict[str, str], in_process: bool) -> None:
     """Line protocol on stdin/stdout: an arm name -> one step, answer its seconds and tasks as JSON."""
     import torch
-    from qerl.pipeline.rl.training import TrainConfig, init_state, load_rollout_batch, train_step
+    from qerl.pipeline.rl.batch import load_rollout_batch
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.step import train_step
+    from qerl.pipeline.rl.train_config import TrainConfig
     from qerl.pipeline.runtime.threads import (
         fresh_process_threading,
         pinned_intra_op_threads,
         trainer_threads,
     )
-    from qerl.pipeline.store.artifacts import Manifest
+    from qerl.pipeline.store.manifest import Manifest
 
     cfg = TrainConfig(**TRAIN)
     batch = load_rollout_batch(paths["scored"], temperature=1.0)
     engine = None
     if kind == "engine":
-        from qerl.pipeline.rollout.engine import RolloutConfig, SamplingSpec, build_engine
+        from qerl.pipeline.rollout.config import RolloutConfig
+        from qerl.pipeline.rollout.factory import build_engine
+        from qerl.pipeline.rollout.protocol import SamplingSpec
 
         rollout = RolloutConfig(**ROLLOUT, in_process=in_process)
         engine = build_engine(rollout, Manifest.load(paths["quantized"]), Manifest.load(paths["twin"]))

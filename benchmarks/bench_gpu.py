@@ -2,10 +2,10 @@
 
 What, on one CUDA GPU, side by side in one run:
 
-1. Train: one GRPO update (``qerl.pipeline.rl.training.train_step``: LoRA r=32 / alpha 64 on all seven
+1. Train: one GRPO update (``qerl.pipeline.rl.step.train_step``: LoRA r=32 / alpha 64 on all seven
    projections, gradient checkpointing, bf16 compute, AdamW, one minibatch) on a batch like the
    paper's: 8 sequences (2 prompts x 4 samples) of 256 prompt + 1,024 completion tokens. Models:
-   random weights at the shapes of Qwen2.5-7B, -14B and -32B (``qerl.pipeline.planning.memory.KNOWN_SHAPES``), built
+   random weights at the shapes of Qwen2.5-7B, -14B and -32B (``qerl.pipeline.planning.model_shape.KNOWN_SHAPES``), built
    directly on the GPU, nothing downloaded. The NVFP4 arm quantizes each projection on the GPU with
    the dispatcher (the Triton kernel on CUDA; q/k/v and gate/up share one global scale, as the quantize
    stage does) and trains on ``NVFP4Linear``; the bf16 arm keeps plain ``nn.Linear`` weights. Each
@@ -81,7 +81,7 @@ def build_model(shape: Any, base: str, device: str) -> Any:
     """
     import torch
     from accelerate import init_empty_weights
-    from qerl.kernels import nvfp4
+    from qerl.kernels import nvfp4_dispatch, nvfp4_reference
     from qerl.pipeline.nvfp4.linear import NVFP4Linear
     from transformers import AutoModelForCausalLM
 
@@ -101,11 +101,13 @@ def build_model(shape: Any, base: str, device: str) -> Any:
             weights = {n: draw(m.out_features, m.in_features) for n, m in linears.items()}
             gs = None
             if base == "nvfp4" and len(group) > 1:  # one global scale per fused group, as vLLM needs
-                gs = nvfp4.global_scale(max(nvfp4.tensor_amax(w, n) for n, w in weights.items()))
+                gs = nvfp4_reference.global_scale(
+                    max(nvfp4_reference.tensor_amax(w, n) for n, w in weights.items())
+                )
             for name, module in linears.items():
                 bias = draw(module.out_features) if module.bias is not None else None
                 if base == "nvfp4":
-                    packed, scale, g = nvfp4.quantize(weights.pop(name), gs, name=name)
+                    packed, scale, g = nvfp4_dispatch.quantize(weights.pop(name), gs, name=name)
                     setattr(parent, name, NVFP4Linear.from_tensors(packed, scale, g, bias, name=name))
                 else:
                     module.weight = torch.nn.Parameter(weights.pop(name), requires_grad=False)
@@ -129,14 +131,14 @@ def build_model(shape: Any, base: str, device: str) -> Any:
 
 
 def lora_state(model: Any, cfg: Any, device: str) -> Any:
-    """The train state around an in-memory base, as ``qerl.pipeline.rl.training.init_state`` builds it from a
+    """The train state around an in-memory base, as ``qerl.pipeline.rl.policy.init_state`` builds it from a
     checkpoint (gradient checkpointing, peft LoRA with NVFP4Linear registered, AdamW, schedule)."""
     import warnings
 
     import torch
     from peft import LoraConfig, get_peft_model
     from qerl.pipeline.nvfp4.linear import register_with_peft
-    from qerl.pipeline.rl.training import TrainState, _lr_lambda, optimizer_impl
+    from qerl.pipeline.rl.policy import TrainState, _lr_lambda, optimizer_impl
 
     torch.manual_seed(cfg.seed)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -160,7 +162,8 @@ def lora_state(model: Any, cfg: Any, device: str) -> Any:
 def make_batch(state: Any, vocab: int, b: dict) -> Any:
     """2 prompts x 4 samples of random ids, alternating rewards, sampler logprobs from the policy."""
     import torch
-    from qerl.pipeline.rl.training import RolloutBatch, _collate, completion_logprobs
+    from qerl.pipeline.rl.batch import RolloutBatch, collate
+    from qerl.pipeline.rl.logprobs import completion_logprobs
 
     gen = torch.Generator().manual_seed(1)
     n = b["prompts"] * b["group"]
@@ -176,7 +179,7 @@ def make_batch(state: Any, vocab: int, b: dict) -> Any:
         group_ids=[i // b["group"] for i in range(n)],
     )
     with torch.no_grad():  # the ratio starts near 1, as after a real rollout
-        lp, _ = completion_logprobs(state.model, _collate(batch, list(range(n)), torch.ones(n), 0), 1.0)
+        lp, _ = completion_logprobs(state.model, collate(batch, list(range(n)), torch.ones(n), 0), 1.0)
     batch.sampler_logprobs = lp.float().cpu().tolist()
     return batch
 
@@ -192,7 +195,7 @@ def _preload(device: str) -> None:
     import peft  # noqa: F401
     import torch
     import transformers  # noqa: F401
-    from qerl.kernels.nvfp4 import dequantize, quantize
+    from qerl.kernels.nvfp4_dispatch import dequantize, quantize
 
     dequantize(*quantize(torch.ones(16, 16, device=device)), dtype=torch.bfloat16)
 
@@ -200,7 +203,8 @@ def _preload(device: str) -> None:
 def train_arm(shape: Any, base: str, device: str, b: dict, steps: int) -> dict:
     """Build, warm up, time ``steps`` updates; peak memory over the timed updates. OOM is a result."""
     import torch
-    from qerl.pipeline.rl.training import TrainConfig, train_step
+    from qerl.pipeline.rl.step import train_step
+    from qerl.pipeline.rl.train_config import TrainConfig
 
     cuda = device == "cuda"
     out: dict[str, Any] = {"phase": "build"}
@@ -265,9 +269,9 @@ def kernel_bench(device: str, dry: bool) -> dict:
     """Copy bandwidth, dequantize GB/s, and dequantize+GEMM vs bf16 GEMM."""
     import torch
     import torch.nn.functional as F
-    from qerl.kernels import nvfp4
+    from qerl.kernels import nvfp4_dispatch
     from qerl.pipeline.nvfp4.linear import NVFP4Linear
-    from qerl.pipeline.planning.memory import KNOWN_SHAPES
+    from qerl.pipeline.planning.model_shape import KNOWN_SHAPES
 
     iters = 3 if dry else 20
     n_copy = (1 << 16) if dry else (1 << 29)  # 1 GiB of bf16 on a GPU
@@ -276,7 +280,7 @@ def kernel_bench(device: str, dry: bool) -> dict:
     copy_gbs = 2 * src.numel() * 2 / _timed(lambda s=src, d=dst: d.copy_(s), device, iters) / 1e9
     out: dict[str, Any] = {
         "copy_GBps": copy_gbs,
-        "backend": nvfp4.dequantize_backend(device),
+        "backend": nvfp4_dispatch.dequantize_backend(device),
         "dequant": [],
         "gemm": [],
     }
@@ -290,8 +294,10 @@ def kernel_bench(device: str, dry: bool) -> dict:
     )
     for name, (o, i) in shapes.items():
         w = torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02
-        packed, scale, gs = nvfp4.quantize(w)
-        sec = _timed(lambda p=packed, s=scale, g=gs: nvfp4.dequantize(p, s, g, torch.bfloat16), device, iters)
+        packed, scale, gs = nvfp4_dispatch.quantize(w)
+        sec = _timed(
+            lambda p=packed, s=scale, g=gs: nvfp4_dispatch.dequantize(p, s, g, torch.bfloat16), device, iters
+        )
         traffic = o * i // 2 + o * i // 16 + 2 * o * i  # codes + FP8 scales in, bf16 out
         out["dequant"].append({"shape": name, "out": o, "in": i, "s": sec, "GBps": traffic / sec / 1e9})
     proj = (
@@ -305,8 +311,8 @@ def kernel_bench(device: str, dry: bool) -> dict:
     )
     for name, (o, i) in proj.items():
         w = torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02
-        layer = NVFP4Linear.from_tensors(*nvfp4.quantize(w), name=name)
-        dense = nvfp4.dequantize(
+        layer = NVFP4Linear.from_tensors(*nvfp4_dispatch.quantize(w), name=name)
+        dense = nvfp4_dispatch.dequantize(
             layer.weight_packed, layer.weight_scale, layer.weight_global_scale, torch.bfloat16
         )
         for tokens in (8, 64) if dry else (8, 64, 4096):
@@ -324,7 +330,7 @@ def kernel_bench(device: str, dry: bool) -> dict:
 
 
 def _child(args: argparse.Namespace) -> None:
-    from qerl.pipeline.planning.memory import KNOWN_SHAPES, ModelShape
+    from qerl.pipeline.planning.model_shape import KNOWN_SHAPES, ModelShape
 
     device = "cuda" if not args.dry_run else "cpu"
     b = DRY if args.dry_run else PAPER
@@ -496,8 +502,8 @@ def main(args: argparse.Namespace) -> dict:
     import tempfile
 
     import torch
-    from qerl.pipeline.planning.memory import KNOWN_SHAPES, ModelShape
-    from qerl.pipeline.store.artifacts import atomic_write_json
+    from qerl.pipeline.planning.model_shape import KNOWN_SHAPES, ModelShape
+    from qerl.pipeline.store.files import atomic_write_json
 
     from benchmarks import write_section
 
@@ -562,7 +568,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (CI)")
     parser.add_argument(
-        "--models", default="7b,14b,32b", help="Qwen2.5 sizes from qerl.pipeline.planning.memory.KNOWN_SHAPES"
+        "--models",
+        default="7b,14b,32b",
+        help="Qwen2.5 sizes from qerl.pipeline.planning.model_shape.KNOWN_SHAPES",
     )
     parser.add_argument("--arms", default="nvfp4,bf16")
     parser.add_argument(

@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qerl.pipeline.nvfp4.checkpoint import TensorSpec, write_sharded  # noqa: E402
+from qerl.pipeline.nvfp4.safetensors_io import TensorSpec, write_sharded  # noqa: E402
 
 QWEN_05B = dict(hidden=896, inter=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tied=True)
 QWEN_7B = dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, vocab=152064, tied=False)
@@ -107,12 +107,9 @@ def library_quantize_all(src: Path) -> tuple[float, dict[str, tuple[torch.Tensor
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
-    from qerl.pipeline.nvfp4.checkpoint import (
-        QuantizeConfig,
-        plan_quantization,
-        read_tensor,
-        safetensors_index,
-    )
+    from qerl.pipeline.nvfp4.grouping import plan_quantization
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.nvfp4.safetensors_io import read_tensor, safetensors_index
 
     scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
     plan = [g for g in plan_quantization(safetensors_index(src), QuantizeConfig()) if g.quantize]
@@ -152,14 +149,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def bench_speed(tmp: Path) -> dict:
-    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig, read_tensor, safetensors_index
-    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.nvfp4.safetensors_io import read_tensor, safetensors_index
+    from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages.quantize import run_with_status
 
     src = tmp / "qwen05b"
     total = write_random_checkpoint(src, QWEN_05B)
     # warm both JITs on a small tensor so neither side is charged a one-off compile
-    from qerl.kernels.nvfp4 import quantize
+    from qerl.kernels.nvfp4_dispatch import quantize
 
     quantize(torch.randn(32, 64))
     store = ArtifactStore(tmp / "store")
@@ -191,8 +189,8 @@ def bench_speed(tmp: Path) -> dict:
 _CHILD = """
 import sys, time, json
 sys.path.insert(0, {root!r})
-from qerl.pipeline.store.artifacts import ArtifactStore
-from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 from qerl.stages.quantize import run
 t0 = time.perf_counter()
 m = run(QuantizeConfig(), {src!r}, ArtifactStore({store!r}))

@@ -43,10 +43,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from qerl.pipeline.data.datasets import arithmetic_problems  # noqa: E402
+from qerl.pipeline.data.arithmetic import arithmetic_problems  # noqa: E402
 from qerl.pipeline.data.prompts import render_prompt  # noqa: E402
 from qerl.pipeline.demo.tiny_model import build_tiny_model  # noqa: E402
-from qerl.pipeline.rollout.engine import RolloutConfig  # noqa: E402
+from qerl.pipeline.rollout.config import RolloutConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout.md"
 SHAPE = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)

@@ -13,7 +13,7 @@ alpha 32 on all seven projections, AdamW, max grad norm 0.2, dapo loss, gradient
 (``lora_autocast``; TRL with ``bf16=True``, i.e. accelerate's autocast), one optimizer update per step.
 
 Arms, each in its own subprocess (so peak RSS is per arm: the child's VmHWM):
-  nvfp4  qerl.pipeline.rl.training.train_step on the packed NVFP4 base (dequantize in forward and backward)
+  nvfp4  qerl.pipeline.rl.step.train_step on the packed NVFP4 base (dequantize in forward and backward)
   bf16   the same code on the bf16 base (plain nn.Linear)
   trl    trl.GRPOTrainer (use_vllm=False) on the bf16 base: the update only, i.e. its compute_loss +
          backward + clip + AdamW step on the same batch, since its generation is not what we compare.
@@ -66,8 +66,8 @@ def make_models(work: Path, layers: int, vocab: int) -> tuple[Path, Path]:
     """bf16 random model dir + its NVFP4 checkpoint (quantize stage)."""
     import torch
     from qerl.pipeline.demo.tiny_model import tiny_config, train_tokenizer
-    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
-    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages.quantize import run as quantize
     from transformers import AutoModelForCausalLM
 
@@ -99,7 +99,8 @@ def make_models(work: Path, layers: int, vocab: int) -> tuple[Path, Path]:
 def make_batch(model_dir: Path, vocab: int):  # noqa: ANN201
     """The shared batch; sampler logprobs from the bf16 base so that the ratio starts near 1."""
     import torch
-    from qerl.pipeline.rl.training import RolloutBatch, _collate, completion_logprobs
+    from qerl.pipeline.rl.batch import RolloutBatch, collate
+    from qerl.pipeline.rl.logprobs import completion_logprobs
     from transformers import AutoModelForCausalLM
 
     gen = torch.Generator().manual_seed(1)
@@ -116,20 +117,21 @@ def make_batch(model_dir: Path, vocab: int):  # noqa: ANN201
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     with torch.no_grad():
         lp, _ = completion_logprobs(
-            model, _collate(batch, list(range(len(comps))), torch.ones(len(comps)), 0), 1.0
+            model, collate(batch, list(range(len(comps))), torch.ones(len(comps)), 0), 1.0
         )
     batch.sampler_logprobs = lp.tolist()
     return batch
 
 
 def _train_config():  # noqa: ANN202
-    from qerl.pipeline.rl.training import TrainConfig
+    from qerl.pipeline.rl.train_config import TrainConfig
 
     return TrainConfig(dtype="bfloat16", minibatch_size=8, gradient_checkpointing=True, lr=1e-5, seed=0)
 
 
 def arm_ours(base_dir: Path, batch, steps: int) -> dict:  # noqa: ANN001
-    from qerl.pipeline.rl.training import init_state, train_step
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.step import train_step
 
     baseline = _current_rss_mb()
     cfg = _train_config()
@@ -234,11 +236,12 @@ def _child(args: argparse.Namespace) -> None:
         import trl  # noqa: F401
     if args.child == "nvfp4":  # numba and its cached dequantize kernel are a library import too
         import torch
-        from qerl.kernels.nvfp4 import dequantize, quantize_nvfp4
+        from qerl.kernels.nvfp4_dispatch import dequantize
+        from qerl.kernels.nvfp4_reference import quantize_nvfp4
 
         dequantize(*quantize_nvfp4(torch.ones(16, 16)), dtype=torch.bfloat16)
 
-    from qerl.pipeline.rl.training import RolloutBatch
+    from qerl.pipeline.rl.batch import RolloutBatch
 
     batch = RolloutBatch(**json.loads(Path(args.batch).read_text()))
     work = Path(args.work)

@@ -23,7 +23,7 @@ def main() -> str:
         key=lambda n: (n not in ORDER, ORDER.index(n) if n in ORDER else 0, n),
     )
     text = HEADER + "".join("\n" + (results / f"{n}.md").read_text().strip() + "\n" for n in names)
-    from qerl.pipeline.store.artifacts import atomic_write_text
+    from qerl.pipeline.store.files import atomic_write_text
 
     atomic_write_text(ROOT / "BENCHMARKS.md", text)
     return text

@@ -1,7 +1,8 @@
 """The ablation flow (``qerl ablate``): one ordinary run per (arm, seed), then the comparison.
 
 What. ``ablate_flow`` runs ``qerl.flows.rl.rl_flow`` as a subflow for every (arm, replicate), one after the
-other (arm configs and seeds: ``qerl.pipeline.evaluation.ablation``), then compares them: ``report.md`` and
+other (arm configs and seeds: ``qerl.pipeline.evaluation.arms``), then compares them
+(``qerl.pipeline.evaluation.report``): ``report.md`` and
 ``plots/*.png`` under ``<work>/ablations/<ablation id>/``, a Prefect table and markdown artifact, and
 an MLflow parent run (run name = the ablation id) whose children are the runs' own MLflow runs
 (``mlflow.parentRunId``), holding the report, the plots and each arm's accuracy.
@@ -19,7 +20,7 @@ Ablation runs are registered with ``ablation_id`` and ``arm`` lineage tags and n
 Where the runs go. By default one after the other in this process, each run's stage lines and step
 bar on the ablation's console. With a Ray address (``qerl ablate --ray ADDRESS``, ``ray`` parameter)
 all runs are submitted at once, each a Prefect task in its own Ray worker process with the resources
-it asks for, and the console shows one line per finished run; ``qerl.flows.fanout`` has the rules (shared
+it asks for, and the console shows one line per finished run; ``qerl.flows.ray`` has the rules (shared
 work dir, registry and Prefect API reachable by every node) and what a worker gets. Either way each
 run is the same ordinary run, so the ablation id, the run ids and resumption do not depend on where
 the runs went; the record notes the driver and, per run, the worker's node and pid.
@@ -38,15 +39,16 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from qerl.flows import console
-from qerl.flows.rl import load_run_record, rl_flow, run_id_for
-from qerl.pipeline.evaluation import ablation as abl
+from qerl.flows.rl import rl_flow
+from qerl.flows.run_record import load_run_record, run_id_for
+from qerl.pipeline.evaluation.arms import AblationError, ablation_id, arm_config, parse_arms
+from qerl.pipeline.evaluation.report import ArmRuns, table_rows, write_report
 from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.registry import tracking as registry
-from qerl.pipeline.store.artifacts import atomic_write_json, default_work_dir
+from qerl.pipeline.store.files import atomic_write_json
+from qerl.pipeline.store.layout import ABLATION_DIR, ABLATION_RECORD, default_work_dir
 
 log = logging.getLogger("qerl.ablate")
-
-ABLATION_DIR = "ablations"
 
 
 def ablation_dir(work: Path, ablation_id: str) -> Path:
@@ -57,11 +59,11 @@ def plan_runs(config: dict[str, Any], arms: list[str], seeds: int) -> list[dict[
     """Every (arm, replicate) with its validated config and run id, in run order (seed-major: the
     first replicate of every arm comes first, so an interrupted ablation already compares arms)."""
     if seeds < 1:
-        raise abl.AblationError(f"--seeds must be >= 1, got {seeds}")
+        raise AblationError(f"--seeds must be >= 1, got {seeds}")
     planned = []
     for replicate in range(seeds):
         for arm in arms:
-            cfg = RunConfig.model_validate(abl.arm_config(config, arm, replicate))
+            cfg = RunConfig.model_validate(arm_config(config, arm, replicate))
             planned.append(
                 {
                     "arm": arm,
@@ -72,34 +74,32 @@ def plan_runs(config: dict[str, Any], arms: list[str], seeds: int) -> list[dict[
             )
     ids = [p["run_id"] for p in planned]
     if len(set(ids)) != len(ids):  # a config the arms do not change (impossible today): say so, do not merge
-        raise abl.AblationError(f"two (arm, seed) runs would share a run id: {ids}")
+        raise AblationError(f"two (arm, seed) runs would share a run id: {ids}")
     return planned
 
 
 def _parent_run(cfg: RunConfig, work: Path, record: dict[str, Any]) -> str:
     """The MLflow parent run of the ablation: created once, then reused from the ablation record."""
-    uri, artifacts = registry.resolve_uris(cfg.registry, work)
-    resolved = cfg.registry.model_copy(update={"tracking_uri": uri, "artifact_location": artifacts})
-    registry.open_tracking(resolved, work)
+    resolved = registry.connect(cfg.registry, work)
     if not record.get("parent_run_id"):
         tags = {"ablation_id": record["id"], "arms": ",".join(record["arms"]), "seeds": record["seeds"]}
         record["parent_run_id"] = registry.start_run(resolved, run_name=record["id"], tags=tags)
     return str(record["parent_run_id"])
 
 
-def _arm_runs(work: Path, planned: list[dict[str, Any]], arms: list[str]) -> list[abl.ArmRuns]:
+def _arm_runs(work: Path, planned: list[dict[str, Any]], arms: list[str]) -> list[ArmRuns]:
     """Read each finished run's final evaluation (accuracy, per-item rates) and step history."""
     import pyarrow.parquet as pq
 
-    out = {arm: abl.ArmRuns(arm, [], [], [], []) for arm in arms}
+    out = {arm: ArmRuns(arm, [], [], [], []) for arm in arms}
     for p in planned:
         record = load_run_record(work, p["run_id"])
         if record.get("status") != "completed":
-            raise abl.AblationError(f"run {p['run_id']} is {record.get('status')}, not completed")
+            raise AblationError(f"run {p['run_id']} is {record.get('status')}, not completed")
         steps = int(record["config"]["loop"]["steps"])
         final = [e for e in record["evaluations"] if e["adapter"] is not None and e["step"] == steps]
         if not final:
-            raise abl.AblationError(f"run {p['run_id']} has no evaluation of its final adapter")
+            raise AblationError(f"run {p['run_id']} has no evaluation of its final adapter")
         rows = pq.read_table(Path(final[-1]["manifest"]) / "items.parquet").to_pylist()
         arm = out[p["arm"]]
         arm.run_ids.append(p["run_id"])
@@ -144,14 +144,14 @@ def ablate_flow(
 ) -> dict[str, Any]:  # fmt: skip
     """Run every (arm, seed) and compare (see the module docstring); returns the ablation record.
 
-    ``ray``: run on a Ray cluster, the plan ``qerl.flows.fanout.cluster`` yields (with its task runner on
+    ``ray``: run on a Ray cluster, the plan ``qerl.flows.ray.connection.cluster`` yields (with its task runner on
     this flow: ``ablate_flow.with_options(task_runner=...)``); None: sequentially, in this process."""
-    arms = abl.parse_arms(arms)
+    arms = parse_arms(arms)
     base = RunConfig.model_validate(config)  # the user's config must be valid before any arm runs
     work = default_work_dir(work_dir)
-    aid = abl.ablation_id(base.model_dump(mode="json"), arms, seeds)
+    aid = ablation_id(base.model_dump(mode="json"), arms, seeds)
     out = ablation_dir(work, aid)
-    path = out / "ablation.json"
+    path = out / ABLATION_RECORD
     previous = json.loads(path.read_text()) if path.is_file() else {}
     planned = plan_runs(base.model_dump(mode="json"), arms, seeds)
     record: dict[str, Any] = {
@@ -167,18 +167,18 @@ def ablate_flow(
         if ray is None:
             _run_sequentially(aid, work, planned, parent)
         else:
-            from qerl.flows import fanout
+            from qerl.flows.ray.runs import run_all
 
             def done(i: int, worker: dict[str, Any]) -> None:  # progress on disk as runs finish
                 record["runs"][i]["worker"] = worker
                 atomic_write_json(path, record)
 
-            fanout.run_all(planned, work, parent, aid, ray, done)
-        result, report = abl.write_report(aid, _arm_runs(work, planned, arms), out, n_boot=n_boot)
+            run_all(planned, work, parent, aid, ray, done)
+        result, report = write_report(aid, _arm_runs(work, planned, arms), out, n_boot=n_boot)
         _log_parent(base, parent, result, out)
         record.update(
             status="completed", report=str(report), verdicts=[p.verdict() for p in result["pairs"]],
-            table=abl.table_rows(result),
+            table=table_rows(result),
         )  # fmt: skip
         _publish(aid, report.read_text(), record["table"])
     except BaseException as err:

@@ -12,7 +12,7 @@ of libraries, Python warnings and Prefect's temporary server all write there, an
 its own duplicate of the original stderr. The root logger gets two handlers before Prefect is
 imported: Prefect then keeps them (it installs its own console handler only on a bare root logger),
 and its loggers, httpx's request lines and MLflow's propagate into the file. ``-v`` skips all of this:
-every log line goes to the terminal as before, and to ``run.log`` too.
+every log line goes to the terminal, and to ``run.log`` too.
 
 The flow reports through ``current()``; when no session is open (a deployment run under
 ``qerl schedule``) the same lines go to the ``qerl.console`` logger instead.

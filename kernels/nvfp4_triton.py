@@ -1,7 +1,7 @@
-"""NVFP4 quantize and dequantize as Triton kernels; ``qerl.kernels.nvfp4`` is their specification.
+"""NVFP4 quantize and dequantize as Triton kernels; ``qerl.kernels.nvfp4_reference`` is their specification.
 
 What: ``quantize_nvfp4_triton`` / ``dequantize_nvfp4_triton`` compute exactly what
-``qerl.kernels.nvfp4.quantize_nvfp4`` / ``dequantize_nvfp4`` compute, bit for bit, on CUDA (compiled) or
+``qerl.kernels.nvfp4_reference.quantize_nvfp4`` / ``dequantize_nvfp4`` compute, bit for bit, on CUDA (compiled) or
 anywhere under ``TRITON_INTERPRET=1`` (how the tests run them on CPU).
 
 How: a weight ``[out, in]`` with ``in % 16 == 0`` is viewed as ``out*in/16`` contiguous groups of 16,
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from qerl.kernels.nvfp4 import GROUP_SIZE, NVFP4Error, _resolve_gs, check_weight
+from qerl.kernels.nvfp4_reference import GROUP_SIZE, check_packed, check_weight, resolve_global_scale
 
 __all__ = ["dequantize_nvfp4_triton", "quantize_nvfp4_triton", "round_fp8_e4m3_triton"]
 
@@ -139,9 +139,9 @@ def round_fp8_e4m3_triton(x: torch.Tensor) -> torch.Tensor:
 def quantize_nvfp4_triton(
     w: torch.Tensor, global_scale: torch.Tensor | float | None = None, name: str = "weight"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton twin of ``qerl.kernels.nvfp4.quantize_nvfp4`` (same arguments, same bits)."""
+    """Triton twin of ``qerl.kernels.nvfp4_reference.quantize_nvfp4`` (same arguments, same bits)."""
     check_weight(w, name)
-    gs = _resolve_gs(w, global_scale, name)
+    gs = resolve_global_scale(w, global_scale, name)
     w = w.contiguous()
     out_f, in_f = w.shape
     n_groups = out_f * in_f // GROUP_SIZE
@@ -158,12 +158,8 @@ def dequantize_nvfp4_triton(
     global_scale: torch.Tensor | float,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Triton twin of ``qerl.kernels.nvfp4.dequantize_nvfp4``."""
-    out_f, in_f = packed.shape[0], packed.shape[1] * 2
-    if packed.dtype != torch.uint8 or tuple(scale.shape) != (out_f, in_f // GROUP_SIZE):
-        raise NVFP4Error(
-            f"weight_packed {packed.dtype} {tuple(packed.shape)} / weight_scale {tuple(scale.shape)} mismatch"
-        )
+    """Triton twin of ``qerl.kernels.nvfp4_reference.dequantize_nvfp4``."""
+    out_f, in_f = check_packed(packed, scale)
     gs = torch.as_tensor(global_scale, dtype=torch.float32).reshape(1).to(packed.device)
     out = torch.empty(out_f, in_f, dtype=dtype, device=packed.device)
     n_groups = out_f * in_f // GROUP_SIZE

@@ -1,0 +1,13 @@
+"""The domain core, importable without Prefect: one sub-package per concern.
+
+Imports go one way, from the bottom of this list to the top:
+
+- ``config`` (module) and ``runtime``: typed configs, device, threads, seeds; import nothing of qerl.
+- ``store``: the content-addressed artifact store, manifests, retention.
+- ``nvfp4``: the NVFP4A16 checkpoint format, its I/O and the quantized linear for training (uses
+  ``qerl.kernels``); ``data``: datasets, prompts, rewards, the model catalogue.
+- ``rollout`` (engines, AQN), ``rl`` (GRPO objective, logprobs, training), ``evaluation``
+  (statistics, ablations), ``registry`` (MLflow tracking, promotion), ``demo`` (the demo's base model).
+- ``planning``: what a run does (run config and presets, prompt stream, cursor, warm start, memory
+  plan, retry rules); it may import every other sub-package.
+"""

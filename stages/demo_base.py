@@ -10,10 +10,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from qerl.pipeline.data import arithmetic
 from qerl.pipeline.data import datasets as data
 from qerl.pipeline.demo import base_model as demo
 from qerl.pipeline.demo import tiny_model as tiny
-from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult, Manifest, code_version
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.manifest import BuildResult, Manifest
 
 STAGE = "demo-base"
 
@@ -25,6 +28,6 @@ def run(cfg: demo.DemoBaseConfig, store: ArtifactStore) -> Manifest:
         metrics = demo.build_demo_base(tmp, cfg)
         return BuildResult(mode="demo", metrics=metrics, extra={"architecture": "Qwen2ForCausalLM"})
 
-    code = code_version(sys.modules[__name__], demo, data, tiny)
+    code = code_version(sys.modules[__name__], demo, data, arithmetic, tiny)
     manifest, _ = store.produce(STAGE, cfg, inputs={}, code=code, build=build)
     return manifest

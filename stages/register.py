@@ -5,11 +5,12 @@ clip fractions, sigma, tokens/s, stage times: every numeric key the flow recorde
 the train config as params, the adapter, its manifest and the evaluation table. The adapter becomes
 a version of ``cfg.model_name`` with lineage tags; a complete run's version becomes ``challenger``
 (unless a newer one already is) and ``champion`` when it beats the current champion (see
-``qerl.pipeline.registry.tracking`` for the rule and its lock). A failed or partial run is still registered (its
-lineage is worth keeping, tagged ``complete=false``) but gets no alias. The adapter is copied into
-the MLflow run's artifacts (uploaded through the tracking server when the URI is ``http[s]://``), so
-a registered version never depends on the store's copy; ``qerl gc`` keeps that copy anyway (local
-evaluation reads it), recognising it by this stage's manifest, whose ``train`` input is its digest.
+``qerl.pipeline.registry.promotion`` for the rule and its lock). A failed or partial run is still
+registered (its lineage is worth keeping, tagged ``complete=false``) but gets no alias. The adapter
+is copied into the MLflow run's artifacts (uploaded through the tracking server when the URI is
+``http[s]://``), so a registered version never depends on the store's copy; ``qerl gc`` keeps that
+copy anyway (local evaluation reads it), recognising it by this stage's manifest, whose ``train``
+input is its digest.
 
 Idempotence has two layers. The artifact store caches this stage by (registry config, train and
 evaluation digests, lineage, history, completeness), so an identical re-run does nothing. Because
@@ -28,23 +29,21 @@ import json
 import logging
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qerl.pipeline.registry import tracking as registry
-from qerl.pipeline.store.artifacts import (
-    MANIFEST,
-    ArtifactError,
-    ArtifactStore,
-    BuildResult,
-    Manifest,
-    code_version,
-    sha256_json,
-)
+from qerl.pipeline.registry import promotion, tracking
+from qerl.pipeline.registry.lock import backend_kind
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.files import sha256_json
+from qerl.pipeline.store.layout import MANIFEST, REGISTER_STAGE, TRAIN_STAGE
+from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
 
 log = logging.getLogger("qerl.stages.register")
 
-STAGE = "register"
+STAGE = REGISTER_STAGE
 
 
 def _flatten(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -68,9 +67,10 @@ def _eval_summary(evaluation: Manifest) -> dict[str, Any]:
 
 def eval_metrics(summary: Mapping[str, Any]) -> dict[str, Any]:
     """The final evaluation as MLflow metrics, under stable names: ``eval_accuracy``,
-    ``eval_accuracy_stderr``, ``eval_n_items``, ``eval_k`` for the main benchmark (``eval_stderr`` too,
-    the earlier name), and ``eval_<name>_<split>_accuracy`` / ``_accuracy_stderr`` / ``_n_items`` for
-    each ``eval.also`` benchmark (``eval_gsm8k_test_accuracy``). Absent values are left out."""
+    ``eval_accuracy_stderr``, ``eval_n_items``, ``eval_k`` for the main benchmark (``eval_stderr`` too:
+    the same value under the name older MLflow runs carry, so their charts line up), and
+    ``eval_<name>_<split>_accuracy`` / ``_accuracy_stderr`` / ``_n_items`` for each ``eval.also``
+    benchmark (``eval_gsm8k_test_accuracy``). Absent values are left out."""
     out = {
         "eval_accuracy": summary.get("accuracy"),
         "eval_accuracy_stderr": summary.get("stderr"),
@@ -90,35 +90,108 @@ def eval_metrics(summary: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _log_run(
-    cfg: registry.RegistryConfig,
-    train: Manifest,
-    evaluation: Manifest,
-    lineage: Mapping[str, Any],
-    history: Sequence[Mapping[str, Any]],
-    summary: Mapping[str, Any],
-    complete: bool,
-    run_tags: Mapping[str, Any] | None = None,
-) -> str:
+@dataclass(frozen=True)
+class _Candidate:
+    """What one registration is about: the run's adapter, its evaluation and its record."""
+
+    train: Manifest
+    evaluation: Manifest
+    lineage: Mapping[str, Any]
+    history: Sequence[Mapping[str, Any]]
+    complete: bool
+    run_tags: Mapping[str, Any] | None = None
+
+
+def _log_run(cfg: tracking.RegistryConfig, c: _Candidate, summary: Mapping[str, Any]) -> str:
     """Create the MLflow run and log everything but the adapter; returns the run id."""
-    name = f"qerl-{lineage.get('flow_run_id') or train.key[:12]}"
-    tags = {**lineage, "complete": str(complete).lower(), **(run_tags or {})}
-    run_id = registry.start_run(cfg, run_name=name, tags=tags)
-    registry.log_params(run_id, _flatten(train.config))
-    n_metrics = registry.log_history(run_id, history)
-    last_step = max((int(e.get("step", i)) for i, e in enumerate(history)), default=0)
-    registry.log_step_metrics(run_id, last_step, eval_metrics(summary))
-    plots = registry.log_plots(run_id, history)
-    client = registry.MlflowClient()
+    name = f"qerl-{c.lineage.get('flow_run_id') or c.train.key[:12]}"
+    tags = {**c.lineage, "complete": str(c.complete).lower(), **(c.run_tags or {})}
+    run_id = tracking.start_run(cfg, run_name=name, tags=tags)
+    tracking.log_params(run_id, _flatten(c.train.config))
+    n_metrics = tracking.log_history(run_id, c.history)
+    last_step = max((int(e.get("step", i)) for i, e in enumerate(c.history)), default=0)
+    tracking.log_step_metrics(run_id, last_step, eval_metrics(summary))
+    plots = tracking.log_plots(run_id, c.history)
+    client = tracking.MlflowClient()
     for fname in ("results.parquet", "summary.json"):
-        client.log_artifact(run_id, str(evaluation.file(fname)), artifact_path="evaluation")
-    client.log_artifact(run_id, str(evaluation.dir / MANIFEST), artifact_path="evaluation")
+        client.log_artifact(run_id, str(c.evaluation.file(fname)), artifact_path="evaluation")
+    client.log_artifact(run_id, str(c.evaluation.dir / MANIFEST), artifact_path="evaluation")
     log.info("MLflow run %s: %d metric points, plots %s", run_id, n_metrics, plots)
     return run_id
 
 
+def _checked_lineage(train: Manifest, lineage: Mapping[str, Any]) -> dict[str, Any]:
+    """``lineage`` with the adapter digest set to ``train``'s; raises unless ``train`` holds an
+    adapter and the lineage names every key the registry requires."""
+    adapter_dir = train.dir / "adapter"
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise ArtifactError(f"train artifact {train.stage}/{train.key} has no adapter at {adapter_dir}")
+    if lineage.get("adapter_digest") not in (None, train.digest):
+        raise ValueError(
+            f"lineage adapter_digest {lineage['adapter_digest']} is not train's digest {train.digest}"
+        )
+    lineage = {**lineage, "adapter_digest": train.digest}
+    missing = [k for k in promotion.LINEAGE_KEYS if k not in lineage]
+    if missing:
+        raise ValueError(f"lineage lacks {missing} (has {sorted(lineage)})")
+    return lineage
+
+
+def _cache_key(
+    resolved: tracking.RegistryConfig, c: _Candidate, promote: bool
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """(key config, inputs) of the store's cache key for this registration."""
+    inputs = {
+        TRAIN_STAGE: c.train.digest,  # qerl gc reads it back: the adapter registered from this store
+        "evaluation": c.evaluation.digest,
+        # which Prefect flow run finishes a resumed run is bookkeeping, not content: not in the key
+        "lineage": sha256_json({k: v for k, v in c.lineage.items() if k != "flow_run_id"}),
+        "history": sha256_json(list(c.history)),
+    }
+    # the lock timeout does not change what gets registered: keep it out of the key
+    key_cfg = {
+        "registry": resolved.model_dump(mode="json", exclude={"lock_timeout_s"}),
+        "complete": c.complete,
+    }
+    if not promote or c.run_tags:  # only then: ordinary runs keep their cache keys
+        key_cfg.update(promote=promote, run_tags=dict(c.run_tags or {}))
+    return key_cfg, inputs
+
+
+def _version(
+    cfg: tracking.RegistryConfig, c: _Candidate, summary: Mapping[str, Any]
+) -> tuple[str, str, bool]:
+    """(version, MLflow run id, created): the version already registered for this adapter digest,
+    else a new MLflow run and version (the run ends FINISHED, or FAILED for an incomplete run)."""
+    existing = promotion.find_version(cfg, c.train.digest)
+    if existing is not None:
+        return str(existing.version), existing.run_id, False
+    run_id = _log_run(cfg, c, summary)
+    version, created = promotion.register_adapter(
+        cfg, run_id, c.train.dir / "adapter", c.train.dir / MANIFEST, summary, c.lineage, c.complete
+    )
+    tracking.MlflowClient().set_terminated(run_id, status="FINISHED" if c.complete else "FAILED")
+    return version, run_id, created
+
+
+def _aliases(
+    cfg: tracking.RegistryConfig, version: str, summary: Mapping[str, Any], complete: bool, promote: bool
+) -> tuple[bool, bool]:
+    """(challenger set, promoted); with ``promote=False`` no alias moves and the version says why."""
+    if not promote:
+        tracking.MlflowClient().set_model_version_tag(
+            cfg.model_name, version, "promotion", "not a candidate: an ablation run never moves aliases"
+        )
+        return False, False
+    challenger = promotion.set_challenger(cfg, version) if complete else False
+    promoted = promotion.maybe_promote(
+        cfg, version, str(summary["benchmark"]), summary.get("accuracy"), complete
+    )
+    return challenger, promoted
+
+
 def run(
-    cfg: registry.RegistryConfig,
+    cfg: tracking.RegistryConfig,
     train: Manifest,
     evaluation: Manifest,
     lineage: Mapping[str, Any],
@@ -132,58 +205,17 @@ def run(
     """Log, register and (maybe) promote the adapter of ``train``; writes ``registration.json``.
 
     ``promote=False``: no alias is touched (see the module docstring)."""
-    adapter_dir = train.dir / "adapter"
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise ArtifactError(f"train artifact {train.stage}/{train.key} has no adapter at {adapter_dir}")
-    if lineage.get("adapter_digest") not in (None, train.digest):
-        raise ValueError(
-            f"lineage adapter_digest {lineage['adapter_digest']} is not train's digest {train.digest}"
-        )
-    lineage = {**lineage, "adapter_digest": train.digest}
-    missing = [k for k in registry.LINEAGE_KEYS if k not in lineage]
-    if missing:
-        raise ValueError(f"lineage lacks {missing} (has {sorted(lineage)})")
-    uri, artifacts = registry.resolve_uris(cfg, work_dir)
-    kind = registry.backend_kind(uri)
-    resolved = cfg.model_copy(update={"tracking_uri": uri, "artifact_location": artifacts})
-    inputs = {
-        "train": train.digest,
-        "evaluation": evaluation.digest,
-        # which Prefect flow run finishes a resumed run is bookkeeping, not content: not in the key
-        "lineage": sha256_json({k: v for k, v in lineage.items() if k != "flow_run_id"}),
-        "history": sha256_json(list(history)),
-    }
-    # the lock timeout does not change what gets registered: keep it out of the key
-    key_cfg = {"registry": resolved.model_dump(mode="json", exclude={"lock_timeout_s"}), "complete": complete}
-    if not promote or run_tags:  # only then: ordinary runs keep their cache keys
-        key_cfg.update(promote=promote, run_tags=dict(run_tags or {}))
+    c = _Candidate(train, evaluation, _checked_lineage(train, lineage), history, complete, run_tags)
+    resolved = tracking.resolve_config(cfg, work_dir)
+    kind = backend_kind(str(resolved.tracking_uri))
+    key_cfg, inputs = _cache_key(resolved, c, promote)
 
     def build(tmp: Path) -> BuildResult:
-        registry.open_tracking(resolved, work_dir)
+        tracking.open_tracking(resolved, work_dir)
         summary = _eval_summary(evaluation)
-        existing = registry.find_version(resolved, train.digest)
-        if existing is not None:
-            version, run_id, created = str(existing.version), existing.run_id, False
-        else:
-            run_id = _log_run(resolved, train, evaluation, lineage, history, summary, complete, run_tags)
-            version, created = registry.register_adapter(
-                resolved, run_id, adapter_dir, train.dir / MANIFEST, summary, lineage, complete
-            )
-            registry.MlflowClient().set_terminated(run_id, status="FINISHED" if complete else "FAILED")
-        challenger = registry.set_challenger(resolved, version) if complete and promote else False
-        if promote:
-            promoted = registry.maybe_promote(
-                resolved, version, str(summary["benchmark"]), summary.get("accuracy"), complete
-            )
-        else:
-            promoted = False
-            registry.MlflowClient().set_model_version_tag(
-                resolved.model_name,
-                version,
-                "promotion",
-                "not a candidate: an ablation run never moves aliases",
-            )
-        info = registry.version_info(resolved, version)
+        version, run_id, created = _version(resolved, c, summary)
+        challenger, promoted = _aliases(resolved, version, summary, complete, promote)
+        info = promotion.version_info(resolved, version)
         record = {
             "model_name": resolved.model_name,
             "version": version,
@@ -208,9 +240,8 @@ def run(
             extra={"run_id": run_id, "model_name": resolved.model_name},
         )
 
-    manifest, cached = store.produce(
-        STAGE, key_cfg, inputs, code_version(sys.modules[__name__], registry), build
-    )
+    code = code_version(sys.modules[__name__], tracking, promotion)
+    manifest, cached = store.produce(STAGE, key_cfg, inputs, code, build)
     log.info(
         "register: %s v%s (%s)%s",
         manifest.extra.get("model_name"),

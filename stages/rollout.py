@@ -3,7 +3,7 @@
 What: renders each problem with the configured template, sets the engine's adapter version and
 the step's AQN sigma, generates ``cfg.n_samples`` completions per prompt and writes one row per
 completion: ids and text of prompt and completion, the sampler's per-token logprobs
-(``log_softmax(logits / T)``, see ``qerl.pipeline.rollout.engine``), finish reason, the problem's gold answer
+(``log_softmax(logits / T)``, see ``qerl.pipeline.rollout.protocol``), finish reason, the problem's gold answer
 (so scoring needs only this table), and the provenance of the row (seed, sigma, step, adapter
 digest, engine mode, temperature).
 
@@ -28,11 +28,19 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import qerl.pipeline.rollout.aqn
-import qerl.pipeline.rollout.engine
+import qerl.pipeline.rollout.config
+import qerl.pipeline.rollout.factory
+import qerl.pipeline.rollout.lazy
+import qerl.pipeline.rollout.prompt_encoding
+import qerl.pipeline.rollout.protocol
 from qerl.pipeline.data.prompts import render_prompt
-from qerl.pipeline.rollout.engine import RolloutConfig, RolloutEngine
+from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.protocol import Completion, RolloutEngine
 from qerl.pipeline.runtime.seeds import derive_seed
-from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult, Manifest, code_version, sha256_json
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.files import sha256_json
+from qerl.pipeline.store.manifest import BuildResult, Manifest
 
 STAGE = "rollout"
 TABLE = "rollouts.parquet"
@@ -90,7 +98,60 @@ def _engine_module(engine: RolloutEngine) -> Any:
     return importlib.import_module(name)
 
 
+# the engine-independent modules of qerl.pipeline.rollout (with aqn and the engine's own implementation
+# module, the code a rollout table depends on): editing any of them invalidates the rollout caches
+_ENGINE_MODULES = (
+    qerl.pipeline.rollout.config,
+    qerl.pipeline.rollout.protocol,
+    qerl.pipeline.rollout.prompt_encoding,
+    qerl.pipeline.rollout.factory,
+    qerl.pipeline.rollout.lazy,
+)
+
+
+def _columns(
+    rows: list[dict[str, Any]],
+    prompts: list[str],
+    results: list[list[Completion]],
+    provenance: dict[str, Any],
+) -> dict[str, list[Any]]:
+    """The table's columns: one row per completion, ``provenance`` (seed, sigma, ...) on each."""
+    columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
+    for group_id, (row, prompt, completions) in enumerate(zip(rows, prompts, results, strict=True)):
+        for sample_idx, c in enumerate(completions):
+            values = {
+                "prompt_id": str(row["id"]),
+                "group_id": group_id,
+                "sample_idx": sample_idx,
+                "prompt_text": prompt,
+                "prompt_ids": c.prompt_ids,
+                "completion_text": c.completion_text,
+                "completion_ids": c.completion_ids,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+                "answer": str(row["answer"]),
+                **provenance,
+            }
+            for name in SCHEMA.names:
+                columns[name].append(values[name])
+    return columns
+
+
+def _metrics(columns: dict[str, list[Any]], seconds: float) -> dict[str, Any]:
+    lengths = [len(ids) for ids in columns["completion_ids"]]
+    tokens = sum(lengths)
+    return {
+        "rows": len(lengths),
+        "tokens_generated": tokens,
+        "generate_seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "mean_completion_len": tokens / len(lengths),
+        "truncation_rate": columns["finish_reason"].count("length") / len(lengths),
+    }
+
+
 def run(
+    *,
     cfg: RolloutConfig,
     problems: Sequence[Any],
     base: Manifest,
@@ -115,7 +176,7 @@ def run(
         "engine_mode": engine.mode,
     }
     code = code_version(
-        sys.modules[__name__], qerl.pipeline.rollout.engine, qerl.pipeline.rollout.aqn, _engine_module(engine)
+        sys.modules[__name__], *_ENGINE_MODULES, qerl.pipeline.rollout.aqn, _engine_module(engine)
     )
     sample_seed, noise_seed = step_seed(cfg.seed, step, "sample"), step_seed(cfg.seed, step, "aqn")
 
@@ -126,51 +187,29 @@ def run(
         start = time.perf_counter()
         results = engine.generate(prompts, cfg.n_samples, cfg.sampling(), sample_seed)
         seconds = time.perf_counter() - start
-        columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
-        for group_id, (row, prompt, completions) in enumerate(zip(rows, prompts, results, strict=True)):
+        for row, completions in zip(rows, results, strict=True):
             if len(completions) != cfg.n_samples:
                 raise RuntimeError(
                     f"rollout: engine returned {len(completions)} completions for problem {row['id']}"
                 )
-            for sample_idx, c in enumerate(completions):
-                values = {
-                    "prompt_id": str(row["id"]),
-                    "group_id": group_id,
-                    "sample_idx": sample_idx,
-                    "prompt_text": prompt,
-                    "prompt_ids": c.prompt_ids,
-                    "completion_text": c.completion_text,
-                    "completion_ids": c.completion_ids,
-                    "logprobs": c.logprobs,
-                    "finish_reason": c.finish_reason,
-                    "answer": str(row["answer"]),
-                    "seed": sample_seed,
-                    "sigma": float(sigma),
-                    "step": int(step),
-                    "adapter_digest": adapter_digest or "",
-                    "engine_mode": engine.mode,
-                    "temperature": cfg.temperature,
-                }
-                for name, value in values.items():
-                    columns[name].append(value)
-        pq.write_table(pa.table(columns, schema=SCHEMA), tmp / TABLE)
-        lengths = [len(ids) for ids in columns["completion_ids"]]
-        tokens = sum(lengths)
-        metrics = {
-            "rows": len(lengths),
-            "tokens_generated": tokens,
-            "generate_seconds": seconds,
-            "tokens_per_s": tokens / seconds if seconds > 0 else None,
-            "mean_completion_len": tokens / len(lengths),
-            "truncation_rate": columns["finish_reason"].count("length") / len(lengths),
+        provenance = {
+            "seed": sample_seed,
+            "sigma": float(sigma),
+            "step": int(step),
+            "adapter_digest": adapter_digest or "",
+            "engine_mode": engine.mode,
+            "temperature": cfg.temperature,
         }
+        columns = _columns(rows, prompts, results, provenance)
+        pq.write_table(pa.table(columns, schema=SCHEMA), tmp / TABLE)
+        metrics = _metrics(columns, seconds)
         log.info(
             "rollout step %d [%s] sigma=%g: %d completions, %d tokens, %.1f tok/s",
             step,
             engine.mode,
             sigma,
-            len(lengths),
-            tokens,
+            metrics["rows"],
+            metrics["tokens_generated"],
             metrics["tokens_per_s"] or 0.0,
         )
         extra = {"engine": dict(engine.info), "sample_seed": sample_seed, "noise_seed": noise_seed}

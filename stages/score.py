@@ -23,14 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qerl.pipeline.data import answers, rewards
+from qerl.pipeline.data.jsonl import read_jsonl
 from qerl.pipeline.data.rewards import STATUSES, RewardConfig, ScoreRecord, score_batch
-from qerl.pipeline.store.artifacts import (
-    ArtifactStore,
-    BuildResult,
-    Manifest,
-    atomic_write_text,
-    code_version,
-)
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.files import atomic_write_text
+from qerl.pipeline.store.manifest import BuildResult, Manifest
 
 STAGE = "score"
 REQUIRED_COLUMNS = ("group_id", "completion_text", "answer")
@@ -130,7 +129,7 @@ def run(cfg: RewardConfig, rollouts: Manifest, store: ArtifactStore) -> Manifest
         STAGE,
         cfg,
         inputs={"rollouts": rollouts.digest},
-        code=code_version(sys.modules[__name__], sys.modules[RewardConfig.__module__]),
+        code=code_version(sys.modules[__name__], rewards, answers),
         build=lambda tmp: _score_table(cfg, source, tmp / "scored.parquet"),
     )
     return manifest
@@ -151,17 +150,7 @@ def score_jsonl(
     if not input_path.is_file():
         raise FileNotFoundError(f"input file not found: {input_path}")
     rows: list[dict[str, Any]] = []
-    with open(input_path, encoding="utf-8") as fh:
-        lines = fh.read().split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # the final newline
-    for lineno, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{input_path}:{lineno}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{input_path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    for lineno, row in read_jsonl(input_path, skip_blank=False):
         for key in ("completion", "answer"):
             if key not in row or row[key] is None:
                 raise ValueError(f"{input_path}:{lineno}: missing '{key}'")

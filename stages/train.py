@@ -2,7 +2,7 @@
 
 What: ``run(cfg, base, scored, prev, step, store)`` loads the quantize stage's checkpoint as packed
 NVFP4 layers (qerl.pipeline.nvfp4.linear), restores the previous step's adapter/optimizer/scheduler/RNG
-checkpoint (or initialises LoRA from ``cfg.seed`` at step 0), applies ``qerl.pipeline.rl.training.train_step``
+checkpoint (or initialises LoRA from ``cfg.seed`` at step 0), applies ``qerl.pipeline.rl.step.train_step``
 to ``scored.parquet`` and writes the next checkpoint:
 
     adapter/                  plain peft adapter (adapter_config.json + adapter_model.safetensors);
@@ -33,9 +33,10 @@ place). Whether a step reused or reloaded is logged at INFO and recorded in the 
 Threads. The step runs with torch's MKL and OpenMP threading as a fresh process has it (no nested
 OpenMP teams, MKL dynamic, no thread-local MKL count) and, on CPU, intra-op thread i pinned to the
 i-th allowed CPU, all restored after (``qerl.pipeline.runtime.threads.trainer_threads``). Any earlier
-``torch.set_num_threads`` (a vLLM engine start does one) otherwise makes MKL open a nested team, a
-new thread, for every GEMM inside torch's parallel regions: 15-40x slower steps (issue 12). The
-same GEMMs as in a fresh process run, so the bytes are a fresh process's.
+``torch.set_num_threads`` (a vLLM engine start does one) otherwise leaves MKL non-dynamic with a
+thread-local count, so it opens a nested team, a new thread, for every GEMM inside torch's parallel
+regions and steps slow down many times over. The same GEMMs as in a fresh process run, so the bytes
+are a fresh process's.
 """
 
 from __future__ import annotations
@@ -49,27 +50,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import qerl.kernels.nvfp4
+import qerl.kernels.nvfp4_dispatch
+import qerl.kernels.nvfp4_reference
 import qerl.pipeline.nvfp4.linear
+import qerl.pipeline.nvfp4.loading
+import qerl.pipeline.rl.batch
+import qerl.pipeline.rl.checkpoint
 import qerl.pipeline.rl.logprobs
 import qerl.pipeline.rl.objective
-import qerl.pipeline.rl.training
+import qerl.pipeline.rl.policy
+import qerl.pipeline.rl.step
+import qerl.pipeline.rl.train_config
 import torch
-from qerl.pipeline.rl.training import (
-    TrainConfig,
-    TrainState,
-    init_state,
-    load_checkpoint,
-    load_rollout_batch,
-    save_checkpoint,
-    train_step,
-)
+from qerl.pipeline.rl.batch import load_rollout_batch
+from qerl.pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
+from qerl.pipeline.rl.policy import TrainState, init_state
+from qerl.pipeline.rl.step import train_step
+from qerl.pipeline.rl.train_config import TrainConfig
+from qerl.pipeline.runtime.device import cuda_available, default_device
 from qerl.pipeline.runtime.threads import trainer_threads
-from qerl.pipeline.store.artifacts import ArtifactError, ArtifactStore, BuildResult, Manifest, code_version
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.layout import OPTIMIZER_FILE, TRAIN_STAGE
+from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
 
 log = logging.getLogger("qerl.stages.train")
 
-STAGE = "train"
+STAGE = TRAIN_STAGE
 SCORED_FILE = "scored.parquet"
 
 
@@ -127,7 +134,7 @@ def _take_resident(key: dict[str, Any], prev: Manifest | None) -> tuple[TrainSta
 
 def _rng_state() -> dict[str, Any]:
     rng: dict[str, Any] = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if cuda_available():
         rng["torch_cuda"] = torch.cuda.get_rng_state_all()
     return rng
 
@@ -152,11 +159,17 @@ def _key_parts(
     """(config, inputs, code) of a train step's store key."""
     code = code_version(
         sys.modules[__name__],
-        qerl.pipeline.rl.training,
+        qerl.pipeline.rl.train_config,
+        qerl.pipeline.rl.batch,
+        qerl.pipeline.rl.policy,
+        qerl.pipeline.rl.step,
+        qerl.pipeline.rl.checkpoint,
         qerl.pipeline.rl.logprobs,
         qerl.pipeline.rl.objective,
         qerl.pipeline.nvfp4.linear,
-        qerl.kernels.nvfp4,
+        qerl.pipeline.nvfp4.loading,
+        qerl.kernels.nvfp4_reference,
+        qerl.kernels.nvfp4_dispatch,
     )
     inputs = {
         "base": base.digest,
@@ -169,7 +182,7 @@ def _key_parts(
 
 
 def cached(
-    cfg: TrainConfig, base: Manifest, scored: Manifest, prev: Manifest | None, step: int,
+    *, cfg: TrainConfig, base: Manifest, scored: Manifest, prev: Manifest | None, step: int,
     store: ArtifactStore, init_adapter: tuple[Path, str] | None = None,
 ) -> Manifest | None:  # fmt: skip
     """The finished checkpoint of this step if the store has it (no build), else None."""
@@ -177,7 +190,60 @@ def cached(
     return store.get(STAGE, store.key(STAGE, config, inputs, code))
 
 
+def _check_chain(prev: Manifest | None, step: int, init_adapter: tuple[Path, str] | None) -> None:
+    """``prev`` is the previous step's train checkpoint (none at step 0, and only then a warm start)."""
+    if init_adapter is not None and prev is not None:
+        raise ArtifactError(f"train step {step}: init_adapter is for step 0 only (prev is given)")
+    if prev is None and step != 0:
+        raise ArtifactError(f"train step {step} needs the previous train checkpoint (prev is None)")
+    if prev is not None and prev.stage != STAGE:
+        raise ArtifactError(f"prev must be a '{STAGE}' artifact, got '{prev.stage}' at {prev.dir}")
+
+
+def _policy(
+    cfg: TrainConfig, base: Manifest, prev: Manifest | None, step: int, device: str,
+    resident_key: dict[str, Any], init_adapter: tuple[Path, str] | None,
+) -> tuple[TrainState, bool, float]:  # fmt: skip
+    """The state before step ``step``: the resident one if it is ``prev``, else built or reloaded;
+    with whether it was resident and the seconds it took."""
+    t0 = time.perf_counter()
+    state, reason = _take_resident(resident_key, prev)
+    reused = state is not None
+    if state is None and prev is None:
+        state = init_state(base.dir, cfg, device, init_adapter=init_adapter[0] if init_adapter else None)
+    elif state is None:
+        # a clear error if retention pruned what a reload needs (checked here: a cache hit needs none)
+        prev.require("adapter", OPTIMIZER_FILE, "trainer_state.json")
+        state = load_checkpoint(base.dir, cfg, prev.dir, device)
+    t_load = time.perf_counter() - t0
+    how = "" if reused else ("; policy built" if prev is None else "; policy reloaded from the store")
+    log.info("train step %d: %s%s (%.2f s)", step, reason, how, t_load)
+    if state.step != step:
+        raise ArtifactError(f"{prev.dir} holds the state after {state.step} steps, but step {step} was asked")
+    return state, reused, t_load
+
+
+def _log_step(step: int, mode: str, metrics: dict[str, Any]) -> None:
+    if metrics["skipped"]:
+        log.warning(
+            "train step %d: %d update(s) skipped for a non-finite loss/gradient",
+            step,
+            metrics["skipped_updates"],
+        )
+    log.info(
+        "train step %d (%s): loss %.4g, grad norm %.3g, reward %.3f, %d updates in %.1f s",
+        step,
+        mode,
+        metrics["loss"],
+        metrics["grad_norm"],
+        metrics["reward_mean"],
+        metrics["updates"],
+        metrics["step_time_s"],
+    )
+
+
 def run(
+    *,
     cfg: TrainConfig,
     base: Manifest,
     scored: Manifest,
@@ -194,63 +260,28 @@ def run(
 
     ``init_adapter`` (adapter folder, its digest): step 0 starts from these LoRA weights instead of a
     fresh LoRA (a nightly run's warm start); the digest joins the cache key."""
-    if init_adapter is not None and prev is not None:
-        raise ArtifactError(f"train step {step}: init_adapter is for step 0 only (prev is given)")
-    if prev is None and step != 0:
-        raise ArtifactError(f"train step {step} needs the previous train checkpoint (prev is None)")
-    if prev is not None and prev.stage != STAGE:
-        raise ArtifactError(f"prev must be a '{STAGE}' artifact, got '{prev.stage}' at {prev.dir}")
+    _check_chain(prev, step, init_adapter)
     scored_path = scored.file(SCORED_FILE)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device()
     config, inputs, code = _key_parts(cfg, base, scored, prev, step, init_adapter)
     resident_key = {"base": base.digest, "train": config["train"], "device": device}
     built: dict[str, Any] = {}
 
     def build(tmp: Path) -> BuildResult:
-        # MKL/OpenMP as in a fresh process, one core per intra-op thread (qerl.pipeline.runtime.threads: issue 12)
+        # MKL/OpenMP as in a fresh process, one core per intra-op thread (qerl.pipeline.runtime.threads)
         with trainer_threads(device) as pins:
             if pins:
                 log.info("train step %d: intra-op threads pinned one per CPU %s", step, pins)
             return _build(tmp)
 
     def _build(tmp: Path) -> BuildResult:
-        t0 = time.perf_counter()
-        state, reason = _take_resident(resident_key, prev)
-        reused = state is not None
-        if state is None and prev is None:
-            state = init_state(base.dir, cfg, device, init_adapter=init_adapter[0] if init_adapter else None)
-        elif state is None:
-            # a clear error if retention pruned what a reload needs (checked here: a cache hit needs none)
-            prev.require("adapter", "optimizer.safetensors", "trainer_state.json")
-            state = load_checkpoint(base.dir, cfg, prev.dir, device)
-        t_load = time.perf_counter() - t0
-        how = "" if reused else ("; policy built" if prev is None else "; policy reloaded from the store")
-        log.info("train step %d: %s%s (%.2f s)", step, reason, how, t_load)
-        if state.step != step:
-            raise ArtifactError(
-                f"{prev.dir} holds the state after {state.step} steps, but step {step} was asked"
-            )
+        state, reused, t_load = _policy(cfg, base, prev, step, device, resident_key, init_adapter)
         batch = load_rollout_batch(scored_path, temperature=cfg.temperature)
         metrics = train_step(state, batch, cfg, pad_id=_pad_id(base.dir))
         save_checkpoint(state, tmp)
         built.update(state=state, rng=_rng_state())
         mode = _mode(state.base_format, cfg, device)
-        if metrics["skipped"]:
-            log.warning(
-                "train step %d: %d update(s) skipped for a non-finite loss/gradient",
-                step,
-                metrics["skipped_updates"],
-            )
-        log.info(
-            "train step %d (%s): loss %.4g, grad norm %.3g, reward %.3f, %d updates in %.1f s",
-            step,
-            mode,
-            metrics["loss"],
-            metrics["grad_norm"],
-            metrics["reward_mean"],
-            metrics["updates"],
-            metrics["step_time_s"],
-        )
+        _log_step(step, mode, metrics)
         return BuildResult(
             mode=mode,
             metrics=metrics,

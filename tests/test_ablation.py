@@ -12,18 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from qerl.pipeline.evaluation import ablation as abl
+from qerl.pipeline.evaluation import arms as ablation_arms
+from qerl.pipeline.evaluation import report as ablation_report
+from qerl.pipeline.evaluation import statistics as stats
 
 
 # ---- arms and seeds ------------------------------------------------------------------------------
 def test_parse_arms_names_the_bad_input():
-    assert abl.parse_arms("bf16-lora, nvfp4-aqn") == ["bf16-lora", "nvfp4-aqn"]
-    with pytest.raises(abl.AblationError, match="unknown arm.*fp8"):
-        abl.parse_arms("bf16-lora,fp8")
-    with pytest.raises(abl.AblationError, match="distinct"):
-        abl.parse_arms("nvfp4-aqn,nvfp4-aqn")
-    with pytest.raises(abl.AblationError, match="at least two"):
-        abl.parse_arms("nvfp4-aqn")
+    assert ablation_arms.parse_arms("bf16-lora, nvfp4-aqn") == ["bf16-lora", "nvfp4-aqn"]
+    with pytest.raises(ablation_arms.AblationError, match="unknown arm.*fp8"):
+        ablation_arms.parse_arms("bf16-lora,fp8")
+    with pytest.raises(ablation_arms.AblationError, match="distinct"):
+        ablation_arms.parse_arms("nvfp4-aqn,nvfp4-aqn")
+    with pytest.raises(ablation_arms.AblationError, match="at least two"):
+        ablation_arms.parse_arms("nvfp4-aqn")
 
 
 def test_arm_config_changes_only_the_arm_and_shifts_every_training_seed_alike():
@@ -33,8 +35,8 @@ def test_arm_config_changes_only_the_arm_and_shifts_every_training_seed_alike():
         "aqn": {"num_stages": 3},
         "eval": {"seed": 9},
     }
-    a = abl.arm_config(user, "bf16-lora", 1)
-    b = abl.arm_config(user, "nvfp4-aqn", 1)
+    a = ablation_arms.arm_config(user, "bf16-lora", 1)
+    b = ablation_arms.arm_config(user, "nvfp4-aqn", 1)
     assert user == {
         "loop": {"name": "x", "seed": 5},
         "train": {"seed": 7},
@@ -50,17 +52,19 @@ def test_arm_config_changes_only_the_arm_and_shifts_every_training_seed_alike():
     assert {k: v for k, v in a.items() if k not in ("quantize", "aqn", "loop")} == {
         k: v for k, v in b.items() if k not in ("quantize", "aqn", "loop")
     }
-    assert abl.ablation_id(user, ["a", "b"], 2) == abl.ablation_id(dict(user), ["a", "b"], 2)
-    assert abl.ablation_id(user, ["a", "b"], 2) != abl.ablation_id(user, ["a", "b"], 3)
+    assert ablation_arms.ablation_id(user, ["a", "b"], 2) == ablation_arms.ablation_id(
+        dict(user), ["a", "b"], 2
+    )
+    assert ablation_arms.ablation_id(user, ["a", "b"], 2) != ablation_arms.ablation_id(user, ["a", "b"], 3)
 
 
 def test_a_seed_count_below_one_fails_before_prefect_starts(monkeypatch, capsys):
     """``qerl ablate --seeds 0`` used to start Prefect and fail late, in the flow's plan; the id the CLI
     computes first now checks the count."""
     for bad in (0, -1, True, 1.5):
-        with pytest.raises(abl.AblationError, match=r"--seeds must be a whole number >= 1"):
-            abl.ablation_id({}, ["bf16-lora", "nvfp4-aqn"], bad)
-    assert abl.check_seeds(2) == 2
+        with pytest.raises(ablation_arms.AblationError, match=r"--seeds must be a whole number >= 1"):
+            ablation_arms.ablation_id({}, ["bf16-lora", "nvfp4-aqn"], bad)
+    assert ablation_arms.check_seeds(2) == 2
     from qerl.flows import cli, runner
 
     def no_prefect(*args, **kwargs):
@@ -74,16 +78,16 @@ def test_a_seed_count_below_one_fails_before_prefect_starts(monkeypatch, capsys)
 # ---- statistics ----------------------------------------------------------------------------------
 def test_t_interval_matches_hand_derived_values():
     # [1, 2, 3]: mean 2, sd 1, se 1/sqrt(3); t(0.975, 2) = 4.302653 -> half width 2.484138
-    iv = abl.t_interval([1.0, 2.0, 3.0])
+    iv = stats.t_interval([1.0, 2.0, 3.0])
     assert iv.mean == pytest.approx(2.0)
     assert (iv.lo, iv.hi) == (pytest.approx(2 - 2.484138, abs=1e-5), pytest.approx(2 + 2.484138, abs=1e-5))
     # [0.5, 0.7]: sd 0.141421, se 0.1; t(0.975, 1) = 12.706205 -> half width 1.2706205
-    iv = abl.t_interval([0.5, 0.7])
+    iv = stats.t_interval([0.5, 0.7])
     assert (iv.lo, iv.hi) == (
         pytest.approx(0.6 - 1.2706205, abs=1e-6),
         pytest.approx(0.6 + 1.2706205, abs=1e-6),
     )
-    one = abl.t_interval([0.4])
+    one = stats.t_interval([0.4])
     assert one.mean == 0.4 and math.isnan(one.lo) and "no CI" in one.text()
 
 
@@ -91,19 +95,19 @@ def test_paired_bootstrap_matches_the_exact_distribution():
     # two items with differences 0.5 and -0.25: a resample's mean is 0.5 (p 1/4), 0.125 (1/2) or
     # -0.25 (1/4), so with 10000 resamples the 2.5% and 97.5% percentiles are exactly -0.25 and 0.5
     a, b = {"p": 1.0, "q": 0.25}, {"p": 0.5, "q": 0.5}
-    res = abl.paired_bootstrap(a, b, ("x", "y"), n_boot=10_000, seed=3)
+    res = stats.paired_bootstrap(a, b, ("x", "y"), n_boot=10_000, seed=3)
     assert res.diff == pytest.approx(0.125)
     assert (res.lo, res.hi) == (-0.25, 0.5)
     assert not res.significant and "x vs y: no significant difference" in res.verdict()
-    assert abl.paired_bootstrap(a, b, ("x", "y"), n_boot=500, seed=1) == abl.paired_bootstrap(
+    assert stats.paired_bootstrap(a, b, ("x", "y"), n_boot=500, seed=1) == stats.paired_bootstrap(
         a, b, ("x", "y"), n_boot=500, seed=1
     )
     # the same difference on every item: the interval is that point, and it is significant
-    same = abl.paired_bootstrap({"1": 0.75, "2": 0.5}, {"1": 0.5, "2": 0.25}, ("x", "y"), n_boot=200)
+    same = stats.paired_bootstrap({"1": 0.75, "2": 0.5}, {"1": 0.5, "2": 0.25}, ("x", "y"), n_boot=200)
     assert (same.diff, same.lo, same.hi) == (0.25, 0.25, 0.25)
     assert same.significant and "x is better than y" in same.verdict()
-    with pytest.raises(abl.AblationError, match="same items"):
-        abl.paired_bootstrap({"1": 1.0}, {"2": 1.0})
+    with pytest.raises(ablation_arms.AblationError, match="same items"):
+        stats.paired_bootstrap({"1": 1.0}, {"2": 1.0})
 
 
 def test_trainer_metrics_of_a_step_that_trained_nothing_are_left_out():
@@ -113,29 +117,35 @@ def test_trainer_metrics_of_a_step_that_trained_nothing_are_left_out():
         {"step": 2, "train_entropy": 1.0, "train_tokens_trained": 10, "reward_mean": float("nan")},
         {"step": 3, "train_entropy": 9.0, "train_tokens_trained": 10, "reward_mean": 1.0},
     ]
-    assert abl.step_values(history, ("train_entropy",)) == {1: 2.0, 2: 1.0, 3: 9.0}
-    assert abl.step_values(history, ("reward_mean",)) == {0: 0.0, 1: 0.5, 3: 1.0}  # a 0 reward is a reward
-    assert abl.early_mean(history, ("train_entropy",), 3) == pytest.approx(1.5)  # steps 1, 2 of 0..2
-    assert math.isnan(abl.early_mean(history[:1], ("train_entropy",), 3))
+    assert ablation_report.step_values(history, ("train_entropy",)) == {1: 2.0, 2: 1.0, 3: 9.0}
+    assert ablation_report.step_values(history, ("reward_mean",)) == {
+        0: 0.0,
+        1: 0.5,
+        3: 1.0,
+    }  # a 0 reward is a reward
+    assert ablation_report.early_mean(history, ("train_entropy",), 3) == pytest.approx(
+        1.5
+    )  # steps 1, 2 of 0..2
+    assert math.isnan(ablation_report.early_mean(history[:1], ("train_entropy",), 3))
     # two seeds: mean, min and max per step over the seeds that have the step
-    curve = abl.arm_curve(
+    curve = ablation_report.arm_curve(
         [history, [{"step": 1, "train_entropy": 4.0, "train_tokens_trained": 3}]], ("train_entropy",)
     )
     assert curve == [(1, 3.0, 2.0, 4.0), (2, 1.0, 1.0, 1.0), (3, 9.0, 9.0, 9.0)]
 
 
 def test_steps_without_a_trained_token_are_null_and_the_report_counts_the_early_steps(tmp_path):
-    """A step that trained no token records null entropy and mismatch (``qerl.pipeline.rl.training``), the run
+    """A step that trained no token records null entropy and mismatch (``qerl.pipeline.rl.step``), the run
     record keeps the null, the curves skip it, and the early-entropy comparison averages only the steps
     with a value, says how many per run, and leaves a run with none out of its arm's interval."""
     from types import SimpleNamespace
 
-    from qerl.flows.rl import _step_record
+    from qerl.flows.run_record import step_record
 
     def manifest(key: str, **metrics) -> SimpleNamespace:
         return SimpleNamespace(key=key, metrics=metrics)
 
-    entry = _step_record(
+    entry = step_record(
         0, 0.0, manifest("r"), manifest("s", reward_mean=0.0),
         manifest("t", entropy=None, mismatch_kl=None, tokens_trained=0, loss=float("nan"), mode_note="x"),
     )  # fmt: skip
@@ -155,15 +165,22 @@ def test_steps_without_a_trained_token_are_null_and_the_report_counts_the_early_
 
     items = {str(i): float(i % 2) for i in range(6)}
     arms = [
-        abl.ArmRuns("bf16-lora", ["a1", "a2"], [0.5, 0.5], [items, items], [run([1.0, 0.8, 0.6, 0.5])] * 2),
-        abl.ArmRuns(
+        ablation_report.ArmRuns("bf16-lora", ["a1", "a2"], [0.5, 0.5], [items, items], [run([1.0, 0.8, 0.6, 0.5])] * 2),
+        ablation_report.ArmRuns(
             "nvfp4-aqn", ["b1", "b2", "b3"], [0.5] * 3, [items] * 3,
             [run([None, 1.2, None, 0.4]), run([None, None, None, 2.0]), run([1.0, 1.4, None, 0.4])],
         ),
     ]  # fmt: skip
-    assert abl.arm_curve(arms[1].histories, abl.CURVES["mismatch_kl"])[0] == (0, 1e-3, 1e-3, 1e-3)
-    assert [p[0] for p in abl.arm_curve(arms[1].histories, abl.CURVES["entropy"])] == [0, 1, 3]
-    result, report = abl.write_report("abl-null", arms, tmp_path, n_boot=200)
+    assert ablation_report.arm_curve(arms[1].histories, ablation_report.CURVES["mismatch_kl"])[0] == (
+        0,
+        1e-3,
+        1e-3,
+        1e-3,
+    )
+    assert [
+        p[0] for p in ablation_report.arm_curve(arms[1].histories, ablation_report.CURVES["entropy"])
+    ] == [0, 1, 3]
+    result, report = ablation_report.write_report("abl-null", arms, tmp_path, n_boot=200)
     aqn = result["arms"]["nvfp4-aqn"]
     assert aqn["early_entropy_steps"] == [1, 0, 2]
     assert aqn["early_entropy"][0] == pytest.approx(1.2) and math.isnan(aqn["early_entropy"][1])
@@ -175,9 +192,9 @@ def test_steps_without_a_trained_token_are_null_and_the_report_counts_the_early_
 
 
 def test_mean_items_averages_seeds_and_refuses_different_items():
-    assert abl.mean_items([{"a": 1.0, "b": 0.0}, {"a": 0.5, "b": 0.5}]) == {"a": 0.75, "b": 0.25}
-    with pytest.raises(abl.AblationError, match="different items"):
-        abl.mean_items([{"a": 1.0}, {"b": 1.0}])
+    assert stats.mean_items([{"a": 1.0, "b": 0.0}, {"a": 0.5, "b": 0.5}]) == {"a": 0.75, "b": 0.25}
+    with pytest.raises(ablation_arms.AblationError, match="different items"):
+        stats.mean_items([{"a": 1.0}, {"b": 1.0}])
 
 
 def _history(entropies: list[float], reward: float) -> list[dict]:
@@ -196,13 +213,13 @@ def _history(entropies: list[float], reward: float) -> list[dict]:
 def test_report_from_hand_built_runs(tmp_path):
     items = {str(i): float(i % 2) for i in range(8)}
     arms = [
-        abl.ArmRuns("bf16-lora", ["r1", "r2"], [0.50, 0.60], [items, items], [_history([1.0, 0.9, 0.8, 0.5], 0.2)] * 2),
-        abl.ArmRuns(
+        ablation_report.ArmRuns("bf16-lora", ["r1", "r2"], [0.50, 0.60], [items, items], [_history([1.0, 0.9, 0.8, 0.5], 0.2)] * 2),
+        ablation_report.ArmRuns(
             "nvfp4-aqn", ["r3", "r4"], [0.52, 0.58], [items, items],
             [_history([1.2, 1.1, 1.0, 0.5], 0.3), _history([1.4, 1.3, 1.2, 0.5], 0.3)],
         ),
     ]  # fmt: skip
-    result, report = abl.write_report("abl-test", arms, tmp_path, n_boot=300)
+    result, report = ablation_report.write_report("abl-test", arms, tmp_path, n_boot=300)
     # same items, same rates: zero difference, and the verdict says so
     (pair,) = result["pairs"]
     assert (pair.a, pair.b, pair.diff, pair.lo, pair.hi) == ("nvfp4-aqn", "bf16-lora", 0.0, 0.0, 0.0)
@@ -214,26 +231,25 @@ def test_report_from_hand_built_runs(tmp_path):
     for name in ("reward", "accuracy", "entropy", "mismatch_kl"):
         assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"plots/{name}.png" in text
-    rows = abl.table_rows(result)
+    rows = ablation_report.table_rows(result)
     assert rows[0]["arm"] == "bf16-lora" and rows[0]["seeds"] == 2
     # each arm's base, where its runs evaluated it (the same for every seed: printed once)
     assert "| bf16-lora | not evaluated | 0.550 " in text
     arms[1].base_accuracy = [0.25, 0.25]
-    _, report = abl.write_report("abl-test", arms, tmp_path, n_boot=300)
+    _, report = ablation_report.write_report("abl-test", arms, tmp_path, n_boot=300)
     assert "| nvfp4-aqn | 0.250 | 0.550 " in report.read_text()
 
 
 # ---- the unquantized base ------------------------------------------------------------------------
 def test_scheme_none_is_the_base_in_the_twin_dtype_and_engines_serve_it(tiny_model_factory, tmp_path):
-    from qerl.pipeline.nvfp4.checkpoint import (
-        UNQUANTIZED_MODE,
-        QuantizeConfig,
-        read_tensor,
-        safetensors_index,
-    )
-    from qerl.pipeline.planning.run_plan import needs_twin
-    from qerl.pipeline.rollout.engine import LazyEngine, RolloutConfig, build_engine
-    from qerl.pipeline.store.artifacts import ArtifactError, ArtifactStore
+    from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE, QuantizeConfig
+    from qerl.pipeline.nvfp4.safetensors_io import read_tensor, safetensors_index
+    from qerl.pipeline.planning.engine_setup import needs_twin
+    from qerl.pipeline.rollout.config import RolloutConfig
+    from qerl.pipeline.rollout.factory import build_engine
+    from qerl.pipeline.rollout.lazy import LazyEngine
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.pipeline.store.manifest import ArtifactError
     from qerl.stages import quantize
 
     src = tiny_model_factory(arch="qwen2", dtype=torch.float32)
@@ -253,7 +269,7 @@ def test_scheme_none_is_the_base_in_the_twin_dtype_and_engines_serve_it(tiny_mod
     with pytest.raises(ArtifactError, match="unquantized base"):
         quantize.run_twin(cfg, man, store)
     rollout = RolloutConfig(engine="hf", dtype="bfloat16", max_model_len=64, max_new_tokens=4)
-    assert not needs_twin(rollout, "none") and needs_twin(rollout, "nvfp4")
+    assert not needs_twin(rollout.engine, "none") and needs_twin(rollout.engine, "nvfp4")
     assert LazyEngine(rollout, man, None).mode == "hf-unquantized"
     vllm = rollout.model_copy(update={"engine": "vllm"})
     assert LazyEngine(vllm, man, None).mode == "vllm-unquantized"  # on CUDA too: no NVFP4 to load
@@ -347,8 +363,9 @@ def _assert_registry(work: Path, record: dict, runs: dict) -> None:
 
 
 def test_an_ablation_run_is_registered_as_a_child_and_never_moves_an_alias(tmp_path):
+    from qerl.pipeline.registry import promotion
     from qerl.pipeline.registry import tracking as reg
-    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages import register
     from test_register import HISTORY, LINEAGE, fake_eval, fake_train
 
@@ -364,9 +381,9 @@ def test_an_ablation_run_is_registered_as_a_child_and_never_moves_an_alias(tmp_p
     )  # fmt: skip
     record = json.loads(better.file("registration.json").read_text())
     assert (record["version"], record["promoted"], record["aliases"]) == ("2", False, [])
-    assert str(reg.alias_version(cfg, "champion").version) == "1"
-    assert str(reg.alias_version(cfg, "challenger").version) == "1"
-    info = reg.version_info(cfg, "2")
+    assert str(promotion.alias_version(cfg, "champion").version) == "1"
+    assert str(promotion.alias_version(cfg, "challenger").version) == "1"
+    info = promotion.version_info(cfg, "2")
     assert (info["tags"]["arm"], info["tags"]["ablation_id"]) == ("nvfp4-aqn", "abl-x")
     assert "ablation" in info["tags"]["promotion"]
     assert reg.MlflowClient().get_run(record["run_id"]).data.tags["mlflow.parentRunId"] == parent

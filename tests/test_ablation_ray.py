@@ -23,23 +23,23 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from qerl.flows import fanout
+from qerl.flows.ray import connection, rules
 
 
 # ---- the rules -------------------------------------------------------------------------------------
 def test_addresses_are_local_or_remote_by_host(monkeypatch):
-    assert fanout.address_is_remote("127.0.0.1:6379") is False
-    assert fanout.address_is_remote("ray://localhost:10001") is False
-    assert fanout.address_is_remote("[::1]:6379") is False
-    assert fanout.address_is_remote("local") is False
-    assert fanout.address_is_remote("auto") is None  # known after connecting
-    assert fanout.address_is_remote("10.1.2.3:6379") is True
-    assert fanout.address_is_remote("ray://head.cluster:10001") is True
-    monkeypatch.setenv(fanout.ADDRESS_ENV, "10.1.2.3:6379")
-    assert fanout.resolve_address(None) == "10.1.2.3:6379"
-    assert fanout.resolve_address("127.0.0.1:6379") == "127.0.0.1:6379"  # --ray wins
-    monkeypatch.setenv(fanout.ADDRESS_ENV, " ")
-    assert fanout.resolve_address(None) is None
+    assert rules.address_is_remote("127.0.0.1:6379") is False
+    assert rules.address_is_remote("ray://localhost:10001") is False
+    assert rules.address_is_remote("[::1]:6379") is False
+    assert rules.address_is_remote("local") is False
+    assert rules.address_is_remote("auto") is None  # known after connecting
+    assert rules.address_is_remote("10.1.2.3:6379") is True
+    assert rules.address_is_remote("ray://head.cluster:10001") is True
+    monkeypatch.setenv(rules.ADDRESS_ENV, "10.1.2.3:6379")
+    assert rules.resolve_address(None) == "10.1.2.3:6379"
+    assert rules.resolve_address("127.0.0.1:6379") == "127.0.0.1:6379"  # --ray wins
+    monkeypatch.setenv(rules.ADDRESS_ENV, " ")
+    assert rules.resolve_address(None) is None
 
 
 def test_settings_a_remote_cluster_cannot_use_are_refused_with_what_to_change():
@@ -48,35 +48,35 @@ def test_settings_a_remote_cluster_cannot_use_are_refused_with_what_to_change():
         "http://10.1.2.4:4200/api",
         "postgresql+psycopg://u:p@10.1.2.5:5432/mlflow",
     )
-    with pytest.raises(fanout.FanoutError, match="not an absolute path"):
-        fanout.check_settings("127.0.0.1:6379", "qerl-work", "sqlite:////w/mlflow.db", None, remote=False)
-    with pytest.raises(fanout.FanoutError, match="sqlite file.*postgresql\\+psycopg"):
-        fanout.check_settings(remote, "/shared/w", "sqlite:////shared/w/mlflow.db", api, remote=True)
-    with pytest.raises(fanout.FanoutError, match="loopback"):
-        fanout.check_settings(
+    with pytest.raises(rules.FanoutError, match="not an absolute path"):
+        rules.check_settings("127.0.0.1:6379", "qerl-work", "sqlite:////w/mlflow.db", None, remote=False)
+    with pytest.raises(rules.FanoutError, match="sqlite file.*postgresql\\+psycopg"):
+        rules.check_settings(remote, "/shared/w", "sqlite:////shared/w/mlflow.db", api, remote=True)
+    with pytest.raises(rules.FanoutError, match="loopback"):
+        rules.check_settings(
             remote, "/shared/w", "postgresql+psycopg://u:p@localhost/mlflow", api, remote=True
         )
-    with pytest.raises(fanout.FanoutError, match="loopback"):
-        fanout.check_settings(remote, "/shared/w", "http://127.0.0.1:5000", api, remote=True)
-    with pytest.raises(fanout.FanoutError, match="set PREFECT_API_URL"):
-        fanout.check_settings(remote, "/shared/w", pg, None, remote=True)
-    with pytest.raises(fanout.FanoutError, match="PREFECT_API_URL.*loopback"):
-        fanout.check_settings(remote, "/shared/w", pg, "http://127.0.0.1:4200/api", remote=True)
-    fanout.check_settings(remote, "/shared/w", pg, api, remote=True)
-    fanout.check_settings(remote, "/shared/w", "https://mlflow.cluster:5000", api, remote=True)
+    with pytest.raises(rules.FanoutError, match="loopback"):
+        rules.check_settings(remote, "/shared/w", "http://127.0.0.1:5000", api, remote=True)
+    with pytest.raises(rules.FanoutError, match="set PREFECT_API_URL"):
+        rules.check_settings(remote, "/shared/w", pg, None, remote=True)
+    with pytest.raises(rules.FanoutError, match="PREFECT_API_URL.*loopback"):
+        rules.check_settings(remote, "/shared/w", pg, "http://127.0.0.1:4200/api", remote=True)
+    rules.check_settings(remote, "/shared/w", pg, api, remote=True)
+    rules.check_settings(remote, "/shared/w", "https://mlflow.cluster:5000", api, remote=True)
     # a local cluster: local paths and the embedded sqlite registry are fine, no Prefect server needed
-    fanout.check_settings("127.0.0.1:6379", "/w", "sqlite:////w/mlflow.db", None, remote=False)
+    rules.check_settings("127.0.0.1:6379", "/w", "sqlite:////w/mlflow.db", None, remote=False)
 
 
 def test_a_dead_ray_address_fails_at_once():
     port = _free_port()  # bound and closed: nothing listens there
     t0 = time.monotonic()
-    with pytest.raises(fanout.FanoutError, match=f"nothing answers at the Ray address 127.0.0.1:{port}"):
-        fanout.check_reachable(f"127.0.0.1:{port}")
+    with pytest.raises(rules.FanoutError, match=f"nothing answers at the Ray address 127.0.0.1:{port}"):
+        rules.check_reachable(f"127.0.0.1:{port}")
     assert time.monotonic() - t0 < 10
-    with pytest.raises(fanout.FanoutError, match="not a Ray address"):
-        fanout.check_reachable("127.0.0.1:notaport")
-    fanout.check_reachable("auto")  # left to Ray
+    with pytest.raises(rules.FanoutError, match="not a Ray address"):
+        rules.check_reachable("127.0.0.1:notaport")
+    rules.check_reachable("auto")  # left to Ray
 
 
 class _RefusingRay:
@@ -99,10 +99,10 @@ class _RefusingRay:
 
 
 def test_a_ray_client_connection_refused_by_the_head_is_retried_and_then_named(monkeypatch, caplog):
-    monkeypatch.setattr(fanout, "CLIENT_RETRY_S", 0.0)
+    monkeypatch.setattr(connection, "CLIENT_RETRY_S", 0.0)
     ray = _RefusingRay(refusals=2)
     with caplog.at_level("INFO"):
-        fanout.connect(ray, "ray://127.0.0.1:10001", {})
+        connection.connect(ray, "ray://127.0.0.1:10001", {})
     assert ray.inits == 3 and ray.shutdowns == 2
     assert (
         "retrying in 0 s (attempt 3 of 3)" in caplog.text
@@ -110,13 +110,13 @@ def test_a_ray_client_connection_refused_by_the_head_is_retried_and_then_named(m
     )
     ray = _RefusingRay(refusals=3)
     with pytest.raises(
-        fanout.FanoutError, match="refused the connection 3 times.*ray_client_server_23000.err"
+        rules.FanoutError, match="refused the connection 3 times.*ray_client_server_23000.err"
     ):
-        fanout.connect(ray, "ray://127.0.0.1:10001", {})
+        connection.connect(ray, "ray://127.0.0.1:10001", {})
     assert ray.inits == 3
     ray = _RefusingRay(refusals=1)  # a GCS address has no per-connection server: no retry
-    with pytest.raises(fanout.FanoutError, match="cannot connect to the Ray cluster at 127.0.0.1:6379"):
-        fanout.connect(ray, "127.0.0.1:6379", {})
+    with pytest.raises(rules.FanoutError, match="cannot connect to the Ray cluster at 127.0.0.1:6379"):
+        connection.connect(ray, "127.0.0.1:6379", {})
     assert ray.inits == 1
 
 
@@ -131,7 +131,7 @@ def test_the_cli_refuses_a_remote_cluster_with_the_sqlite_registry_before_the_fl
     assert cli.main([*args, "--ray", "10.1.2.3:6379"]) == 2
     err = capsys.readouterr().err
     assert "sqlite file" in err and "postgresql+psycopg" in err
-    monkeypatch.setenv(fanout.ADDRESS_ENV, "10.1.2.3:6379")  # the environment's address: the same check
+    monkeypatch.setenv(rules.ADDRESS_ENV, "10.1.2.3:6379")  # the environment's address: the same check
     assert cli.main(args) == 2 and "sqlite file" in capsys.readouterr().err
     assert not (tmp_path / "ablations").exists()  # nothing started
 

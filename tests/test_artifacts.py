@@ -8,14 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from qerl.pipeline.store.artifacts import (
-    ArtifactStore,
-    BuildResult,
-    Manifest,
-    atomic_write_text,
-    code_version,
-    sha256_file,
-)
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.files import atomic_write_text, sha256_file
+from qerl.pipeline.store.manifest import BuildResult, Manifest
 
 
 def _writer(text: str, calls: list[str] | None = None):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from qerl.pipeline.data import catalogue
-from qerl.pipeline.store.artifacts import ArtifactStore
+from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.stages import fetch_model
 
 SMOL = catalogue.CATALOGUE["smollm2-135m-instruct"]

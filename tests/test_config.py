@@ -72,13 +72,13 @@ def test_configs_are_frozen():
         Outer().steps = 3  # type: ignore[misc]
 
 
-# ---- the run config's cross-checks (pipeline/planning/run_config.py) ----------------------------------------
+# ---- the run config's cross-checks (pipeline/planning/run_checks.py) ----------------------------------------
 
 
 def _updates_run_by_the_trainer(cfg) -> int:
     """Optimizer updates of one RL step as the training loop itself groups them."""
     import torch
-    from qerl.pipeline.rl.training import _update_groups
+    from qerl.pipeline.rl.step import _update_groups
 
     samples = cfg.loop.prompts_per_step * cfg.rollout.n_samples
     return len(_update_groups(samples, cfg.train, torch.Generator().manual_seed(0)))
@@ -173,8 +173,8 @@ def test_eval_engine_caps_are_derived_and_configurable(tmp_path):
     the adapter, and ``--set rollout.KEY=...`` overrides them."""
     import json
 
-    from qerl.pipeline.evaluation.metrics import EvalConfig
-    from qerl.pipeline.planning.run_config import eval_rollout_config, vllm_lora_rank
+    from qerl.pipeline.evaluation.eval_config import EvalConfig
+    from qerl.pipeline.planning.engine_setup import eval_rollout_config, vllm_lora_rank
 
     model = tmp_path / "model"
     model.mkdir()

@@ -87,8 +87,10 @@ def model_dir(tiny_model_factory):
     "in_process", [True, pytest.param(False, marks=pytest.mark.slow, id="multiprocess")], ids=str
 )
 def test_engine_start_leaves_the_trainer_thread_state_alone(model_dir, in_process, two_threads):
-    from qerl.pipeline.rollout.engine import RolloutConfig, SamplingSpec, build_engine
-    from qerl.pipeline.store.artifacts import Manifest
+    from qerl.pipeline.rollout.config import RolloutConfig
+    from qerl.pipeline.rollout.factory import build_engine
+    from qerl.pipeline.rollout.protocol import SamplingSpec
+    from qerl.pipeline.store.manifest import Manifest
 
     twin = Manifest(
         stage="dequantize", key="test", config={}, inputs={}, code_version="test", files={}, created_at="",

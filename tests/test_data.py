@@ -12,14 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from qerl.pipeline.config import ConfigError, load_config
-from qerl.pipeline.data.datasets import (
-    DataConfig,
-    arithmetic_problems,
-    dataset_name,
-    load_problems,
-    problems_digest,
-    split_of,
-)
+from qerl.pipeline.data.arithmetic import arithmetic_problems, split_of
+from qerl.pipeline.data.datasets import DataConfig, dataset_name, load_problems, problems_digest
 
 
 def _solve(question: str) -> Fraction:

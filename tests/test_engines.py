@@ -10,8 +10,10 @@ import pytest
 import torch
 from qerl.pipeline.data.prompts import render_prompt
 from qerl.pipeline.rollout.aqn import layer_noise
-from qerl.pipeline.rollout.engine import EngineError, RolloutConfig, SamplingSpec, build_engine
-from qerl.pipeline.store.artifacts import Manifest
+from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.factory import build_engine
+from qerl.pipeline.rollout.protocol import EngineError, SamplingSpec
+from qerl.pipeline.store.manifest import Manifest
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 5 apples and buys 7 more. How many apples?", "12 * 4 = ?"]
 GREEDY = SamplingSpec(temperature=0.0, max_new_tokens=12)

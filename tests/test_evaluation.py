@@ -14,9 +14,10 @@ import pytest
 from qerl.pipeline.config import ConfigError, apply_overrides
 from qerl.pipeline.data.datasets import DataConfig, load_problems
 from qerl.pipeline.data.rewards import RewardConfig
-from qerl.pipeline.evaluation import metrics as ev
-from qerl.pipeline.rollout.engine import Completion, RolloutEngine, SamplingSpec
-from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult
+from qerl.pipeline.evaluation import eval_config, statistics
+from qerl.pipeline.rollout.protocol import Completion, RolloutEngine, SamplingSpec
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.manifest import BuildResult
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -24,11 +25,11 @@ def test_avg_at_k_and_stderr_match_numpy():
     rng = np.random.default_rng(0)
     matrix = rng.random((37, 4)) < rng.random((37, 1))  # items of varying difficulty
     rows = matrix.tolist()
-    assert ev.avg_at_k(rows) == pytest.approx(matrix.mean())
+    assert statistics.avg_at_k(rows) == pytest.approx(matrix.mean())
     rates = matrix.mean(axis=1)
-    assert ev.item_rates(rows) == pytest.approx(rates.tolist())
-    assert ev.stderr(rates.tolist()) == pytest.approx(rates.std(ddof=1) / math.sqrt(len(rates)))
-    s = ev.summarize(rows)
+    assert statistics.item_rates(rows) == pytest.approx(rates.tolist())
+    assert statistics.stderr(rates.tolist()) == pytest.approx(rates.std(ddof=1) / math.sqrt(len(rates)))
+    s = statistics.summarize(rows)
     assert s["n_items"] == 37 and s["k"] == 4 and s["n_samples"] == 148
     assert s["n_correct"] == int(matrix.sum())
     lo, hi = s["ci95"]
@@ -36,8 +37,8 @@ def test_avg_at_k_and_stderr_match_numpy():
     assert hi == pytest.approx(min(1, s["accuracy"] + 1.96 * s["stderr"]))
     # pass@k with k = all samples is "any sample correct"
     assert s["pass@4"] == pytest.approx(matrix.any(axis=1).mean())
-    assert ev.stderr([0.5]) == 0.0
-    assert ev.confidence_interval(0.99, 0.1) == (pytest.approx(0.794), 1.0)
+    assert statistics.stderr([0.5]) == 0.0
+    assert statistics.confidence_interval(0.99, 0.1) == (pytest.approx(0.794), 1.0)
 
 
 def test_pass_at_k_matches_enumeration():
@@ -47,27 +48,27 @@ def test_pass_at_k_matches_enumeration():
                 samples = [1] * c + [0] * (n - c)
                 subsets = list(itertools.combinations(samples, k))
                 brute = sum(any(s) for s in subsets) / len(subsets)
-                assert ev.pass_at_k(n, c, k) == pytest.approx(brute), (n, c, k)
+                assert statistics.pass_at_k(n, c, k) == pytest.approx(brute), (n, c, k)
     with pytest.raises(ValueError, match="pass@k"):
-        ev.pass_at_k(3, 4, 1)
+        statistics.pass_at_k(3, 4, 1)
 
 
 def test_per_item_and_bad_input():
-    items = ev.per_item(["a", "b"], [[True, False], [True, True]])
+    items = statistics.per_item(["a", "b"], [[True, False], [True, True]])
     assert items == [
         {"id": "a", "n_samples": 2, "n_correct": 1, "rate": 0.5},
         {"id": "b", "n_samples": 2, "n_correct": 2, "rate": 1.0},
     ]
     with pytest.raises(ValueError, match="2 ids for 1 items"):
-        ev.per_item(["a", "b"], [[True]])
+        statistics.per_item(["a", "b"], [[True]])
     with pytest.raises(ValueError, match="item 1 has no samples"):
-        ev.avg_at_k([[True], []])
+        statistics.avg_at_k([[True], []])
     with pytest.raises(ValueError, match="no items"):
-        ev.avg_at_k([])
+        statistics.avg_at_k([])
 
 
 def test_eval_config():
-    cfg = ev.EvalConfig()
+    cfg = eval_config.EvalConfig()
     assert (cfg.k, cfg.temperature, cfg.top_p, cfg.benchmark.split) == (4, 0.6, 0.95, "test")
     assert (cfg.n_samples, cfg.sampling_temperature) == (4, 0.6)
     greedy = apply_overrides(cfg, ["greedy=true", "benchmark.dataset=gsm8k"])
@@ -76,7 +77,7 @@ def test_eval_config():
     # a nested override keeps the evaluation defaults of the other benchmark fields
     from qerl.pipeline.config import load_config
 
-    loaded = load_config(ev.EvalConfig, None, ["benchmark.limit=3"])
+    loaded = load_config(eval_config.EvalConfig, None, ["benchmark.limit=3"])
     assert (loaded.benchmark.split, loaded.benchmark.limit, loaded.benchmark.arithmetic_size) == (
         "test",
         3,
@@ -86,14 +87,17 @@ def test_eval_config():
         apply_overrides(cfg, ["benchmark.nope=1"])
     with pytest.raises(ConfigError, match="greedy"):
         apply_overrides(cfg, ["temperature=0"])
-    assert ev.benchmark_id(DataConfig(dataset="/x/y/aime24.jsonl", split="test"), "ab" * 32) == (
+    assert eval_config.benchmark_id(DataConfig(dataset="/x/y/aime24.jsonl", split="test"), "ab" * 32) == (
         "aime24/test@" + "ab" * 6
     )
     # a publisher's file named by split (was "test/test@..."): the folder names the dataset
-    assert ev.benchmark_id(DataConfig(dataset="/d/gsm8k/test.jsonl", split="test"), "cd" * 32) == (
+    assert eval_config.benchmark_id(DataConfig(dataset="/d/gsm8k/test.jsonl", split="test"), "cd" * 32) == (
         "gsm8k/test@" + "cd" * 6
     )
-    assert ev.benchmark_id(DataConfig(dataset="amc23", split="test"), "ef" * 32) == "amc23/test@" + "ef" * 6
+    assert (
+        eval_config.benchmark_id(DataConfig(dataset="amc23", split="test"), "ef" * 32)
+        == "amc23/test@" + "ef" * 6
+    )
 
 
 # ---- the stage with a test double of the engine -------------------------------------------------
@@ -150,7 +154,7 @@ def test_evaluate_stage(base, tmp_path):
     from qerl.stages import evaluate
 
     store, base_manifest, tokenizer = base
-    cfg = apply_overrides(ev.EvalConfig(), ["benchmark.limit=6", "k=3"])
+    cfg = apply_overrides(eval_config.EvalConfig(), ["benchmark.limit=6", "k=3"])
     problems = load_problems(cfg.benchmark)
     engine = FakeEngine({p["question"]: p["answer"] for p in problems}, tokenizer)
     assert isinstance(engine, RolloutEngine)
@@ -210,7 +214,7 @@ def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
     ]
     (tmp_path / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = apply_overrides(
-        ev.EvalConfig(),
+        eval_config.EvalConfig(),
         {"benchmark": {"limit": 3}, "k": 2, "also": [{"dataset": "gsm8k", "root": str(tmp_path)}]},
     )
     problems = load_problems(cfg.benchmark) + load_problems(cfg.also[0])
@@ -229,9 +233,9 @@ def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
     assert len(pq.read_table(manifest.file("also/gsm8k-test/results.parquet"))) == 8
 
     # the run record's entry (issue 11): benchmark id, accuracy +- stderr, items, k and the also benchmarks
-    from qerl.flows import rl
+    from qerl.flows import run_record
 
-    entry = rl._eval_entry(3, None, manifest)
+    entry = run_record.eval_entry(3, None, manifest)
     assert entry["benchmark"] == summary["benchmark"] and entry["benchmark"].startswith("arithmetic/test@")
     assert entry["accuracy"] == summary["accuracy"] and entry["n_items"] == 3 and entry["k"] == 2
     rates = pq.read_table(manifest.file("items.parquet")).column("rate").to_pylist()
@@ -241,14 +245,14 @@ def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
          "stderr": other["stderr"], "n_items": 4}
     ]  # fmt: skip
     json.dumps(entry, allow_nan=False)  # plain JSON in run.json
-    text = rl.eval_text(entry)
+    text = run_record.eval_text(entry)
     assert text.startswith(
         f"accuracy {entry['accuracy']:.3f} ± {entry['stderr']:.3f} ({entry['benchmark']}, 3 items)"
     )
     assert f"; gsm8k_test {other['accuracy']:.3f} ± {other['stderr']:.3f}" in text
-    row = rl._table_row(entry)
+    row = run_record.table_row(entry)
     assert row["gsm8k_test_accuracy"] == other["accuracy"] and "also" not in row and "manifest" not in row
-    markdown = rl._summary_markdown({"run_id": "r", "status": "completed", "evaluations": [entry]})
+    markdown = run_record.summary_markdown({"run_id": "r", "status": "completed", "evaluations": [entry]})
     assert f"{entry['accuracy']:.3f} ± {entry['stderr']:.3f}" in markdown and "gsm8k_test" in markdown
 
 
@@ -256,7 +260,7 @@ def test_evaluate_rejects_short_engine_output(base):
     from qerl.stages import evaluate
 
     store, base_manifest, tokenizer = base
-    cfg = apply_overrides(ev.EvalConfig(), ["benchmark.limit=2", "k=2"])
+    cfg = apply_overrides(eval_config.EvalConfig(), ["benchmark.limit=2", "k=2"])
 
     class Short(FakeEngine):
         def generate(self, prompts, n, sampling, seed):

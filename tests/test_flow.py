@@ -199,7 +199,7 @@ def test_run_config_rejects_bad_keys_and_mismatches(tmp_path):
 
 
 def test_step_prompts_cover_the_dataset_in_turn():
-    from qerl.pipeline.planning.run_plan import step_prompts
+    from qerl.pipeline.planning.prompt_stream import step_prompts
 
     items = list(range(10))
     first_epoch = [x for step in range(5) for x in step_prompts(items, step, 2, seed=0)]
@@ -235,12 +235,3 @@ def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
     assert deployment.parameters["work_dir"] == str(tmp_path)
     assert deployment.parameters["nightly"] is True  # each scheduled run is the night of its date
     assert deployment.entrypoint == "qerl.flows.rl.rl_flow"
-
-
-def test_readme_configuration_reference_is_current():
-    from qerl.pipeline.planning.run_config import readme_with_reference
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert readme_with_reference(readme) == readme, (
-        "run: python -m qerl.pipeline.planning.run_config --readme README.md"
-    )

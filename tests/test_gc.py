@@ -7,14 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from qerl.pipeline.store import retention
-from qerl.pipeline.store.artifacts import (
-    ArtifactError,
-    ArtifactStore,
-    BuildResult,
-    Manifest,
-    atomic_write_json,
-)
+from qerl.pipeline.store import retention, retention_policy
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.files import atomic_write_json
+from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
 
 OPT_BYTES, ADAPTER_BYTES = 3000, 1000
 
@@ -147,22 +143,22 @@ def test_a_run_shared_with_a_live_one_is_protected_and_overrides_apply(tmp_path)
     (done[1].dir / "manifest.json").write_text("{torn")  # unreadable: left for the lookup to discard
     gc_plan = retention.plan(tmp_path, overrides={"keep_optimizer_last": 1})
     assert [d.key for d in gc_plan.deletions] == [done[2].key] and "unreadable manifest" in gc_plan.notes[-1]
-    with pytest.raises(retention.RetentionError, match="keep_optimizer_last"):
+    with pytest.raises(retention_policy.RetentionError, match="keep_optimizer_last"):
         retention.plan(tmp_path, overrides={"keep_optimizer_last": 0})
     (tmp_path / "runs" / "broken").mkdir()
     (tmp_path / "runs" / "broken" / "run.json").write_text("{not json")
-    with pytest.raises(retention.RetentionError, match="broken/run.json"):
+    with pytest.raises(retention_policy.RetentionError, match="broken/run.json"):
         retention.plan(tmp_path)
 
 
 def test_prune_run_is_what_the_flow_calls_after_a_step(tmp_path, caplog):
     mine = fake_run(tmp_path, "mine", 4, status="running")  # live, but it is the caller
     other = fake_run(tmp_path, "other", 3)
-    freed = retention.prune_run(tmp_path, "mine", retention.RetentionConfig(keep_optimizer_last=1))
+    freed = retention.prune_run(tmp_path, "mine", retention_policy.RetentionConfig(keep_optimizer_last=1))
     assert freed == 3 * OPT_BYTES
     assert [bool(pruned_names(m)) for m in mine] == [True, True, True, False]
     assert all(pruned_names(m) == set() for m in other)  # other runs are only protected, never pruned
-    with pytest.raises(retention.RetentionError, match="no run record for 'nope'"):
+    with pytest.raises(retention_policy.RetentionError, match="no run record for 'nope'"):
         retention.plan(tmp_path, only_run="nope")
     (tmp_path / "runs" / "broken").mkdir()
     (tmp_path / "runs" / "broken" / "run.json").write_text("{not json")
@@ -175,14 +171,14 @@ def test_gc_keeps_what_an_ablation_compares_and_leaves_its_files_alone(tmp_path,
     """``<work>/ablations/<id>/``: the runs it lists are ordinary runs (old optimizer states go), their
     final evaluated adapters stay whatever the policy, and gc neither deletes the ablation's files nor
     stops on an unreadable ablation record (its runs' own records are read regardless)."""
-    from qerl.pipeline.evaluation.ablation import ABLATION_DIR
+    from qerl.pipeline.store.layout import ABLATION_DIR
 
     config = {"loop": {"steps": 4}, "store": {"keep_adapters_every": 3}}
     arm = fake_run(tmp_path, "abl-arm-s0", 4, config=config)
     record = json.loads((tmp_path / "runs" / "abl-arm-s0" / "run.json").read_text())
     record["evaluations"] = [{"step": 4, "adapter": arm[3].key, "accuracy": 0.5, "manifest": "x"}]
     atomic_write_json(tmp_path / "runs" / "abl-arm-s0" / "run.json", record)
-    assert retention.ablation_adapters(record) == {arm[3].key}
+    assert retention_policy.ablation_adapters(record) == {arm[3].key}
     out = tmp_path / ABLATION_DIR / "abl-1234"
     runs = [
         {"arm": "a", "replicate": 0, "run_id": "abl-arm-s0"},
@@ -243,10 +239,10 @@ def test_crash_between_manifest_and_delete_is_harmless(tmp_path, monkeypatch):
             raise KeyboardInterrupt("power cut")
         return real_replace(src, dst)
 
-    monkeypatch.setattr("qerl.pipeline.store.artifacts.os.replace", crash)
+    monkeypatch.setattr("qerl.pipeline.store.artifact_store.os.replace", crash)
     with pytest.raises(KeyboardInterrupt):
         store.prune("train", steps[0].key, ["optimizer.safetensors"], "test")
-    monkeypatch.setattr("qerl.pipeline.store.artifacts.os.replace", real_replace)
+    monkeypatch.setattr("qerl.pipeline.store.artifact_store.os.replace", real_replace)
     hit = store.get("train", steps[0].key, verify="full")  # marked pruned, file still there: fine
     assert hit is not None and "optimizer.safetensors" in hit.pruned
     gc_plan = retention.plan(tmp_path, now=_dt.datetime.now(_dt.UTC) + _dt.timedelta(hours=1))  # next gc
@@ -294,8 +290,9 @@ def test_real_train_steps_resume_after_gc(tiny_model_dir, tmp_path):
     """The real train stage: gc a run that died after 3 steps, re-walk it (all cache hits), continue
     from its kept checkpoint to the same adapter as an uninterrupted run; a branch from a pruned step
     fails naming the missing optimizer state."""
-    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
-    from qerl.pipeline.rl.training import TrainConfig, init_state
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.train_config import TrainConfig
     from qerl.stages import quantize, train
 
     from tests.test_train import PROMPTS, TINY, _scored_manifest, sample_batch
@@ -310,7 +307,16 @@ def test_real_train_steps_resume_after_gc(tiny_model_dir, tmp_path):
     def walk(store: ArtifactStore, base: Manifest, scored: list[Manifest], n: int) -> list[Manifest]:
         chain: list[Manifest] = []
         for s in range(n):
-            chain.append(train.run(cfg, base, scored[s], chain[-1] if chain else None, s, store))
+            chain.append(
+                train.run(
+                    cfg=cfg,
+                    base=base,
+                    scored=scored[s],
+                    prev=chain[-1] if chain else None,
+                    step=s,
+                    store=store,
+                )
+            )
         return chain
 
     cfg = TrainConfig(**TINY, lr=1e-2)
@@ -329,10 +335,12 @@ def test_real_train_steps_resume_after_gc(tiny_model_dir, tmp_path):
     n_builds = len(store.builds())
     again = walk(store, base, scored, 3)  # the resume re-walks the finished steps: all hits
     assert [m.key for m in again] == [m.key for m in chain] and len(store.builds()) == n_builds
-    last = train.run(cfg, base, scored[3], again[-1], 3, store)
+    last = train.run(cfg=cfg, base=base, scored=scored[3], prev=again[-1], step=3, store=store)
     assert last.file("adapter/adapter_model.safetensors").read_bytes() == reference.read_bytes()
     with pytest.raises(ArtifactError, match="no longer holds 'optimizer.safetensors'"):
-        train.run(cfg, base, scored[3], again[0], 1, store)  # needs step 0's pruned optimizer state
+        train.run(
+            cfg=cfg, base=base, scored=scored[3], prev=again[0], step=1, store=store
+        )  # needs step 0's pruned optimizer state
 
 
 @pytest.mark.slow

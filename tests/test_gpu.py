@@ -69,8 +69,13 @@ def _kit_modules() -> list[str]:
 def test_kit_imports_no_prefect_mlflow_or_vllm():
     modules = _kit_modules()
     assert {
-        "qerl.pipeline.rl.training",
+        "qerl.pipeline.rl.policy",
+        "qerl.pipeline.rl.step",
+        "qerl.pipeline.rl.checkpoint",
         "qerl.pipeline.nvfp4.linear",
+        "qerl.pipeline.nvfp4.loading",
+        "qerl.kernels.nvfp4_dispatch",
+        "qerl.kernels.nvfp4_reference",
         "qerl.kernels.nvfp4_triton",
         "qerl.pipeline.rollout.hf_engine",
     } <= set(modules)
@@ -173,8 +178,8 @@ def test_gpu_check_dry_run(tmp_path):
 
 @pytest.mark.gpu
 def test_triton_kernels_bit_exact_on_cuda(cuda):
-    from qerl.kernels import nvfp4
-    from qerl.kernels.nvfp4 import FP4_VALUES, dequantize_nvfp4, pack_codes, quantize_nvfp4
+    from qerl.kernels import nvfp4_dispatch
+    from qerl.kernels.nvfp4_reference import FP4_VALUES, dequantize_nvfp4, pack_codes, quantize_nvfp4
     from qerl.kernels.nvfp4_triton import (
         dequantize_nvfp4_triton,
         quantize_nvfp4_triton,
@@ -182,7 +187,10 @@ def test_triton_kernels_bit_exact_on_cuda(cuda):
     )
     from test_nvfp4_kernels import _adversarial, _adversarial_packed
 
-    assert nvfp4.quantize_backend(cuda) == "triton" and nvfp4.dequantize_backend(cuda) == "triton"
+    assert (
+        nvfp4_dispatch.quantize_backend(cuda) == "triton"
+        and nvfp4_dispatch.dequantize_backend(cuda) == "triton"
+    )
     # truth table: every code decodes to its value, sign of zero included
     packed = pack_codes(torch.arange(16, dtype=torch.uint8).reshape(1, 16))
     one = torch.ones(1, 1).to(torch.float8_e4m3fn)
@@ -208,7 +216,7 @@ def test_triton_kernels_bit_exact_on_cuda(cuda):
     for w in weights:
         ref = quantize_nvfp4(w)
         assert all(_same(a, b) for a, b in zip(ref, quantize_nvfp4_triton(w.to(cuda)), strict=True))
-        assert all(_same(a, b) for a, b in zip(ref, nvfp4.quantize(w.to(cuda)), strict=True))
+        assert all(_same(a, b) for a, b in zip(ref, nvfp4_dispatch.quantize(w.to(cuda)), strict=True))
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         for packed, scale, gs in _adversarial_packed(0) + _adversarial_packed(1):
             ref = dequantize_nvfp4(packed, scale, gs, dtype)
@@ -221,8 +229,8 @@ def cuda_checkpoints(request, tmp_path_factory):
     if not CUDA:  # before the tiny model is built: nothing to do on a CPU
         pytest.skip("needs a CUDA GPU: run `bash scripts/gpu_check.sh` on one")
     tiny_model_dir = request.getfixturevalue("tiny_model_dir")
-    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
-    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages.quantize import run as quantize
     from qerl.stages.quantize import run_twin
 
@@ -233,7 +241,7 @@ def cuda_checkpoints(request, tmp_path_factory):
 
 @pytest.mark.gpu
 def test_quantize_stage_on_cuda_matches_the_reference(cuda, cuda_checkpoints):
-    from qerl.kernels.nvfp4 import global_scale, quantize_nvfp4
+    from qerl.kernels.nvfp4_reference import global_scale, quantize_nvfp4
     from safetensors.torch import load_file
 
     manifest, _ = cuda_checkpoints
@@ -262,7 +270,7 @@ def test_quantize_stage_on_cuda_matches_the_reference(cuda, cuda_checkpoints):
 
 
 def _lora_grads(model, mb) -> dict[str, torch.Tensor]:
-    from qerl.pipeline.rl.training import completion_logprobs
+    from qerl.pipeline.rl.logprobs import completion_logprobs
 
     model.zero_grad(set_to_none=True)
     logp, _ = completion_logprobs(model, mb, 1.0)
@@ -281,12 +289,10 @@ def test_nvfp4_linear_and_lora_grads_on_cuda_equal_dense_bf16(
     """Our packed model on CUDA vs an HF model holding dequant(W) in bf16: same logits, same LoRA grads."""
     import shutil
 
-    from qerl.pipeline.nvfp4.linear import (
-        NVFP4Linear,
-        load_dequantized_reference,
-        load_quantized_for_training,
-    )
-    from qerl.pipeline.rl.training import TrainConfig, init_state
+    from qerl.pipeline.nvfp4.linear import NVFP4Linear
+    from qerl.pipeline.nvfp4.loading import load_dequantized_reference, load_quantized_for_training
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.train_config import TrainConfig
     from test_qlinear import _minibatch
 
     ckpt = cuda_checkpoints[0].dir
@@ -322,14 +328,11 @@ def test_nvfp4_linear_and_lora_grads_on_cuda_equal_dense_bf16(
 
 @pytest.mark.gpu
 def test_grpo_step_on_cuda_and_its_checkpoint_reloads_bit_exactly(cuda, cuda_checkpoints, tmp_path):
-    from qerl.pipeline.rl.training import (
-        RolloutBatch,
-        TrainConfig,
-        init_state,
-        load_checkpoint,
-        save_checkpoint,
-        train_step,
-    )
+    from qerl.pipeline.rl.batch import RolloutBatch
+    from qerl.pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.step import train_step
+    from qerl.pipeline.rl.train_config import TrainConfig
 
     ckpt = cuda_checkpoints[0].dir
     cfg = TrainConfig(lora_r=4, lora_alpha=8, seed=3, gradient_checkpointing=True, lr=1e-3)
@@ -368,8 +371,10 @@ def test_grpo_step_on_cuda_and_its_checkpoint_reloads_bit_exactly(cuda, cuda_che
 def test_hf_engine_generates_on_cuda_from_the_twin(cuda, cuda_checkpoints):
     """The transformers engine puts the twin on the GPU and records the logprobs of what it sampled:
     checked against a float32 CPU forward of the same weights (bf16 on the GPU: 0.05 nats)."""
-    from qerl.pipeline.rollout.engine import RolloutConfig, SamplingSpec, build_engine
+    from qerl.pipeline.rollout.config import RolloutConfig
+    from qerl.pipeline.rollout.factory import build_engine
     from qerl.pipeline.rollout.hf_engine import HFEngine
+    from qerl.pipeline.rollout.protocol import SamplingSpec
     from transformers import AutoModelForCausalLM
 
     twin = cuda_checkpoints[1]
@@ -414,7 +419,7 @@ def _bench_module():
 def test_bench_report_records_oom_and_merges_runs(tmp_path):
     """An arm that ran out of memory is a result row, and --merge keeps the other models' arms."""
     bench = _bench_module()
-    from qerl.pipeline.planning.memory import KNOWN_SHAPES
+    from qerl.pipeline.planning.model_shape import KNOWN_SHAPES
 
     shape = KNOWN_SHAPES["qwen2.5-32b"].__dict__
     arms = [

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from qerl.pipeline.store.artifacts import ArtifactError, ArtifactStore, BuildResult
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.manifest import ArtifactError, BuildResult
 
 
 def _produce(store: ArtifactStore, payload: bytes, heal: bool = False):

@@ -13,8 +13,17 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from qerl.pipeline.planning import run_plan as runplan
-from qerl.pipeline.store.artifacts import Manifest
+from qerl.pipeline.planning.errors import RunPlanError
+from qerl.pipeline.planning.prompt_stream import (
+    DataCursor,
+    data_slice,
+    parse_night,
+    slots_per_epoch,
+    step_prompts,
+)
+from qerl.pipeline.planning.warm_start import warm_start_adapter
+from qerl.pipeline.store.layout import WARM_START_STAGE
+from qerl.pipeline.store.manifest import Manifest
 
 LONG_ID = "math500-13"
 
@@ -100,7 +109,7 @@ def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_mod
         assert _manifest(work, "train", first["train"])["inputs"]["init_adapter"] == warm["digest"]
     # the champion's weights really are the next night's starting point
     warm_dirs = {
-        Manifest.load(d).digest: d for d in (work / "store" / "objects" / runplan.WARM_START_STAGE).glob("*")
+        Manifest.load(d).digest: d for d in (work / "store" / "objects" / WARM_START_STAGE).glob("*")
     }
     for champion, record in zip(records[:2], records[1:], strict=True):
         fetched = warm_dirs[record["plan"]["warm_start"]["digest"]] / "adapter" / "adapter_model.safetensors"
@@ -120,19 +129,19 @@ def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_mod
 
 def test_data_slices_wrap_into_a_new_shuffled_epoch():
     problems = [{"id": str(i)} for i in range(7)]
-    per_epoch = runplan.slots_per_epoch(len(problems), 2)  # 3 whole slots, one problem sits out
+    per_epoch = slots_per_epoch(len(problems), 2)  # 3 whole slots, one problem sits out
     assert per_epoch == 3
-    epoch0 = [p["id"] for s in range(3) for p in runplan.step_prompts(problems, s, 2, seed=0)]
-    epoch1 = [p["id"] for s in range(3, 6) for p in runplan.step_prompts(problems, s, 2, seed=0)]
+    epoch0 = [p["id"] for s in range(3) for p in step_prompts(problems, s, 2, seed=0)]
+    epoch1 = [p["id"] for s in range(3, 6) for p in step_prompts(problems, s, 2, seed=0)]
     assert (
         len(set(epoch0)) == 6 and len(set(epoch1)) == 6 and epoch0 != epoch1
     )  # reshuffled, no repeats within
-    assert runplan.data_slice(2, 3, len(problems), 2)["epochs"] == [0, 1]
-    assert runplan.data_slice(0, 3, len(problems), 2)["epochs"] == [0]
+    assert data_slice(2, 3, len(problems), 2)["epochs"] == [0, 1]
+    assert data_slice(0, 3, len(problems), 2)["epochs"] == [0]
 
 
 def test_cursor_advances_only_forward_and_atomically(tmp_path):
-    cursor = runplan.DataCursor(tmp_path, "nightly")
+    cursor = DataCursor(tmp_path, "nightly")
     assert cursor.position("s") == 0
     assert cursor.advance("s", 4, "night-1") == 4
     assert cursor.advance("s", 2, "night-0-resumed") == 4  # re-completing an older night never rewinds
@@ -143,12 +152,12 @@ def test_cursor_advances_only_forward_and_atomically(tmp_path):
 def test_night_parsing_and_the_scheduled_date(monkeypatch):
     import qerl.flows.rl as rl
 
-    assert runplan.parse_night("2026-03-04") == dt.date(2026, 3, 4)
-    assert runplan.parse_night(
+    assert parse_night("2026-03-04") == dt.date(2026, 3, 4)
+    assert parse_night(
         dt.datetime(2026, 3, 4, 23, 30, tzinfo=dt.timezone(dt.timedelta(hours=-5)))
     ) == dt.date(2026, 3, 5)
-    with pytest.raises(runplan.RunPlanError, match="not a date"):
-        runplan.parse_night("tomorrow-ish")
+    with pytest.raises(RunPlanError, match="not a date"):
+        parse_night("tomorrow-ish")
 
     class FakeFlowRun:
         scheduled_start_time = dt.datetime(2026, 5, 6, 2, 0, tzinfo=dt.UTC)
@@ -161,18 +170,17 @@ def test_night_parsing_and_the_scheduled_date(monkeypatch):
 
 def test_warm_start_refuses_a_champion_of_another_base_or_lora_shape(tmp_path):
     from qerl.pipeline.planning.run_config import RunConfig
+    from qerl.pipeline.registry import promotion
     from qerl.pipeline.registry import tracking as registry
-    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.pipeline.store.artifact_store import ArtifactStore
 
     cfg = RunConfig.model_validate(
         {"registry": {"model_name": "warm-probe"}, "train": {"lora_r": 16, "lora_alpha": 32}}
     )
     work = tmp_path / "work"
     store = ArtifactStore(work / "store")
-    uri, artifacts = registry.resolve_uris(cfg.registry, work)
-    reg = cfg.registry.model_copy(update={"tracking_uri": uri, "artifact_location": artifacts})
-    registry.open_tracking(reg, work)
-    assert runplan.warm_start_adapter(cfg, work, store, "base-A") is None  # no champion yet: the base
+    reg = registry.connect(cfg.registry, work)
+    assert warm_start_adapter(cfg, work, store, "base-A") is None  # no champion yet: the base
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -182,17 +190,17 @@ def test_warm_start_refuses_a_champion_of_another_base_or_lora_shape(tmp_path):
     lineage = {"base_digest": "base-A", "quant_recipe": "q", "dataset_digest": "d", "code_version": "c",
                "flow_run_id": "f", "adapter_digest": "adapter-1"}  # fmt: skip
     run_id = registry.start_run(reg, run_name="probe")
-    version, _ = registry.register_adapter(
+    version, _ = promotion.register_adapter(
         reg, run_id, adapter, None, {"benchmark": "b", "accuracy": 0.5}, lineage
     )
-    assert registry.maybe_promote(reg, version, "b", 0.5, complete=True)
+    assert promotion.maybe_promote(reg, version, "b", 0.5, complete=True)
 
-    with pytest.raises(runplan.RunPlanError, match="trained on base base-A, this run's base is base-B"):
-        runplan.warm_start_adapter(cfg, work, store, "base-B")
-    with pytest.raises(runplan.RunPlanError, match=r"cannot warm-start this run .*'r': 8"):
-        runplan.warm_start_adapter(cfg, work, store, "base-A")  # r=8 adapter, r=16 run
+    with pytest.raises(RunPlanError, match="trained on base base-A, this run's base is base-B"):
+        warm_start_adapter(cfg, work, store, "base-B")
+    with pytest.raises(RunPlanError, match=r"cannot warm-start this run .*'r': 8"):
+        warm_start_adapter(cfg, work, store, "base-A")  # r=8 adapter, r=16 run
     ok = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lora_r": 8, "lora_alpha": 16})})
-    warm = runplan.warm_start_adapter(ok, work, store, "base-A")
+    warm = warm_start_adapter(ok, work, store, "base-A")
     assert (
         warm is not None and (warm.dir / "adapter" / "adapter_model.safetensors").read_bytes() == b"weights"
     )
@@ -201,7 +209,9 @@ def test_warm_start_refuses_a_champion_of_another_base_or_lora_shape(tmp_path):
 
 def test_init_state_from_an_adapter_takes_its_weights_and_a_fresh_optimizer(tiny_model_dir, tmp_path):
     import torch
-    from qerl.pipeline.rl.training import TrainConfig, init_state, save_checkpoint
+    from qerl.pipeline.rl.checkpoint import save_checkpoint
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.train_config import TrainConfig
 
     cfg = TrainConfig(lora_r=8, lora_alpha=16, dtype="float32")
     donor = init_state(tiny_model_dir, cfg)

@@ -4,7 +4,7 @@ The library path is what llm-compressor runs: ``generate_gparam`` for the global
 ``calculate_qparams`` for the FP8 block scales from per-group min/max, then
 ``NVFP4PackedCompressor.compress`` (quantize + ``pack_fp4_to_uint8``); and ``decompress`` back.
 The library is fed float32 weights: its scale arithmetic runs in the weight's dtype, ours always in
-float32 (see kernels/nvfp4.py), so a bf16 weight is compared after an exact upcast.
+float32 (see kernels/nvfp4_reference.py), so a bf16 weight is compared after an exact upcast.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import torch
 from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
-from qerl.kernels.nvfp4 import dequantize_nvfp4, global_scale, quantize, quantize_nvfp4
-from qerl.pipeline.nvfp4.checkpoint import quantization_config
+from qerl.kernels.nvfp4_dispatch import quantize
+from qerl.kernels.nvfp4_reference import dequantize_nvfp4, global_scale, quantize_nvfp4
+from qerl.pipeline.nvfp4.recipe import quantization_config
 
 SCHEME = preset_name_to_scheme("NVFP4A16", ["Linear"])
 
@@ -111,7 +112,7 @@ def test_quantization_config_is_the_libraries_nvfp4a16():
 
 
 def test_in_features_not_multiple_of_16_is_rejected_like_the_library():
-    from qerl.kernels.nvfp4 import NVFP4Error
+    from qerl.kernels.nvfp4_reference import NVFP4Error
 
     with pytest.raises(NVFP4Error, match="multiple of 16"):
         quantize_nvfp4(torch.randn(4, 40), name="odd")

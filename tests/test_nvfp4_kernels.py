@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qerl.kernels import nvfp4
-from qerl.kernels.nvfp4 import (
+from qerl.kernels import nvfp4_dispatch
+from qerl.kernels.nvfp4_reference import (
     FP4_VALUES,
     NVFP4Error,
     dequantize_nvfp4,
@@ -157,7 +157,7 @@ def test_numba_backend_bit_exact(seed):
         pytest.skip("numba not installed")
     for w in _adversarial(seed):
         ref = quantize_nvfp4(w)
-        fast = nvfp4._quantize_numba(w, None, "w", chunk_elements=1000)  # several row chunks
+        fast = nvfp4_dispatch._quantize_numba(w, None, "w", chunk_elements=1000)  # several row chunks
         assert all(_same(a, b) for a, b in zip(ref, fast, strict=True))
 
 
@@ -169,9 +169,9 @@ def test_reference_chunking_does_not_change_bits():
 
 
 def test_dispatcher_uses_numba_on_cpu():
-    assert nvfp4.quantize_backend("cpu") in {"numba", "torch"}
+    assert nvfp4_dispatch.quantize_backend("cpu") in {"numba", "torch"}
     w = torch.randn(16, 64)
-    assert all(_same(a, b) for a, b in zip(nvfp4.quantize(w), quantize_nvfp4(w), strict=True))
+    assert all(_same(a, b) for a, b in zip(nvfp4_dispatch.quantize(w), quantize_nvfp4(w), strict=True))
 
 
 # --- Triton (interpreter on CPU) ---------------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_non_finite_weight_with_shared_global_scale_still_fails():
     w = torch.randn(8, 64)
     w[6, 40] = float("nan")
     with pytest.raises(NVFP4Error, match=r"'gate_proj'.*row 6, column 40"):
-        nvfp4.quantize(w, torch.tensor([100.0]), name="gate_proj")
+        nvfp4_dispatch.quantize(w, torch.tensor([100.0]), name="gate_proj")
 
 
 # --- numba dequantizer (the CPU training hot path) ----------------------------------------------------
@@ -249,15 +249,15 @@ def test_numba_dequantize_bit_exact(seed, dtype):
 
     if not nvfp4_numba.available():
         pytest.skip("numba not installed")
-    assert nvfp4.dequantize_backend("cpu") == "numba"
+    assert nvfp4_dispatch.dequantize_backend("cpu") == "numba"
     for packed, scale, gs in _adversarial_packed(seed):
         ref = dequantize_nvfp4(packed, scale, gs, dtype)
-        assert _same(nvfp4.dequantize(packed, scale, gs, dtype), ref)
+        assert _same(nvfp4_dispatch.dequantize(packed, scale, gs, dtype), ref)
         # into a caller's buffer, and from a column slice (the chunked backward of NVFP4Linear)
         buf = torch.empty_like(ref)
-        assert _same(nvfp4.dequantize(packed, scale, gs, dtype, out=buf), ref) and _same(buf, ref)
+        assert _same(nvfp4_dispatch.dequantize(packed, scale, gs, dtype, out=buf), ref) and _same(buf, ref)
         cols = slice(16, 48) if ref.shape[1] >= 48 else slice(0, 16)
-        part = nvfp4.dequantize(
+        part = nvfp4_dispatch.dequantize(
             packed[:, cols.start // 2 : cols.stop // 2],
             scale[:, cols.start // 16 : cols.stop // 16],
             gs,
@@ -273,7 +273,7 @@ def test_numba_dequantize_signed_zero_and_saturation():
         pytest.skip("numba not installed")
     packed = torch.tensor([[0x08] * 8, [0x77] * 8], dtype=torch.uint8)
     scale = torch.tensor([[1.0], [448.0]]).to(torch.float8_e4m3fn)
-    out = nvfp4.dequantize(packed, scale, torch.tensor([1e-36]), torch.bfloat16)
+    out = nvfp4_dispatch.dequantize(packed, scale, torch.tensor([1e-36]), torch.bfloat16)
     assert torch.signbit(out[0, 0]) and out[0, 0].item() == 0.0 and out[0, 1].item() == 0.0
     assert not torch.signbit(out[0, 1])
     assert torch.isinf(out[1]).all()  # 6 * 448 / 1e-36 overflows bf16 exactly as the reference does
@@ -290,7 +290,10 @@ def test_numba_dequantize_nan_scale_gives_nan():
     packed = torch.arange(32, dtype=torch.uint8).reshape(2, 16)
     scale = torch.tensor([[0x7F, 0x38], [0xFF, 0x40]], dtype=torch.uint8).view(torch.float8_e4m3fn)
     for dtype in (torch.bfloat16, torch.float32):
-        ours, ref = nvfp4.dequantize(packed, scale, 2.0, dtype), dequantize_nvfp4(packed, scale, 2.0, dtype)
+        ours, ref = (
+            nvfp4_dispatch.dequantize(packed, scale, 2.0, dtype),
+            dequantize_nvfp4(packed, scale, 2.0, dtype),
+        )
         assert torch.equal(ours.isnan(), ref.isnan()) and ours[:, :16].isnan().all()
         assert _same(ours[:, 16:].contiguous(), ref[:, 16:].contiguous())
 
@@ -298,27 +301,27 @@ def test_numba_dequantize_nan_scale_gives_nan():
 def test_dequantize_backend_is_logged(caplog):
     import logging
 
-    nvfp4._logged_backends.clear()
+    nvfp4_dispatch._logged_backends.clear()
     packed, scale, gs = quantize_nvfp4(torch.randn(4, 32))
     with caplog.at_level(logging.INFO, logger="qerl.kernels.nvfp4"):
-        nvfp4.dequantize(packed, scale, gs)
-    assert f"dequantize: {nvfp4.dequantize_backend('cpu')} backend" in caplog.text
+        nvfp4_dispatch.dequantize(packed, scale, gs)
+    assert f"dequantize: {nvfp4_dispatch.dequantize_backend('cpu')} backend" in caplog.text
 
 
 def test_dequantize_rejects_bad_out_buffer():
     packed, scale, gs = quantize_nvfp4(torch.randn(4, 32))
     with pytest.raises(NVFP4Error, match="out must be"):
-        nvfp4.dequantize(packed, scale, gs, torch.bfloat16, out=torch.empty(4, 32))
+        nvfp4_dispatch.dequantize(packed, scale, gs, torch.bfloat16, out=torch.empty(4, 32))
 
 
 _THREADS_CHILD = """
 import logging, sys, threading
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
 import numba, torch
-from qerl.kernels import nvfp4, nvfp4_numba
+from qerl.kernels import nvfp4_numba, nvfp4_reference
 w = torch.randn(256, 512) * 3
-packed, scale, gs = nvfp4.quantize_nvfp4(w)
-want = nvfp4.dequantize_nvfp4(packed, scale, gs, dtype=torch.bfloat16)
+packed, scale, gs = nvfp4_reference.quantize_nvfp4(w)
+want = nvfp4_reference.dequantize_nvfp4(packed, scale, gs, dtype=torch.bfloat16)
 bad = []
 def decode():
     out = torch.empty(256, 512, dtype=torch.bfloat16)
@@ -335,8 +338,8 @@ print("layer", numba.threading_layer(), "bad", len(bad))
 
 @pytest.mark.parametrize("user_layer", [None, "omp"])
 def test_numba_decodes_park_their_threads_unless_the_user_chose_a_layer(user_layer):
-    """Numba's OpenMP layer spins beside torch's (qerl.kernels.nvfp4_numba docstring: a 3.4x slower NVFP4
-    train step); the module picks ``workqueue``, which aborts the process when two threads launch at
+    """Numba's OpenMP layer spins beside torch's (qerl.kernels.nvfp4_numba docstring: a several times slower
+    NVFP4 train step); the module picks ``workqueue``, which aborts the process when two threads launch at
     once, so launches are serialised: three threads decoding together get the reference's bits. A
     user's NUMBA_THREADING_LAYER is kept, with a warning. A fresh process: the layer is fixed at a
     process's first parallel launch."""

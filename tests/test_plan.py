@@ -1,4 +1,4 @@
-"""``qerl plan`` (pipeline/planning/memory.py) against hand-derived numbers, real tensors and measured peaks;
+"""``qerl plan`` (pipeline/planning/memory_plan.py, memory.py, model_shape.py) against hand-derived numbers, real tensors and measured peaks;
 ``rollout.tensor_parallel_size`` validation and its pass-through to vLLM."""
 
 from __future__ import annotations
@@ -12,14 +12,9 @@ from pathlib import Path
 import pytest
 from qerl.pipeline.config import ConfigError
 from qerl.pipeline.planning import memory as plan
-from qerl.pipeline.planning.memory import (
-    KNOWN_SHAPES,
-    ModelShape,
-    parse_memory,
-    plan_memory,
-    resolve_model,
-    trainer_peak,
-)
+from qerl.pipeline.planning.memory import trainer_peak
+from qerl.pipeline.planning.memory_plan import parse_memory, plan_memory
+from qerl.pipeline.planning.model_shape import KNOWN_SHAPES, PROJECTIONS, ModelShape, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelShape("small", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256)
@@ -36,7 +31,7 @@ def test_small_config_by_hand():
     assert sizes["norms_biases"] == (2 * (2 * 64 + 64 + 2 * 32) + 64) * 2  # 2 norms + qkv bias, final norm
     assert plan.base_bytes(SMALL, "bf16")["linears"] == 2 * n * 2
     # LoRA r=4: r * (in + out) summed over the seven projections, two layers
-    assert plan.lora_params(SMALL, 4, plan.PROJECTIONS) == 2 * 4 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
+    assert plan.lora_params(SMALL, 4, PROJECTIONS) == 2 * 4 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
     peak = trainer_peak(SMALL, base="nvfp4", batch=2, seq_len=10, completion_len=4, rank=4, device="cpu")
     assert peak["weights"] == sum(sizes.values())
     assert peak["lora_adamw"] == 8192 * (16 + 2)  # fp32 weight, grad, two moments + bf16 autocast copy
@@ -51,7 +46,7 @@ def test_small_config_by_hand():
         SMALL, base="bf16", batch=2, seq_len=10, completion_len=4, rank=4, checkpointing=False, device="cpu"
     )
     assert no_ckpt["layer_activations"] == 2 * saved and no_ckpt["peak_working_set"] == max(grads, head)
-    assert plan._kv_bytes_per_token(SMALL, 1) == 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, dim, bf16
+    assert plan.kv_bytes_per_token(SMALL, 1) == 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, dim, bf16
 
 
 def test_trainer_peak_follows_the_trainer_per_device_slabs():
@@ -88,9 +83,10 @@ def test_model_sizes_match_the_paper(name, base, paper_gb):
 
 def test_sizes_match_a_real_checkpoint_and_peft(tiny_model_dir, tmp_path):
     """The NVFP4 byte count equals the quantize stage's tensors; the LoRA count equals peft's."""
-    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
-    from qerl.pipeline.rl.training import TrainConfig, init_state
-    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.train_config import TrainConfig
+    from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages.quantize import run as quantize
     from safetensors import safe_open
 
@@ -249,8 +245,8 @@ def test_bad_inputs_name_the_problem(tmp_path):
 
 
 def test_tensor_parallel_rules():
-    from qerl.pipeline.planning.run_config import check_parallelism
-    from qerl.pipeline.rollout.engine import RolloutConfig
+    from qerl.pipeline.planning.run_checks import check_parallelism
+    from qerl.pipeline.rollout.config import RolloutConfig
 
     qwen7b = {"num_attention_heads": 28, "num_key_value_heads": 4}
     for tp in (1, 2, 4, 28):
@@ -284,7 +280,7 @@ def test_tensor_parallel_checked_at_config_load(tiny_model_dir, monkeypatch):
 
 def test_tensor_parallel_size_reaches_vllm(tiny_model_dir, monkeypatch):
     """The engine hands the setting to ``vllm.LLM`` (a stand-in module records the kwargs)."""
-    from qerl.pipeline.rollout.engine import RolloutConfig
+    from qerl.pipeline.rollout.config import RolloutConfig
     from qerl.pipeline.rollout.vllm_engine import VLLMEngine
 
     seen = {}

@@ -6,17 +6,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from qerl.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from qerl.pipeline.nvfp4.linear import NVFP4Linear, load_dequantized_reference, load_quantized_for_training
-from qerl.pipeline.rl.training import TrainConfig, completion_logprobs, init_state, save_checkpoint
+from qerl.kernels.nvfp4_reference import dequantize_nvfp4, quantize_nvfp4
+from qerl.pipeline.nvfp4.linear import NVFP4Linear
+from qerl.pipeline.nvfp4.loading import load_dequantized_reference, load_quantized_for_training
+from qerl.pipeline.rl.checkpoint import save_checkpoint
+from qerl.pipeline.rl.logprobs import completion_logprobs
+from qerl.pipeline.rl.policy import init_state
+from qerl.pipeline.rl.train_config import TrainConfig
 from torch import nn
 
 
 @pytest.fixture(scope="module")
 def quantized(tiny_model_dir, tmp_path_factory):
     """(quantize manifest, dequantized-twin manifest) of the tiny model, from the real quantize stage."""
-    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
-    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages.quantize import run as quantize
     from qerl.stages.quantize import run_twin
 
@@ -105,7 +109,7 @@ def _lora_grads(model, mb, temperature=1.0):
 
 
 def _minibatch():
-    from qerl.pipeline.rl.training import RolloutBatch, _collate
+    from qerl.pipeline.rl.batch import RolloutBatch, collate
 
     batch = RolloutBatch(
         prompt_ids=[[5, 6, 7, 8], [9, 10]],
@@ -115,7 +119,7 @@ def _minibatch():
         rewards=[1.0, 0.0],
         group_ids=[0, 0],
     )
-    return _collate(batch, [0, 1], torch.ones(2), pad_id=0)
+    return collate(batch, [0, 1], torch.ones(2), pad_id=0)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -123,7 +127,7 @@ def test_lora_gradients_equal_dense_bf16_model(nvfp4_ckpt, tmp_path, checkpointi
     """Same LoRA init on (a) our packed model and (b) an HF model holding dequant(W): same grads."""
     import shutil
 
-    from qerl.pipeline.nvfp4.linear import load_dequantized_reference
+    from qerl.pipeline.nvfp4.loading import load_dequantized_reference
 
     cfg = TrainConfig(lora_r=4, lora_alpha=8, seed=5, gradient_checkpointing=checkpointing)
     ours = init_state(nvfp4_ckpt, cfg)

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from qerl.kernels.nvfp4 import dequantize_nvfp4, global_scale
-from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig, UnsupportedModelError, iter_quantized_linears
-from qerl.pipeline.store.artifacts import ArtifactError, ArtifactStore
+from qerl.kernels.nvfp4_reference import dequantize_nvfp4, global_scale
+from qerl.pipeline.nvfp4.recipe import QuantizeConfig, UnsupportedModelError
+from qerl.pipeline.nvfp4.safetensors_io import iter_quantized_linears
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.manifest import ArtifactError
 from qerl.stages import quantize as stage
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -238,7 +240,7 @@ def test_cli_quantize(tiny_model_dir, tmp_path, capsys):
 
 def test_vllm_parses_the_scheme(monkeypatch):
     """How far vLLM's compressed-tensors loader gets on CPU: see the module docstring."""
-    from qerl.pipeline.nvfp4.checkpoint import quantization_config
+    from qerl.pipeline.nvfp4.recipe import quantization_config
     from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
 
     config = ct.CompressedTensorsConfig.from_config(quantization_config())
@@ -302,7 +304,7 @@ def test_vllm_builds_nvfp4_layers_exactly_where_the_checkpoint_has_them():
     """vLLM's compressed-tensors loader (0.32) on the narrowed recipe: the fused qkv and o_proj get the
     NVFP4 scheme, gate_up/down stay unquantized (plain weights, as written), lm_head is ignored.
     Loading the weights themselves needs the FP4 Marlin kernel, i.e. a GPU (module docstring)."""
-    from qerl.pipeline.nvfp4.checkpoint import quantization_config
+    from qerl.pipeline.nvfp4.recipe import quantization_config
     from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
 
     fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

@@ -20,19 +20,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from qerl.pipeline.data.arithmetic import arithmetic_problems
 from qerl.pipeline.data.catalogue import CATALOGUE, CatalogueError, extract_gguf
-from qerl.pipeline.data.datasets import arithmetic_problems, load_problems
+from qerl.pipeline.data.datasets import load_problems
 from qerl.pipeline.data.rewards import RewardConfig
-from qerl.pipeline.evaluation.metrics import BenchmarkConfig, EvalConfig
-from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
-from qerl.pipeline.rl.training import TrainConfig
-from qerl.pipeline.rollout.engine import RolloutConfig, build_engine
-from qerl.pipeline.store.artifacts import ArtifactStore, Manifest
+from qerl.pipeline.evaluation.eval_config import BenchmarkConfig, EvalConfig
+from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+from qerl.pipeline.rl.train_config import TrainConfig
+from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.factory import build_engine
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.manifest import Manifest
 from qerl.stages import evaluate, fetch_model, quantize, rollout, score, train
 from safetensors import safe_open
 
 SHARED_DATA = Path(os.environ.get("QERL_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 SMOL = CATALOGUE["smollm2-135m-instruct"]
+# the rollout stage's arguments for an RL run's first step: no adapter yet, no noise
+FIRST_STEP = {"adapter_dir": None, "adapter_digest": None, "sigma": 0.0, "step": 0}
 
 
 def _tensor_names(directory: Path) -> list[str]:
@@ -93,7 +98,7 @@ def test_tied_embeddings_agree_everywhere(tiny_model_factory, tmp_path):
         assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
         assert json.loads((art.dir / "config.json").read_text())["tie_word_embeddings"] is True
     # the trainer's model shares one matrix (qlinear ties it after loading the packed checkpoint)
-    from qerl.pipeline.nvfp4.linear import load_quantized_for_training
+    from qerl.pipeline.nvfp4.loading import load_quantized_for_training
 
     loaded = load_quantized_for_training(quantized.dir)
     assert loaded.get_output_embeddings().weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()
@@ -103,9 +108,11 @@ def test_tied_embeddings_agree_everywhere(tiny_model_factory, tmp_path):
     rcfg = _rollout_cfg(template="terse", max_new_tokens=8, max_model_len=128)
     engine = build_engine(rcfg, quantized, twin)
     try:
-        r0 = rollout.run(rcfg, problems, quantized, None, None, 0.0, 0, store, engine)
+        r0 = rollout.run(
+            cfg=rcfg, problems=problems, base=quantized, store=store, engine=engine, **FIRST_STEP
+        )
         s0 = score.run(RewardConfig(workers=1), r0, store)
-        t0 = train.run(_train_cfg(), quantized, s0, None, 0, store)
+        t0 = train.run(cfg=_train_cfg(), base=quantized, scored=s0, prev=None, step=0, store=store)
         # sampler (vLLM, base) vs trainer (packed NVFP4, tied head): bf16 rounding apart, no more
         assert t0.metrics["mismatch_abs"] < 0.05, t0.metrics
         _check_adapter(t0.dir / "adapter", twin, s0)
@@ -185,9 +192,11 @@ def test_smollm2_end_to_end(tmp_path, monkeypatch):
             assert load_problems(bench)[0]["answer"] == "18"
 
         problems = arithmetic_problems(2, seed=0, levels=[1])
-        r0 = rollout.run(rcfg, problems, quantized, None, None, 0.0, 0, store, engine)
+        r0 = rollout.run(
+            cfg=rcfg, problems=problems, base=quantized, store=store, engine=engine, **FIRST_STEP
+        )
         s0 = score.run(RewardConfig(answer_format="last_number", workers=1), r0, store)
-        t0 = train.run(_train_cfg(), quantized, s0, None, 0, store)
+        t0 = train.run(cfg=_train_cfg(), base=quantized, scored=s0, prev=None, step=0, store=store)
         assert t0.metrics["mismatch_abs"] < 0.05, t0.metrics  # vLLM's sampler == the trainer, tied head
         _check_adapter(t0.dir / "adapter", twin, s0)
         # vLLM serves the trained adapter

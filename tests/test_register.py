@@ -8,8 +8,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from qerl.pipeline.registry import promotion
 from qerl.pipeline.registry import tracking as reg
-from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult, Manifest
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.manifest import BuildResult, Manifest
 from qerl.stages import register
 
 HISTORY = [
@@ -89,7 +91,7 @@ def test_register_stage(work):
     assert {"plots/reward.png", "plots/entropy.png", "plots/sigma.png", "adapter/adapter_config.json",
             "adapter/adapter_model.safetensors", "adapter_manifest/manifest.json",
             "evaluation/results.parquet", "evaluation/summary.json"} <= listed  # fmt: skip
-    info = reg.version_info(cfg, "1")
+    info = promotion.version_info(cfg, "1")
     assert info["tags"]["adapter_digest"] == train1.digest and info["tags"]["base_digest"] == "b" * 16
 
     # same inputs: the cached manifest, no new version
@@ -114,13 +116,13 @@ def test_register_stage(work):
     rec3 = json.loads(m3.file("registration.json").read_text())
     assert (rec3["version"], rec3["promoted"], rec3["aliases"]) == ("3", False, [])
     assert client.get_run(rec3["run_id"]).info.status == "FAILED"
-    assert reg.version_info(cfg, "3")["tags"]["complete"] == "false"
-    assert str(reg.alias_version(cfg, "champion").version) == "1"
+    assert promotion.version_info(cfg, "3")["tags"]["complete"] == "false"
+    assert str(promotion.alias_version(cfg, "champion").version) == "1"
     # a better complete run on the same benchmark takes over
     m4 = register.run(
         cfg, fake_train(store, "four"), fake_eval(store, 0.6), LINEAGE, HISTORY, work, True, store
     )
-    assert m4.metrics["promoted"] and str(reg.alias_version(cfg, "champion").version) == "4"
+    assert m4.metrics["promoted"] and str(promotion.alias_version(cfg, "champion").version) == "4"
 
 
 def test_register_rejects_bad_inputs(work):

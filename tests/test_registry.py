@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from qerl.pipeline.registry import promotion
 from qerl.pipeline.registry import tracking as reg
 from qerl.pipeline.registry.lock import LOCK_SUFFIX
 
@@ -49,7 +50,7 @@ def register(
     cfg: reg.RegistryConfig, root: Path, tag: str, acc: float | None, bench: str = "arith/test@x"
 ) -> str:
     run_id = reg.start_run(cfg, run_name=tag)
-    version, created = reg.register_adapter(
+    version, created = promotion.register_adapter(
         cfg,
         run_id,
         make_adapter(root, tag),
@@ -66,7 +67,7 @@ def n_versions(cfg: reg.RegistryConfig) -> int:
 
 
 def champion(cfg: reg.RegistryConfig) -> str | None:
-    mv = reg.alias_version(cfg, cfg.champion_alias)
+    mv = promotion.alias_version(cfg, cfg.champion_alias)
     return None if mv is None else str(mv.version)
 
 
@@ -103,7 +104,7 @@ def test_default_backend_is_sqlite_under_work_dir(sqlite_work):
 def test_register_tags_aliases_and_margin(cfg, tmp_path):
     cfg = cfg.model_copy(update={"promote_margin": 0.05})
     v1 = register(cfg, tmp_path, "a1", 0.50)
-    info = reg.version_info(cfg, v1)
+    info = promotion.version_info(cfg, v1)
     for key, value in {**lineage("a1"), "flow_run_id": "none", "eval_benchmark": "arith/test@x"}.items():
         assert info["tags"][key] == str(value), key
     assert info["source"].endswith("/adapter") and info["run_id"]
@@ -111,62 +112,64 @@ def test_register_tags_aliases_and_margin(cfg, tmp_path):
     local = reg.MlflowClient().download_artifacts(info["run_id"], "adapter", str(tmp_path / "dl"))
     assert sorted(os.listdir(local)) == ["adapter_config.json", "adapter_model.safetensors"]
 
-    assert reg.set_challenger(cfg, v1)
-    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.50, complete=True)
+    assert promotion.set_challenger(cfg, v1)
+    assert promotion.maybe_promote(cfg, v1, "arith/test@x", 0.50, complete=True)
     assert champion(cfg) == v1
     v2 = register(cfg, tmp_path, "a2", 0.54)  # better, but not by the margin
-    assert not reg.maybe_promote(cfg, v2, "arith/test@x", 0.54, complete=True)
+    assert not promotion.maybe_promote(cfg, v2, "arith/test@x", 0.54, complete=True)
     assert champion(cfg) == v1
-    assert "does not beat" in reg.version_info(cfg, v2)["tags"]["promotion"]
+    assert "does not beat" in promotion.version_info(cfg, v2)["tags"]["promotion"]
     v3 = register(cfg, tmp_path, "a3", 0.56)
-    assert reg.maybe_promote(cfg, v3, "arith/test@x", 0.56, complete=True)
+    assert promotion.maybe_promote(cfg, v3, "arith/test@x", 0.56, complete=True)
     assert champion(cfg) == v3
-    assert reg.maybe_promote(cfg, v3, "arith/test@x", 0.56, complete=True)  # already champion: no-op
+    assert promotion.maybe_promote(cfg, v3, "arith/test@x", 0.56, complete=True)  # already champion: no-op
     # a champion measured on another benchmark is not comparable
     v4 = register(cfg, tmp_path, "a4", 0.99, bench="gsm8k/test@y")
-    assert not reg.maybe_promote(cfg, v4, "gsm8k/test@y", 0.99, complete=True)
+    assert not promotion.maybe_promote(cfg, v4, "gsm8k/test@y", 0.99, complete=True)
     assert champion(cfg) == v3
     # challenger follows the newest version and never moves back
-    assert reg.set_challenger(cfg, v4)
-    assert not reg.set_challenger(cfg, v2)
-    assert str(reg.alias_version(cfg, cfg.challenger_alias).version) == v4
+    assert promotion.set_challenger(cfg, v4)
+    assert not promotion.set_challenger(cfg, v2)
+    assert str(promotion.alias_version(cfg, cfg.challenger_alias).version) == v4
 
 
 def test_failed_or_partial_run_never_promotes(cfg, tmp_path):
     v1 = register(cfg, tmp_path, "p1", 0.9)
-    assert not reg.maybe_promote(cfg, v1, "arith/test@x", 0.9, complete=False)
+    assert not promotion.maybe_promote(cfg, v1, "arith/test@x", 0.9, complete=False)
     assert champion(cfg) is None
-    assert "incomplete" in reg.version_info(cfg, v1)["tags"]["promotion"]
-    assert not reg.maybe_promote(cfg, v1, "arith/test@x", None, complete=True)
-    assert not reg.maybe_promote(cfg, v1, "arith/test@x", float("nan"), complete=True)
+    assert "incomplete" in promotion.version_info(cfg, v1)["tags"]["promotion"]
+    assert not promotion.maybe_promote(cfg, v1, "arith/test@x", None, complete=True)
+    assert not promotion.maybe_promote(cfg, v1, "arith/test@x", float("nan"), complete=True)
     assert champion(cfg) is None
-    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.9, complete=True)
+    assert promotion.maybe_promote(cfg, v1, "arith/test@x", 0.9, complete=True)
     v2 = register(cfg, tmp_path, "p2", 1.0)
-    assert not reg.maybe_promote(cfg, v2, "arith/test@x", 1.0, complete=False)
+    assert not promotion.maybe_promote(cfg, v2, "arith/test@x", 1.0, complete=False)
     assert champion(cfg) == v1
 
 
 def test_idempotent_register_and_manual_promote(cfg, tmp_path):
     v1 = register(cfg, tmp_path, "i1", 0.7)
     run_id = reg.start_run(cfg, run_name="again")
-    again, created = reg.register_adapter(
+    again, created = promotion.register_adapter(
         cfg, run_id, make_adapter(tmp_path, "i1"), None, {"benchmark": "b", "accuracy": 0.7}, lineage("i1")
     )
     assert (again, created) == (v1, False)
     assert n_versions(cfg) == 1
-    assert reg.find_version(cfg, "i1").version == int(v1)
+    assert promotion.find_version(cfg, "i1").version == int(v1)
     with pytest.raises(reg.RegistryError, match="lacks"):
-        reg.register_adapter(cfg, run_id, make_adapter(tmp_path, "x"), None, {}, {"adapter_digest": "x"})
+        promotion.register_adapter(
+            cfg, run_id, make_adapter(tmp_path, "x"), None, {}, {"adapter_digest": "x"}
+        )
     with pytest.raises(reg.RegistryError, match="adapter_config.json"):
-        reg.register_adapter(cfg, run_id, tmp_path / "nowhere", None, {}, lineage("y"))
+        promotion.register_adapter(cfg, run_id, tmp_path / "nowhere", None, {}, lineage("y"))
 
     v2 = register(cfg, tmp_path, "i2", 0.1)
-    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.7, complete=True)
-    reg.promote(cfg, cfg.model_name, v2)  # manual: a worse version can be made champion
+    assert promotion.maybe_promote(cfg, v1, "arith/test@x", 0.7, complete=True)
+    promotion.promote(cfg, cfg.model_name, v2)  # manual: a worse version can be made champion
     assert champion(cfg) == v2
-    assert reg.version_info(cfg, v2)["tags"]["promotion"] == "manual promotion"
+    assert promotion.version_info(cfg, v2)["tags"]["promotion"] == "manual promotion"
     with pytest.raises(reg.RegistryError, match="does not exist"):
-        reg.promote(cfg, cfg.model_name, "99")
+        promotion.promote(cfg, cfg.model_name, "99")
 
 
 def test_history_metrics_and_plots(cfg):
@@ -194,6 +197,7 @@ _WORKER = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, {repo!r})
     from qerl.pipeline.registry import tracking as reg
+    from qerl.pipeline.registry import promotion
     work, name, tag, acc, go, ready = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5], sys.argv[6]
     cfg = reg.RegistryConfig(model_name=name, tracking_uri=os.environ.get("QERL_TEST_URI") or None)
     reg.open_tracking(cfg, work)
@@ -207,9 +211,9 @@ _WORKER = textwrap.dedent(
     Path(ready).touch()
     while not os.path.exists(go):
         time.sleep(0.01)
-    version, _ = reg.register_adapter(cfg, run_id, adapter, None, {{"benchmark": "arith", "accuracy": acc}}, lin)
-    reg.set_challenger(cfg, version)
-    print("PROMOTED" if reg.maybe_promote(cfg, version, "arith", acc, True) else "KEPT", version)
+    version, _ = promotion.register_adapter(cfg, run_id, adapter, None, {{"benchmark": "arith", "accuracy": acc}}, lin)
+    promotion.set_challenger(cfg, version)
+    print("PROMOTED" if promotion.maybe_promote(cfg, version, "arith", acc, True) else "KEPT", version)
     """
 ).format(repo=str(REPO))
 
@@ -260,14 +264,14 @@ def race(
 def check_race(cfg: reg.RegistryConfig, work: Path, env: dict | None = None) -> None:
     # an existing champion at 0.5: the 0.4 run must not win even if it writes last
     v0 = register(cfg, work, f"{cfg.model_name}-seed", 0.5, bench="arith")
-    assert reg.maybe_promote(cfg, v0, "arith", 0.5, True)
+    assert promotion.maybe_promote(cfg, v0, "arith", 0.5, True)
     out = race(cfg, work, {"good": 0.7, "bad": 0.4}, env)
     versions = {mv.tags["adapter_digest"]: str(mv.version) for mv in reg.MlflowClient().search_model_versions(
         f"name = '{cfg.model_name}'")}  # fmt: skip
     assert set(versions) == {f"{cfg.model_name}-seed", "good", "bad"}, out
     assert champion(cfg) == versions["good"], out
     assert out["good"].startswith("PROMOTED") and out["bad"].startswith("KEPT"), out
-    assert str(reg.alias_version(cfg, cfg.challenger_alias).version) == str(
+    assert str(promotion.alias_version(cfg, cfg.challenger_alias).version) == str(
         max(int(v) for v in versions.values())
     )
 
@@ -288,27 +292,27 @@ def test_promotion_decision_rule():
         def __init__(self, version, bench, acc):
             self.version, self.tags = version, {"eval_benchmark": bench, "eval_accuracy": str(acc)}
 
-    assert reg.promotion_decision(cfg, None, "1", "b", 0.1, True)[0]
-    assert not reg.promotion_decision(cfg, None, "1", "b", 0.1, False)[0]
-    assert not reg.promotion_decision(cfg, V("1", "b", 0.5), "2", "b", 0.52, True)[0]
-    assert reg.promotion_decision(cfg, V("1", "b", 0.5), "2", "b", 0.5201, True)[0]
-    assert not reg.promotion_decision(cfg, V("1", "c", 0.1), "2", "b", 0.9, True)[0]
+    assert promotion.promotion_decision(cfg, None, "1", "b", 0.1, True)[0]
+    assert not promotion.promotion_decision(cfg, None, "1", "b", 0.1, False)[0]
+    assert not promotion.promotion_decision(cfg, V("1", "b", 0.5), "2", "b", 0.52, True)[0]
+    assert promotion.promotion_decision(cfg, V("1", "b", 0.5), "2", "b", 0.5201, True)[0]
+    assert not promotion.promotion_decision(cfg, V("1", "c", 0.1), "2", "b", 0.9, True)[0]
 
 
 def check_versions_and_aliases(cfg: reg.RegistryConfig, root: Path, tag: str) -> tuple[str, str]:
     """The same sequence on every backend: promote, keep a worse one, re-register idempotently,
     promote manually; returns the two versions."""
     v1 = register(cfg, root, f"{tag}1", 0.5)
-    assert reg.set_challenger(cfg, v1)
-    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.5, True)
+    assert promotion.set_challenger(cfg, v1)
+    assert promotion.maybe_promote(cfg, v1, "arith/test@x", 0.5, True)
     v2 = register(cfg, root, f"{tag}2", 0.4)
-    assert not reg.maybe_promote(cfg, v2, "arith/test@x", 0.4, True)
+    assert not promotion.maybe_promote(cfg, v2, "arith/test@x", 0.4, True)
     assert champion(cfg) == v1
-    again, created = reg.register_adapter(
+    again, created = promotion.register_adapter(
         cfg, reg.start_run(cfg), make_adapter(root, f"{tag}1"), None, {"benchmark": "b"}, lineage(f"{tag}1")
     )
     assert (again, created) == (v1, False)
-    reg.promote(cfg, cfg.model_name, v2)
+    promotion.promote(cfg, cfg.model_name, v2)
     assert champion(cfg) == v2
     return v1, v2
 
@@ -379,7 +383,7 @@ def test_cli_promote(cfg, sqlite_work, tmp_path, capsys):
 
     v1 = register(cfg, tmp_path, "c1", 0.9)
     v2 = register(cfg, tmp_path, "c2", 0.1)
-    assert reg.maybe_promote(cfg, v1, "arith/test@x", 0.9, True)
+    assert promotion.maybe_promote(cfg, v1, "arith/test@x", 0.9, True)
     assert main(["promote", cfg.model_name, v2, "--work-dir", str(sqlite_work)]) == 0
     assert champion(cfg) == v2
     assert f"{cfg.model_name} v{v2} is now @champion" in capsys.readouterr().out
@@ -432,7 +436,7 @@ def test_tracking_server_backend(mlflow_server, tmp_path):
     client = reg.MlflowClient()
     assert client.get_experiment_by_name(cfg.experiment).artifact_location.startswith("mlflow-artifacts:")
     v1, _ = check_versions_and_aliases(cfg, tmp_path, "srv")
-    info = reg.version_info(cfg, v1)
+    info = promotion.version_info(cfg, v1)
     assert info["source"].startswith("mlflow-artifacts:/") and info["source"].endswith("/adapter")
     # uploaded through the server: the bytes sit in its artifacts destination, nothing local
     uploaded = sorted((root / "artifacts").rglob("adapter/adapter_model.safetensors"))
@@ -452,7 +456,7 @@ def test_tracking_server_backend(mlflow_server, tmp_path):
     check_race(race_cfg, tmp_path, env={"QERL_TEST_URI": uri})
 
     # the register stage, as the flow runs it, through the server
-    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages import register as register_stage
 
     from tests.test_register import HISTORY, LINEAGE, fake_eval, fake_train

@@ -10,8 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from qerl.pipeline.rl.training import TrainConfig
-from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult, Manifest
+from qerl.pipeline.rl.train_config import TrainConfig
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.manifest import BuildResult, Manifest
 
 CFG = dict(
     lora_r=4,
@@ -28,7 +29,7 @@ FILES = ("adapter/adapter_model.safetensors", "optimizer.safetensors", "trainer_
 
 @pytest.fixture(scope="module")
 def nvfp4_base(tiny_model_dir, tmp_path_factory) -> Path:
-    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.stages.quantize import run as quantize
 
     return quantize(QuantizeConfig(), str(tiny_model_dir), ArtifactStore(tmp_path_factory.mktemp("q"))).dir
@@ -76,7 +77,16 @@ def _chain(base: Manifest, store: ArtifactStore, steps: int, reload_each_step: b
         if reload_each_step:
             drop_resident_policy()
         torch.rand(7)  # other stages draw from the global RNG between train steps
-        out.append(run(cfg, base, _scored(store, step), out[-1] if out else None, step, store))
+        out.append(
+            run(
+                cfg=cfg,
+                base=base,
+                scored=_scored(store, step),
+                prev=out[-1] if out else None,
+                step=step,
+                store=store,
+            )
+        )
     return out
 
 
@@ -99,22 +109,24 @@ def test_resident_policy_is_reused_only_for_its_own_checkpoint(nvfp4_base, tmp_p
 
     base, store = Manifest.load(nvfp4_base), ArtifactStore(tmp_path / "s")
     cfg = TrainConfig(**CFG)
-    m0 = run(cfg, base, _scored(store, 0), None, 0, store)
+    m0 = run(cfg=cfg, base=base, scored=_scored(store, 0), prev=None, step=0, store=store)
     other = ArtifactStore(tmp_path / "other")
-    o0 = run(cfg, base, _scored(other, 5), None, 0, other)  # now o0 is resident, not m0
+    o0 = run(
+        cfg=cfg, base=base, scored=_scored(other, 5), prev=None, step=0, store=other
+    )  # now o0 is resident, not m0
     with caplog.at_level(logging.INFO, logger="qerl.stages.train"):
-        m1 = run(cfg, base, _scored(store, 1), m0, 1, store)
+        m1 = run(cfg=cfg, base=base, scored=_scored(store, 1), prev=m0, step=1, store=store)
     assert m1.extra["policy"] == "loaded" and "policy reloaded from the store" in caplog.text
     assert o0.digest[:12] in caplog.text  # the log says which checkpoint was resident
     changed = TrainConfig(**{**CFG, "lr": 2e-2})  # m1 is resident, but under another config
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="qerl.stages.train"):
-        m2 = run(changed, base, _scored(store, 2), m1, 2, store)
+        m2 = run(cfg=changed, base=base, scored=_scored(store, 2), prev=m1, step=2, store=store)
     assert m2.extra["policy"] == "loaded" and "different train" in caplog.text
     # a step that fails mid-way leaves no half-updated policy behind
-    m3 = run(changed, base, _scored(store, 3), m2, 3, store)
+    m3 = run(cfg=changed, base=base, scored=_scored(store, 3), prev=m2, step=3, store=store)
     assert m3.extra["policy"] == "resident"
     with pytest.raises(Exception, match="after 4 steps"):
-        run(changed, base, _scored(store, 4), m3, 5, store)
-    m4 = run(changed, base, _scored(store, 4), m3, 4, store)
+        run(cfg=changed, base=base, scored=_scored(store, 4), prev=m3, step=5, store=store)
+    m4 = run(cfg=changed, base=base, scored=_scored(store, 4), prev=m3, step=4, store=store)
     assert m4.extra["policy"] == "loaded"

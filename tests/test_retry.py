@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 from qerl.pipeline.config import ConfigError
-from qerl.pipeline.planning import run_plan as runplan
-from qerl.pipeline.rollout import engine as engines
-from qerl.pipeline.rollout.engine import EngineError, LazyEngine, RolloutConfig
+from qerl.pipeline.planning.errors import RunPlanError
+from qerl.pipeline.planning.prompt_fit import fit_prompts
+from qerl.pipeline.planning.retry import is_transient
+from qerl.pipeline.rollout import factory
+from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.lazy import LazyEngine
+from qerl.pipeline.rollout.protocol import EngineError
 
 
 class EngineDeadError(RuntimeError):
@@ -46,7 +50,7 @@ def fake_engines(monkeypatch):
         built.append(engine)
         return engine
 
-    monkeypatch.setattr(engines, "build_engine", build)
+    monkeypatch.setattr(factory, "build_engine", build)
     return built
 
 
@@ -64,7 +68,7 @@ def test_a_deterministic_engine_error_keeps_the_engine(monkeypatch):
         def generate(self, prompts, n, sampling, seed):  # noqa: ANN001, ANN201
             raise EngineError("prompt too long")
 
-    monkeypatch.setattr(engines, "build_engine", lambda *a: Broken(dies=False))
+    monkeypatch.setattr(factory, "build_engine", lambda *a: Broken(dies=False))
     lazy = LazyEngine(RolloutConfig(engine="hf"), None, None)
     with pytest.raises(EngineError):
         lazy.generate(["p"], 2, None, 0)
@@ -91,8 +95,8 @@ def test_transient_or_not():
         KeyError("x"),
         RuntimeError("CUDA out of memory"),
     ]
-    assert all(runplan.is_transient(e) for e in [*transient, wrapped])
-    assert not any(runplan.is_transient(e) for e in deterministic)
+    assert all(is_transient(e) for e in [*transient, wrapped])
+    assert not any(is_transient(e) for e in deterministic)
 
 
 @pytest.mark.slow
@@ -102,7 +106,7 @@ def test_flow_tasks_retry_transient_errors_only(fake_engines, tmp_path):
 
     prepare_environment(tmp_path)
     from prefect import flow, task
-    from qerl.flows.rl import RETRY_OPTS
+    from qerl.flows.rl_tasks import RETRY_OPTS
 
     opts = {**RETRY_OPTS, "retry_delay_seconds": 0}
     attempts: list[str] = []
@@ -135,10 +139,10 @@ def test_fit_prompts_drops_over_long_prompts_with_a_count(tiny_model_dir: Path):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     problems = [{"id": "short", "question": "1 + 1 ="}, {"id": "long", "question": "1 + 1 = " * 80}]
-    fit = runplan.fit_prompts(problems, tok, "terse", limit=40)
+    fit = fit_prompts(problems, tok, "terse", limit=40)
     assert [p["id"] for p in fit.kept] == ["short"]
     report = fit.report()
     assert report["dropped_too_long"] == 1 and report["loaded"] == 2 and report["prompt_token_limit"] == 40
     assert report["dropped_examples"][0]["id"] == "long" and report["dropped_examples"][0]["tokens"] > 40
-    with pytest.raises(runplan.RunPlanError, match="no prompt fits"):
-        runplan.fit_prompts(problems[1:], tok, "terse", limit=40)
+    with pytest.raises(RunPlanError, match="no prompt fits"):
+        fit_prompts(problems[1:], tok, "terse", limit=40)

@@ -9,15 +9,8 @@ import threading
 import time
 
 import pytest
-from qerl.pipeline.data.rewards import (
-    RewardConfig,
-    VerifierPool,
-    extract_answer,
-    fast_verdict,
-    normalize_answer,
-    score_batch,
-    verify_pair,
-)
+from qerl.pipeline.data.answers import extract_answer, fast_verdict, normalize_answer
+from qerl.pipeline.data.rewards import RewardConfig, VerifierPool, score_batch, verify_pair
 
 TOWER = "\\boxed{9^{9^{9^{9^{9}}}}}"
 NESTED = "\\boxed{" + "{" * 3000 + "1" + "}" * 3000 + "}"

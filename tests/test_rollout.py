@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from qerl.pipeline.data.prompts import Problem, render_prompt
-from qerl.pipeline.rollout.engine import RolloutConfig, SamplingSpec, build_engine
-from qerl.pipeline.store.artifacts import ArtifactStore, sha256_file
+from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.factory import build_engine
+from qerl.pipeline.rollout.protocol import SamplingSpec
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.files import sha256_file
 from qerl.stages import rollout
 
 from tests.test_engines import fake_manifest, make_adapter
@@ -16,6 +19,21 @@ PROBLEMS = [
     Problem("p1", "Tom has 5 apples and buys 7 more.", "12", source="test"),
     Problem("p2", "12 * 4 = ?", "48", source="test"),
 ]
+
+
+def run_rollout(cfg, store, engine, base, *, step=0, sigma=0.0, adapter=None, digest=None, problems=PROBLEMS):
+    """The rollout stage with this file's defaults: the test problems, no adapter, no noise, step 0."""
+    return rollout.run(
+        cfg=cfg,
+        problems=problems,
+        base=base,
+        adapter_dir=adapter,
+        adapter_digest=digest,
+        sigma=sigma,
+        step=step,
+        store=store,
+        engine=engine,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +72,7 @@ def base(eos_model_dir):
 
 def test_rollout_table(cfg, engine, base, tmp_path):
     store = ArtifactStore(tmp_path / "store")
-    manifest = rollout.run(cfg, PROBLEMS, base, None, None, 0.0, 0, store, engine)
+    manifest = run_rollout(cfg, store, engine, base)
     assert manifest.stage == "rollout" and manifest.mode == "vllm-nvfp4-emulated"
     table = rollout.read_rollouts(manifest)
     assert table.schema == rollout.SCHEMA
@@ -89,24 +107,24 @@ def test_rollout_table(cfg, engine, base, tmp_path):
 
 def test_seeded_cached_and_keyed(cfg, engine, base, tmp_path, eos_model_dir):
     store_a, store_b = ArtifactStore(tmp_path / "a"), ArtifactStore(tmp_path / "b")
-    first = rollout.run(cfg, PROBLEMS, base, None, None, 0.0, 1, store_a, engine)
+    first = run_rollout(cfg, store_a, engine, base, step=1)
     # The same inputs in a fresh store: the same bytes (seeded sampling on CPU).
-    second = rollout.run(cfg, PROBLEMS, base, None, None, 0.0, 1, store_b, engine)
+    second = run_rollout(cfg, store_b, engine, base, step=1)
     assert sha256_file(first.file("rollouts.parquet")) == sha256_file(second.file("rollouts.parquet"))
-    again = rollout.run(cfg, PROBLEMS, base, None, None, 0.0, 1, store_a, engine)
+    again = run_rollout(cfg, store_a, engine, base, step=1)
     assert again.key == first.key and again.created_at == first.created_at  # cache hit
 
     rows = lambda m: rollout.read_rollouts(m).to_pylist()  # noqa: E731
-    other_step = rollout.run(cfg, PROBLEMS, base, None, None, 0.0, 2, store_a, engine)
+    other_step = run_rollout(cfg, store_a, engine, base, step=2)
     assert other_step.key != first.key
     assert [r["completion_ids"] for r in rows(other_step)] != [r["completion_ids"] for r in rows(first)]
 
-    noisy = rollout.run(cfg, PROBLEMS, base, None, None, 0.02, 1, store_a, engine)
+    noisy = run_rollout(cfg, store_a, engine, base, step=1, sigma=0.02)
     assert noisy.key != first.key and rows(noisy)[0]["sigma"] == 0.02
 
     adapter = make_adapter(eos_model_dir, tmp_path / "adapter")
     digest = store_a.source_digest(adapter)
-    with_lora = rollout.run(cfg, PROBLEMS, base, adapter, digest, 0.0, 1, store_a, engine)
+    with_lora = run_rollout(cfg, store_a, engine, base, step=1, adapter=adapter, digest=digest)
     assert with_lora.key != first.key and with_lora.inputs["adapter"] == digest
     assert rows(with_lora)[0]["adapter_digest"] == digest
     # Same sampling seed, different policy: the first token's logprob differs.
@@ -130,13 +148,11 @@ def test_bad_problems_are_named(cfg, engine, base, tmp_path):
     store = ArtifactStore(tmp_path / "s")
     bad = [PROBLEMS[0], {"id": "x", "question": "q"}]
     with pytest.raises(ValueError, match=r"problem row 1 \(id 'x'\) lacks \['answer'\]"):
-        rollout.run(cfg, bad, fake_manifest(tmp_path), None, None, 0.0, 0, store, engine)
+        run_rollout(cfg, store, engine, fake_manifest(tmp_path), problems=bad)
     with pytest.raises(ValueError, match="appears more than once"):
-        rollout.run(
-            cfg, [PROBLEMS[0], PROBLEMS[0]], fake_manifest(tmp_path), None, None, 0.0, 0, store, engine
-        )
+        run_rollout(cfg, store, engine, fake_manifest(tmp_path), problems=[PROBLEMS[0], PROBLEMS[0]])
     with pytest.raises(ValueError, match="together"):
-        rollout.run(cfg, PROBLEMS, fake_manifest(tmp_path), tmp_path, None, 0.0, 0, store, engine)
+        run_rollout(cfg, store, engine, fake_manifest(tmp_path), adapter=tmp_path)
 
 
 def test_derived_seeds_are_unchanged_by_the_shared_helper():
@@ -145,7 +161,7 @@ def test_derived_seeds_are_unchanged_by_the_shared_helper():
     import hashlib
 
     from qerl.pipeline.rollout.aqn import layer_generator
-    from qerl.pipeline.rollout.engine import sample_seed
+    from qerl.pipeline.rollout.protocol import sample_seed
     from qerl.pipeline.runtime.seeds import derive_seed
 
     assert [sample_seed(0, 0, 0), sample_seed(7, 3, -1), sample_seed(123456789, 15, 7)] == [
@@ -168,7 +184,7 @@ def test_derived_seeds_are_unchanged_by_the_shared_helper():
 
 def test_an_engine_without_logprobs_takes_any_sampling():
     """Evaluation samples at T 0.6 / top_p 0.95 and records no logprobs: no exact mode is needed."""
-    from qerl.pipeline.rollout.engine import EngineError
+    from qerl.pipeline.rollout.protocol import EngineError
     from qerl.pipeline.rollout.vllm_engine import _compatible, logprobs_mode_for
 
     truncated = SamplingSpec(temperature=0.6, top_p=0.95, logprobs=False)

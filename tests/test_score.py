@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from qerl.pipeline.data.rewards import RewardConfig
-from qerl.pipeline.store.artifacts import ArtifactStore, BuildResult
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.manifest import BuildResult
 from qerl.stages import score
 
 ROWS = [

@@ -10,17 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from qerl.pipeline.rl.training import (
-    RolloutBatch,
-    TrainConfig,
-    accumulate_gradients,
-    init_state,
-    load_checkpoint,
-    load_rollout_batch,
-    save_checkpoint,
-    step_context,
-    train_step,
-)
+from qerl.pipeline.rl.batch import RolloutBatch, load_rollout_batch
+from qerl.pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
+from qerl.pipeline.rl.policy import init_state
+from qerl.pipeline.rl.step import accumulate_gradients, step_context, train_step
+from qerl.pipeline.rl.train_config import TrainConfig
 from safetensors.torch import load_file
 
 TINY = dict(lora_r=4, lora_alpha=8, dtype="float32", max_grad_norm=1.0, seed=3)
@@ -29,8 +23,8 @@ TINY = dict(lora_r=4, lora_alpha=8, dtype="float32", max_grad_norm=1.0, seed=3)
 @pytest.fixture(scope="module")
 def nvfp4_base(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model quantized by the real quantize stage: training runs on packed NVFP4 weights."""
-    from qerl.pipeline.nvfp4.checkpoint import QuantizeConfig
-    from qerl.pipeline.store.artifacts import ArtifactStore
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages.quantize import run as quantize
 
     store = ArtifactStore(tmp_path_factory.mktemp("store"))
@@ -201,7 +195,7 @@ def test_truncated_completions_are_masked(nvfp4_base):
     assert metrics["tokens_trained"] == 0 and metrics["grad_norm"] == 0.0 and metrics["frac_truncated"] == 1.0
     # no token trained: the per-token means are undefined (None, JSON null), not a placeholder 0 that a
     # curve or an ablation's early-entropy average would read as a collapsed policy (issue 13)
-    from qerl.pipeline.rl.training import TOKEN_MEAN_METRICS
+    from qerl.pipeline.rl.step import TOKEN_MEAN_METRICS
 
     assert {k: metrics[k] for k in TOKEN_MEAN_METRICS} == dict.fromkeys(TOKEN_MEAN_METRICS)
     assert "entropy" in TOKEN_MEAN_METRICS and "mismatch_kl" in TOKEN_MEAN_METRICS
@@ -259,7 +253,7 @@ def test_load_rollout_batch_checks_rows(tmp_path):
 
 def _scored_manifest(store, batch: RolloutBatch, tag: str):
     """A 'score' artifact holding ``batch`` as scored.parquet (the columns the train stage reads)."""
-    from qerl.pipeline.store.artifacts import BuildResult
+    from qerl.pipeline.store.manifest import BuildResult
 
     def build(tmp):
         n = len(batch)
@@ -281,7 +275,8 @@ def _scored_manifest(store, batch: RolloutBatch, tag: str):
 
 
 def test_train_stage_chains_and_caches(nvfp4_base, tmp_path):
-    from qerl.pipeline.store.artifacts import ArtifactError, ArtifactStore, Manifest
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.pipeline.store.manifest import ArtifactError, Manifest
     from qerl.stages.train import run
 
     store = ArtifactStore(tmp_path / "store")
@@ -291,8 +286,8 @@ def test_train_stage_chains_and_caches(nvfp4_base, tmp_path):
     batches = [sample_batch(sampler.model, PROMPTS, 3, 3, 10 + s, lambda c: c[0] % 2) for s in range(2)]
     scored = [_scored_manifest(store, b, f"s{i}") for i, b in enumerate(batches)]
 
-    m0 = run(cfg, base, scored[0], None, 0, store)
-    m1 = run(cfg, base, scored[1], m0, 1, store)
+    m0 = run(cfg=cfg, base=base, scored=scored[0], prev=None, step=0, store=store)
+    m1 = run(cfg=cfg, base=base, scored=scored[1], prev=m0, step=1, store=store)
     assert m1.mode == "nvfp4-torch-reference" and m1.extra["steps_done"] == 2
     assert {
         "adapter/adapter_config.json",
@@ -314,9 +309,11 @@ def test_train_stage_chains_and_caches(nvfp4_base, tmp_path):
         "step_time_s",
     ):
         assert key in m1.metrics, key
-    assert run(cfg, base, scored[1], m0, 1, store).path == m1.path  # cached: same artifact
+    assert (
+        run(cfg=cfg, base=base, scored=scored[1], prev=m0, step=1, store=store).path == m1.path
+    )  # cached: same artifact
     with pytest.raises(ArtifactError, match="after 1 steps"):
-        run(cfg, base, scored[1], m0, 2, store)
+        run(cfg=cfg, base=base, scored=scored[1], prev=m0, step=2, store=store)
 
     # the stage's chained checkpoints equal two steps in one process
     from qerl.pipeline.runtime.threads import trainer_threads
@@ -364,7 +361,7 @@ def test_fused_token_logprobs_equal_plain_log_softmax(dtype, bias):
 
 def _two_sample_minibatch() -> dict[str, torch.Tensor]:
     """Two samples with prompts and completions of different lengths, collated with padding."""
-    from qerl.pipeline.rl.training import _collate
+    from qerl.pipeline.rl.batch import collate
 
     batch = RolloutBatch(
         prompt_ids=[[5, 6, 7], [8, 9]],
@@ -374,12 +371,12 @@ def _two_sample_minibatch() -> dict[str, torch.Tensor]:
         rewards=[1.0, 0.0],
         group_ids=[0, 0],
     )
-    return _collate(batch, [0, 1], torch.ones(2), 0)
+    return collate(batch, [0, 1], torch.ones(2), 0)
 
 
 def test_completion_logprobs_equal_the_full_logits_path(tiny_model_dir):
     """Decoder + fused head give what ``model(...).logits`` gives: values and every gradient."""
-    from qerl.pipeline.rl.training import completion_logprobs
+    from qerl.pipeline.rl.logprobs import completion_logprobs
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -411,7 +408,7 @@ def test_lora_autocast_computes_the_adapter_in_the_base_dtype(tiny_model_dir):
     import copy
 
     from peft import LoraConfig, get_peft_model
-    from qerl.pipeline.rl.training import completion_logprobs
+    from qerl.pipeline.rl.logprobs import completion_logprobs
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).requires_grad_(False)
@@ -441,7 +438,8 @@ def test_lora_autocast_computes_the_adapter_in_the_base_dtype(tiny_model_dir):
 def _handmade_batch(state, lengths, rewards, groups=None, shift=None, truncated=None) -> RolloutBatch:
     """Completions of the given lengths (fixed ids); the sampler's logprobs are the policy's own (each
     row computed alone) plus ``shift(row, token)``, the way a noisy (AQN) sampler would differ."""
-    from qerl.pipeline.rl.training import _collate, completion_logprobs
+    from qerl.pipeline.rl.batch import collate
+    from qerl.pipeline.rl.logprobs import completion_logprobs
 
     gen = torch.Generator().manual_seed(7)
     n = len(lengths)
@@ -455,7 +453,7 @@ def _handmade_batch(state, lengths, rewards, groups=None, shift=None, truncated=
     )
     with torch.no_grad():
         for r in range(n):
-            lp, _ = completion_logprobs(state.model, _collate(batch, [r], torch.ones(n), 0), 1.0)
+            lp, _ = completion_logprobs(state.model, collate(batch, [r], torch.ones(n), 0), 1.0)
             batch.sampler_logprobs[r] = [
                 float(lp[0, t]) + (shift(r, t) if shift else 0.0) for t in range(lengths[r])
             ]
@@ -473,7 +471,7 @@ def test_tis_with_reshuffled_minibatches_of_other_widths(nvfp4_base, monkeypatch
     """Issue item 3: 4 rows of different lengths in minibatches of 2 over mu = 2 passes (reshuffled, so
     a row lands in minibatches of other padded widths); with TIS on (the default). Every minibatch's
     old logprobs must be the step-start policy's, row by row, not the current one's."""
-    import qerl.pipeline.rl.training as training
+    import qerl.pipeline.rl.step as rl_step
 
     cfg = TrainConfig(**TINY, lr=5e-2, minibatch_size=2, mu=2, grpo={"tis_cap": 2.0})
     state = init_state(nvfp4_base, cfg)
@@ -485,14 +483,14 @@ def test_tis_with_reshuffled_minibatches_of_other_widths(nvfp4_base, monkeypatch
     ]
 
     seen = []
-    original = training._scatter_old
+    original = rl_step._scatter_old
 
     def spy(ctx, rows, logp):
         old = original(ctx, rows, logp)
         seen.append((list(rows), old.detach().clone(), logp.detach().clone()))
         return old
 
-    monkeypatch.setattr(training, "_scatter_old", spy)
+    monkeypatch.setattr(rl_step, "_scatter_old", spy)
     metrics = train_step(state, batch, cfg)
     assert metrics["updates"] == 4 and not metrics["skipped"]
     assert len(seen) == 4 and {len({*r}) for r, _, _ in seen} == {2}
@@ -577,13 +575,13 @@ def test_device_settings_are_chosen_by_device_type():
     """Issue item 10: the CPU keeps its memory-bounding settings; CUDA gets large slabs, whole-layer
     decode and fused AdamW (the CUDA path itself runs in tests/test_gpu.py on a GPU machine)."""
     from qerl.pipeline.nvfp4.linear import CHUNK_ELEMENTS, CHUNK_ELEMENTS_CUDA, slice_elements
-    from qerl.pipeline.rl.training import (
+    from qerl.pipeline.rl.checkpoint import _with_impl
+    from qerl.pipeline.rl.logprobs import (
         LOGPROB_CHUNK_ELEMENTS,
         LOGPROB_CHUNK_ELEMENTS_CUDA,
-        _with_impl,
         logprob_chunk_elements,
-        optimizer_impl,
     )
+    from qerl.pipeline.rl.policy import optimizer_impl
 
     assert logprob_chunk_elements("cpu") == LOGPROB_CHUNK_ELEMENTS == 1 << 21
     assert logprob_chunk_elements(torch.device("cuda", 1)) == LOGPROB_CHUNK_ELEMENTS_CUDA == 1 << 26
@@ -598,14 +596,14 @@ def test_device_settings_are_chosen_by_device_type():
 
 
 def test_cpu_policy_uses_the_cpu_settings(nvfp4_base, monkeypatch):
+    import qerl.pipeline.rl.batch as rl_batch
     import qerl.pipeline.rl.logprobs as logprobs
-    import qerl.pipeline.rl.training as training
 
     cfg = TrainConfig(**TINY)
     state = init_state(nvfp4_base, cfg)
     group = state.optimizer.param_groups[0]
     assert group["foreach"] is False and not group["fused"]
-    mb = training._collate(_handmade_batch(state, [2], [1.0]), [0], torch.ones(1), 0)
+    mb = rl_batch.collate(_handmade_batch(state, [2], [1.0]), [0], torch.ones(1), 0)
     asked = []
 
     def chunk(device):
@@ -613,5 +611,5 @@ def test_cpu_policy_uses_the_cpu_settings(nvfp4_base, monkeypatch):
         return 1 << 21
 
     monkeypatch.setattr(logprobs, "logprob_chunk_elements", chunk)
-    training.completion_logprobs(state.model, mb, 1.0)
+    logprobs.completion_logprobs(state.model, mb, 1.0)
     assert asked == ["cpu"]

@@ -1,0 +1,8 @@
+"""Problems, prompts and rewards: what the model is asked and how its answers are scored.
+
+``datasets`` (named benchmarks, local files, ``DataConfig``), ``arithmetic`` (the procedural default
+set), ``jsonl`` (the JSON Lines reader), ``prompts`` (templates), ``answers`` (answer extraction,
+normalisation, verdicts decided without math-verify), ``rewards`` (``RewardConfig``, the math-verify
+worker pool, ``score_batch``) and ``catalogue`` (real models fetched without the hub, pinned). May import
+``config``, ``runtime`` and ``store``.
+"""

@@ -1,8 +1,8 @@
 """Imported by the reward verifier's fork server: warm math-verify once so every forked worker starts hot.
 
-The first ``parse``/``verify`` in a process costs about half a second (lazy imports inside
-latex2sympy and sympy, parser construction). Doing it here, in the fork server, means a worker that
-replaces a killed one is ready in milliseconds instead of paying that again for every timeout.
+The first ``parse``/``verify`` in a process pays for lazy imports inside latex2sympy and sympy and for
+building the parsers. Doing it here, in the fork server, means a worker that replaces a killed one is
+ready in milliseconds instead of paying that again for every timeout.
 """
 
 from __future__ import annotations

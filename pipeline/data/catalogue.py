@@ -36,7 +36,7 @@ import zipfile
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
-from qerl.pipeline.store.artifacts import sha256_file
+from qerl.pipeline.store.files import sha256_file
 
 log = logging.getLogger("qerl.catalogue")
 

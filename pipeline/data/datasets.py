@@ -4,13 +4,12 @@ What: ``load_problems(cfg, split)`` returns ``Problem`` records (id, question, a
 from one of
 
 * ``arithmetic`` - the embedded default: seeded procedural word problems at five difficulty levels
-  with exact integer or fraction answers (``arithmetic_problems``). Level 1 is single-digit addition
-  so that the demo's tiny model (hidden 128, 2 layers) can learn it in minutes of CPU training.
+  with exact integer or fraction answers (``qerl.pipeline.data.arithmetic``).
 * a named benchmark (``NAMED``): ``gsm8k`` (question / worked answer ending in ``#### N``),
   ``math500`` (problem / answer / level), ``aime24`` and ``amc23`` (Qwen2.5-Math's evaluation
   layout: id, problem or question, answer - AMC's answers are JSON numbers such as ``27.0``),
   ``bigmath`` (prompt / solution; the level is the hub config, levels 3-5 by default as in the
-  QeRL recipe), and the earlier ``aime``/``amc`` hub sets. With a data directory configured
+  QeRL recipe), and the hub's ``aime``/``amc`` sets. With a data directory configured
   (``data.root`` or ``$QERL_DATA_DIR``) a name reads ``<root>/<name>/<split>.jsonl`` (or
   ``.parquet``), the files as their publishers ship them; otherwise ``datasets.load_dataset``
   fetches it from the hub. A configured directory without the file is an error, not a hub fallback;
@@ -21,29 +20,26 @@ Gold answers are kept as published: GSM8K's text after ``####`` (``1,600`` stays
 number's JSON text (``27.0``). Deciding that ``27`` matches ``27.0`` is math-verify's job in the
 scorer, not a rewrite here that could drift from the source.
 
-How it departs from the recipes: the train/test split of the arithmetic set is a function of the
-problem text (sha256 of the question decides the split), so the two splits are disjoint by
-construction whatever the seed or size, not by bookkeeping. A row without a question or gold answer
-is an error naming its index and source, or with ``on_bad_row="skip"`` is skipped, counted in the
-report and logged - never dropped silently.
+A row without a question or gold answer is an error naming its index and source, or with
+``on_bad_row="skip"`` is skipped, counted in the report and logged - never dropped silently.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import random
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from qerl.pipeline.config import StrictModel
+from qerl.pipeline.data.arithmetic import arithmetic_problems
+from qerl.pipeline.data.jsonl import read_jsonl
 from qerl.pipeline.data.prompts import TEMPLATES, Problem
-from qerl.pipeline.store.artifacts import sha256_json
+from qerl.pipeline.store.files import sha256_json
 
 log = logging.getLogger("qerl.data")
 
@@ -65,7 +61,7 @@ NAMED: dict[str, Named] = {
     "aime24": Named("HuggingFaceH4/aime_2024", None, "qwen-eval", {"test": "train"}),
     "amc23": Named("math-ai/amc23", None, "qwen-eval"),
     "bigmath": Named("open-r1/Big-Math-RL-Verified-Processed", None, "bigmath"),  # config from the levels
-    # earlier names, kept: other sets than aime24/amc23 (AMC 22-23 has 83 problems), split as the hub's
+    # the hub's own AIME/AMC sets, other than aime24/amc23 (AMC 22-23 has 83 problems), split as the hub's
     "aime": Named("HuggingFaceH4/aime_2024", None, "math500"),
     "amc": Named("AI-MO/aimo-validation-amc", None, "math500"),
 }
@@ -91,8 +87,6 @@ BIGMATH_CONFIGS = {
     "level_3_4_5",
     "level_4_5",
 }
-ARITHMETIC_LEVELS = (1, 2, 3, 4, 5)
-TEST_PERCENT = 20  # share of the arithmetic problem space that hashes into the test split
 
 
 class DataConfig(StrictModel):
@@ -137,99 +131,6 @@ class DataConfig(StrictModel):
 
 
 # --------------------------------------------------------------------------------------------------
-# the procedural arithmetic set
-
-_NAMES = ("Tom", "Ana", "Li", "Sam", "Mia", "Ben")
-_ITEMS = ("apples", "books", "coins", "pens", "cards")
-_LEVEL1 = (
-    "{a} + {b} = ?",
-    "What is {a} + {b}?",
-    "Add {a} and {b}.",
-    "{a} plus {b}?",
-    "Sum of {a} and {b}?",
-    "{a} and {b} make?",
-)
-
-
-def _fmt(value: Fraction) -> str:
-    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
-
-
-def _make(level: int, rng: random.Random) -> tuple[str, Fraction]:
-    """One question of ``level`` and its exact answer."""
-    r = rng.randint
-    if level == 1:  # single-digit addition, one of a few short phrasings
-        a, b = r(0, 9), r(0, 9)
-        phrase = rng.choice(_LEVEL1)
-        return phrase.format(a=a, b=b), Fraction(a + b)
-    if level == 2:  # one-digit and two-digit addition / subtraction
-        a, b = r(10, 49), r(0, 9)
-        if rng.random() < 0.5:
-            return f"What is {a} + {b}?", Fraction(a + b)
-        return f"What is {a} - {b}?", Fraction(a - b)
-    if level == 3:  # two-digit +/-, one-digit products
-        if rng.random() < 0.5:
-            a, b = r(2, 9), r(2, 9)
-            return f"What is {a} * {b}?", Fraction(a * b)
-        a, b = r(10, 99), r(10, 99)
-        op = rng.choice("+-")
-        return f"What is {a} {op} {b}?", Fraction(a + b if op == "+" else a - b)
-    if level == 4:  # a two-step word problem
-        name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
-        a, b, c = r(5, 40), r(2, 20), r(1, 9)
-        q = f"{name} has {a} {item}, buys {b} more and gives away {c}. How many {item} now?"
-        return q, Fraction(a + b - c)
-    if level == 5:  # fractions, answer in lowest terms
-        a, b, c, d = r(1, 9), r(2, 9), r(1, 9), r(2, 9)
-        x, y = Fraction(a, b), Fraction(c, d)
-        op = rng.choice("+-*")
-        value = x + y if op == "+" else x - y if op == "-" else x * y
-        return f"What is {a}/{b} {op} {c}/{d}?", value
-    raise ValueError(f"unknown arithmetic level {level}; valid: {list(ARITHMETIC_LEVELS)}")
-
-
-def split_of(question: str) -> str:
-    """'test' or 'train', a fixed function of the question text: the splits cannot overlap."""
-    bucket = int(hashlib.sha256(question.encode()).hexdigest()[:8], 16) % 100
-    return "test" if bucket < TEST_PERCENT else "train"
-
-
-def arithmetic_problems(
-    n: int, seed: int = 0, split: str = "train", levels: list[int] | None = None
-) -> list[Problem]:
-    """``n`` distinct procedural problems of ``split`` at ``levels`` (default [1]), reproducible by seed."""
-    if split not in ("train", "test"):
-        raise ValueError(f"arithmetic split must be 'train' or 'test', not '{split}'")
-    levels = sorted(set(levels or [1]))
-    for level in levels:
-        if level not in ARITHMETIC_LEVELS:
-            raise ValueError(f"unknown arithmetic level {level}; valid: {list(ARITHMETIC_LEVELS)}")
-    rng = random.Random(f"qerl-arithmetic-{seed}")
-    seen: set[str] = set()
-    out: list[Problem] = []
-    misses = 0
-    while len(out) < n:
-        level = levels[len(out) % len(levels)]  # balanced across levels
-        question, value = _make(level, rng)
-        if question in seen or split_of(question) != split:
-            misses += 1
-            if misses > 200 * n + 10_000:
-                raise ValueError(
-                    f"only {len(out)} distinct {split} problems found at levels {levels} (asked for {n}); "
-                    "add levels or ask for fewer"
-                )
-            continue
-        seen.add(question)
-        pid = hashlib.sha256(question.encode()).hexdigest()[:12]
-        out.append(
-            Problem(
-                id=f"arith-{pid}", question=question, answer=_fmt(value), source="arithmetic", level=level
-            )
-        )
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
 # named benchmarks, hub datasets and local files
 
 
@@ -240,19 +141,7 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
+    return [row for _, row in read_jsonl(path)]
 
 
 def _detect_layout(rows: list[dict[str, Any]], source: str) -> str:

@@ -7,7 +7,7 @@ chat``): its messages go through the tokenizer's own chat template (ChatML for Q
 the tiny test models' too), with the generation prompt added. A tokenizer without a chat template
 is an error naming the template, not a silent switch to plain text, which an instruct model would
 read as a different task. The engines encode a chat-rendered prompt without adding special tokens
-again (``qerl.pipeline.rollout.engine.encode_prompt``).
+again (``qerl.pipeline.rollout.prompt_encoding.encode_prompt``).
 
 ``number`` is for small instruct models (SmolLM2-135M): they rarely follow a ``\boxed{}`` or
 ``####`` instruction, but do end with the number, so the scorer takes the last number.

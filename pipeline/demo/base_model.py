@@ -8,12 +8,10 @@ supervised warm-up on ``question -> <answer>N</answer>`` so the model answers in
 but is often wrong. That leaves room for GRPO to show a real gain within minutes on two cores.
 
 The warm-up is deterministic on CPU (seeded init, fixed data order) and runs on ONE intra-op thread
-(``SFT_THREADS``), whatever the machine's core count. Measured here: the same seed gave different
-weights with 1 and 2 torch threads (the float reductions are blocked per thread), so a base built
-on a 2-core box differed from one built on a 4-core box, and with it every accuracy the demo
-reports. One thread is also no slower for a model this small (69 s vs 302 s for 2 threads on a
-loaded 2-core machine, where the second OpenMP thread mostly waits). The same CPU type is still
-assumed: another instruction set (AVX-512 vs AVX2 kernels) can round differently.
+(``SFT_THREADS``), whatever the machine's core count: float reductions are blocked per thread, so the
+same seed gives different weights with 1 and 2 threads, and with them different demo accuracies. The
+same CPU type is still assumed: another instruction set (AVX-512 vs AVX2 kernels) can round
+differently.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from pathlib import Path
 import torch
 from pydantic import Field
 from qerl.pipeline.config import StrictModel
-from qerl.pipeline.data.datasets import arithmetic_problems
+from qerl.pipeline.data.arithmetic import arithmetic_problems
 from qerl.pipeline.data.prompts import render_prompt
 from qerl.pipeline.demo.tiny_model import build_tiny_model
 

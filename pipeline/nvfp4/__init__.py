@@ -1,0 +1,9 @@
+"""The NVFP4A16 base model: the checkpoint the quantize stage writes, and the layer LoRA trains on.
+
+``recipe`` (what is quantized, supported models, the config.json ``quantization_config``),
+``grouping`` (which linears are quantized together and share a global scale), ``safetensors_io``
+(streaming header/tensor reads and the sharded writer), ``linear`` (``NVFP4Linear``, the packed
+autograd layer) and ``loading`` (a checkpoint as a trainable HF model of such layers). The numerics
+live in ``qerl.kernels`` (``nvfp4_reference`` is the specification). May import ``config``,
+``runtime``, ``store`` and ``qerl.kernels``.
+"""

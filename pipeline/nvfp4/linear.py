@@ -2,21 +2,20 @@
 
 What: ``NVFP4Linear`` holds a compressed-tensors NVFP4 weight as buffers (``weight_packed`` uint8
 [out, in/2], ``weight_scale`` FP8 E4M3 [out, in/16], ``weight_global_scale`` fp32 [1]) plus an
-optional bias, and computes ``x @ dequant(W).T + b``. ``load_quantized_for_training`` builds a Hugging
-Face causal LM from our quantize stage's checkpoint with every quantized Linear replaced by one, without
-ever materialising the full-precision Linear weights (the model skeleton is built on the meta device).
+optional bias, and computes ``x @ dequant(W).T + b``. ``qerl.pipeline.nvfp4.loading`` puts one in place
+of every quantized Linear of a checkpoint's model.
 
 How: a custom autograd Function decodes the weight straight into the activation dtype, uses the dense
 tile for one GEMM and drops it; backward decodes again for ``grad_input = grad_out @ W``. Only the
 packed buffers are saved for backward, so no dequantized copy of the base lives between forward and
 backward (the QLoRA trade: one extra decode per layer per step for ~3.5x less base-weight memory). On
-CPU the decode is the numba kernel (``qerl.kernels.nvfp4.dequantize``, backend logged once), ~8x faster
-than the torch reference, written into a per-thread scratch buffer reused by every layer; a layer
-larger than ``slice_elements(device)`` is decoded and multiplied in slices (output rows in forward,
-16-aligned input columns in backward, so every output element is still one dot product in one GEMM),
-so the dense weight alive at any time is at most one slice: 16 MiB on the CPU, whole layers on CUDA
-(see ``slice_elements`` for why). The base takes no gradient: its tensors are buffers,
-never parameters. peft's LoRA wraps the module through peft's custom-module registry
+CPU the decode is the numba kernel (``qerl.kernels.nvfp4_dispatch.dequantize``, backend logged once),
+several times faster than the torch reference, written into a per-thread scratch buffer reused by
+every layer; a layer larger than ``slice_elements(device)`` is decoded and multiplied in slices (output
+rows in forward, 16-aligned input columns in backward, so every output element is still one dot
+product in one GEMM), so the dense weight alive at any time is at most one slice: 16 MiB on the CPU,
+whole layers on CUDA (see ``slice_elements`` for why). The base takes no gradient: its tensors are
+buffers, never parameters. peft's LoRA wraps the module through peft's custom-module registry
 (``register_with_peft``) using peft's own ``lora.Linear``, so saved adapters are ordinary peft adapters
 (same keys and config as for an ``nn.Linear`` base).
 
@@ -24,35 +23,23 @@ Departures: the paper's trainer uses a fused Marlin-style FP4 GEMM; here the deq
 CPU (the PyTorch reference if numba is missing) and qerl.kernels.nvfp4_triton's Triton dequantizer on GPU,
 with a dense matmul after, so the fast paths save memory but not FLOPs. The weight is dequantized to
 the activation dtype, which is exactly what a bf16 model loaded with the dequantized weights holds
-(see ``load_dequantized_reference``).
+(see ``qerl.pipeline.nvfp4.loading.load_dequantized_reference``).
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from qerl.kernels import nvfp4
-from safetensors import safe_open
+from qerl.kernels import nvfp4_dispatch
+from qerl.kernels.nvfp4_reference import GROUP_SIZE
+from qerl.pipeline.nvfp4.recipe import QUANT_SUFFIXES
 from torch import nn
 
-log = logging.getLogger("qerl.qlinear")
+__all__ = ["NVFP4Linear", "dequantize_weight", "register_with_peft", "slice_elements"]
 
-__all__ = [
-    "NVFP4Linear",
-    "dequantize_weight",
-    "load_dequantized_reference",
-    "load_quantized_for_training",
-    "quantized_linear_names",
-    "register_with_peft",
-    "slice_elements",
-]
-
-_PACKED, _SCALE, _GSCALE = "weight_packed", "weight_scale", "weight_global_scale"
+_PACKED, _SCALE, _GSCALE = QUANT_SUFFIXES
 
 
 # Dense elements of one dequantized weight slice, per device type (``slice_elements``). A layer larger
@@ -68,10 +55,8 @@ def slice_elements(device: torch.device | str) -> int:
 
     Why they differ: on the CPU the decoded slice lives in a per-thread scratch buffer that stays
     resident for the whole run, so it is capped at 16 MiB. That costs speed on a layer above the cap
-    (measured on a 7B MLP projection, 18944 x 3584, 256 tokens, 2 cores under load: forward 0.49 s
-    sliced against 0.34 s whole, grad_input 0.90-0.98 s against 0.38-0.40 s, the column slices being
-    the slow part), but every projection of the models a CPU trains here (0.5B: at most 4864 x 896)
-    fits one slice. On a GPU the dense tile is a transient of the caching allocator, a few hundred MB
+    (sliced GEMMs are slower than one whole GEMM, the narrow column slices of backward most), but
+    every projection of the models a CPU trains here (0.5B: at most 4864 x 896) fits one slice. On a GPU the dense tile is a transient of the caching allocator, a few hundred MB
     at most (Qwen2.5-32B's largest projection, 27648 x 5120, is 283 MB in bf16), and slicing would
     turn a 7B MLP projection into 9 narrow GEMMs (each with its own dequantizer launch) and write each
     backward slice into a strided view of ``grad_input``. So CUDA decodes whole layers: every
@@ -86,8 +71,9 @@ _scratch = threading.local()
 def dequantize_weight(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Dense [out, in] weight via ``qerl.kernels.nvfp4.dequantize`` (Triton on CUDA, numba on CPU; logged)."""
-    return nvfp4.dequantize(packed, scale, global_scale, dtype=dtype)
+    """Dense [out, in] weight via ``qerl.kernels.nvfp4_dispatch.dequantize`` (Triton on CUDA, numba on CPU;
+    logged)."""
+    return nvfp4_dispatch.dequantize(packed, scale, global_scale, dtype=dtype)
 
 
 def _decode(
@@ -108,7 +94,9 @@ def _decode(
     buf = bufs.get(dtype)
     if buf is None or buf.numel() < rows * cols:
         buf = bufs[dtype] = torch.empty(rows * cols, dtype=dtype)
-    return nvfp4.dequantize(packed, scale, global_scale, dtype, out=buf[: rows * cols].view(rows, cols))
+    return nvfp4_dispatch.dequantize(
+        packed, scale, global_scale, dtype, out=buf[: rows * cols].view(rows, cols)
+    )
 
 
 def _chunk(total: int, other: int, align: int, chunk_elements: int) -> int:
@@ -163,7 +151,7 @@ def _linear_grad_input(
     the dense model's ``grad_out @ W``. Each slice's GEMM writes straight into ``grad_input``'s columns.
     """
     out_f, in_f = packed.shape[0], packed.shape[1] * 2
-    cols = _chunk(in_f, out_f, nvfp4.GROUP_SIZE, chunk_elements)
+    cols = _chunk(in_f, out_f, GROUP_SIZE, chunk_elements)
     dtype = grad_out.dtype
     if cols >= in_f:
         return grad_out.matmul(_decode(packed, scale, global_scale, dtype))
@@ -171,7 +159,7 @@ def _linear_grad_input(
     grad_in = torch.empty(g2.shape[0], in_f, dtype=dtype, device=grad_out.device)
     for c0 in range(0, in_f, cols):
         c1 = min(in_f, c0 + cols)
-        blocks = slice(c0 // nvfp4.GROUP_SIZE, c1 // nvfp4.GROUP_SIZE)
+        blocks = slice(c0 // GROUP_SIZE, c1 // GROUP_SIZE)
         w = _decode(packed[:, c0 // 2 : c1 // 2], scale[:, blocks], global_scale, dtype)
         torch.mm(g2, w, out=grad_in[:, c0:c1])
     return grad_in.reshape(*grad_out.shape[:-1], in_f)
@@ -278,124 +266,3 @@ def register_with_peft(lora_config) -> None:  # noqa: ANN001
     from peft.tuners.lora import Linear as LoraLinear
 
     lora_config._register_custom_module({NVFP4Linear: LoraLinear})
-
-
-# -- checkpoint loading ----------------------------------------------------------------------------
-
-
-def _weight_files(ckpt_dir: Path) -> list[Path]:
-    index = ckpt_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [ckpt_dir / s for s in shards]
-    single = ckpt_dir / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {ckpt_dir}")
-    return [single]
-
-
-def _read_tensors(ckpt_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in _weight_files(ckpt_dir):
-        with safe_open(str(path), framework="pt", device=str(device)) as fh:
-            for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
-                tensors[key] = fh.get_tensor(key)
-    return tensors
-
-
-def quantized_linear_names(tensors: dict[str, torch.Tensor] | list[str]) -> list[str]:
-    """Module names ``X`` that have an ``X.weight_packed`` tensor."""
-    suffix = "." + _PACKED
-    return sorted(k[: -len(suffix)] for k in tensors if k.endswith(suffix))
-
-
-def _empty_model(ckpt_dir: Path, dtype: torch.dtype):  # noqa: ANN202
-    """The HF model skeleton: parameters on meta (no allocation), buffers such as RoPE real."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(ckpt_dir)
-    if hasattr(config, "quantization_config"):
-        # We load the packed tensors ourselves; transformers must not apply compressed-tensors.
-        del config.quantization_config
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.config._name_or_path = str(ckpt_dir)
-    return model
-
-
-def _finish_loading(
-    model: nn.Module, tensors: dict[str, torch.Tensor], ckpt_dir: Path, dtype: torch.dtype
-) -> None:
-    float_tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    result = model.load_state_dict(float_tensors, strict=False, assign=True)
-    if result.unexpected_keys:
-        raise ValueError(f"{ckpt_dir}: tensors the model has no place for: {result.unexpected_keys[:10]}")
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
-    if missing:
-        raise ValueError(f"{ckpt_dir}: no tensor for {missing[:10]}")
-    for param in model.parameters():
-        param.requires_grad_(False)
-
-
-def load_quantized_for_training(
-    ckpt_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
-) -> nn.Module:
-    """The HF causal LM of an NVFP4A16 checkpoint with packed NVFP4Linear layers, all frozen."""
-    ckpt_dir = Path(ckpt_dir)
-    model = _empty_model(ckpt_dir, dtype)
-    tensors = _read_tensors(ckpt_dir, device)
-    names = quantized_linear_names(tensors)
-    if not names:
-        raise ValueError(f"{ckpt_dir}: no '*.{_PACKED}' tensors - not an NVFP4 checkpoint")
-    for name in names:
-        try:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            old = getattr(parent, child)
-        except AttributeError:
-            raise ValueError(
-                f"{ckpt_dir}: quantized tensor '{name}.{_PACKED}' matches no module in the model"
-            ) from None
-        if not isinstance(old, nn.Linear):
-            raise ValueError(f"{ckpt_dir}: '{name}' is a {type(old).__name__}, not a Linear")
-        module = NVFP4Linear.from_tensors(
-            tensors.pop(f"{name}.{_PACKED}"),
-            tensors.pop(f"{name}.{_SCALE}"),
-            tensors.pop(f"{name}.{_GSCALE}"),
-            tensors.pop(f"{name}.bias", None),
-            dtype=dtype,
-            name=name,
-        )
-        if (module.in_features, module.out_features) != (old.in_features, old.out_features):
-            raise ValueError(
-                f"{ckpt_dir}: '{name}' is {module.out_features}x{module.in_features} in the checkpoint, "
-                f"{old.out_features}x{old.in_features} in config.json"
-            )
-        setattr(parent, child, module)
-    _finish_loading(model, tensors, ckpt_dir, dtype)
-    log.info("loaded %s: %d NVFP4 linears (packed), dtype %s", ckpt_dir, len(names), dtype)
-    return model
-
-
-def load_dequantized_reference(
-    ckpt_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
-) -> nn.Module:
-    """The same checkpoint as an ordinary HF model whose Linear weights hold dequant(W) in ``dtype``.
-
-    The independent reference for tests: plain ``nn.Linear`` layers, no custom autograd.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    model = _empty_model(ckpt_dir, dtype)
-    tensors = _read_tensors(ckpt_dir, device)
-    for name in quantized_linear_names(tensors):
-        tensors[f"{name}.weight"] = dequantize_weight(
-            tensors.pop(f"{name}.{_PACKED}"),
-            tensors.pop(f"{name}.{_SCALE}"),
-            tensors.pop(f"{name}.{_GSCALE}"),
-            dtype,
-        )
-    _finish_loading(model, tensors, ckpt_dir, dtype)
-    return model

@@ -2,7 +2,7 @@
 
 Why: promotion is a read-modify-write ("read the champion, compare, set the alias") and version
 creation checks "is this adapter digest registered already?" first; two runs finishing together
-must not interleave them (see ``qerl.pipeline.registry.tracking``). The lock lives with the backend:
+must not interleave them (see ``qerl.pipeline.registry.promotion``). The lock lives with the backend:
 
 - sqlite: an ``flock`` on ``<db>.lock`` next to the database file;
 - PostgreSQL: a session-level ``pg_advisory_lock`` on the same database;

@@ -1,7 +1,7 @@
 """Per-token logprobs of completions under a causal LM, with the lm_head fused into the log-softmax.
 
 What: ``completion_logprobs(model, minibatch, T)`` gives ``log_softmax(lm_head(h) / T)[token]`` (fp32)
-for every completion position of a collated minibatch (``qerl.pipeline.rl.training._collate``), optionally
+for every completion position of a collated minibatch (``qerl.pipeline.rl.batch.collate``), optionally
 with the entropy, for the trainer's loss and its old logprobs.
 
 How: the decoder runs to its last hidden states; ``_TokenLogprobs`` applies the lm_head and the
@@ -41,9 +41,9 @@ def logprob_chunk_elements(device: torch.device | str) -> int:
 
     CPU: 13 positions at a 152k vocabulary, 38 MB of transients. This is a memory-for-speed trade,
     kept because the CPU is the memory-bound machine here and the peaks the CPU train benchmark and
-    ``qerl plan`` report assume it: measured at the 0.5B head (151936 x 896, 256 positions, forward and
-    backward, 2 cores under load), 110-row slabs (``1 << 24``, 300 MB of transients) were 1.6-2.4x
-    faster (3.7-4.4 s against 5.9-10.5 s), so a CPU with memory to spare may raise it.
+    ``qerl plan`` report assume it. Larger slabs (``1 << 24``, 110 rows, 300 MB of transients) are
+    faster on the CPU too (the measurement is in the decision record), so a CPU with memory to spare
+    may raise it.
 
     CUDA: on an H100 (about 990 bf16 TFLOP/s against 3.35 TB/s: a ridge near 300 FLOPs per byte)
     13-row slabs are bandwidth-bound: a 4 x 1024-token minibatch at 7B would re-read the head 316

@@ -30,13 +30,13 @@ How (shapes: B sequences, T completion positions, ``mask`` 1 on real completion 
   absolute logprob gap, share outside the clip range, share where the TIS cap binds).
 
 Departures from the paper/TRL, and why:
-* This package used to take the ratio against the sampler's logprobs. Then a token on
-  which the noisy or differently computed sampler disagrees with the trainer beyond the clip range
-  is clipped from the first update on and gets no gradient at all, so AQN's noise acted as extra
-  clipping rather than exploration, and with no dual clip a negative-advantage token with a large
-  ratio had an unbounded loss. The default is now the trainer anchor with TIS (cap 2, as in "Your
-  efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025) and dual clip
-  3. ``anchor: sampler`` with ``tis_cap: null`` (and ``dual_clip: null``) restores the old objective.
+* The default anchor is the trainer with TIS (cap 2, as in "Your efficient RL framework secretly
+  brings you off-policy RL training", Yao et al. 2025) and dual clip 3, not the sampler's logprobs:
+  with the sampler as anchor, a token on which the noisy or differently computed sampler disagrees
+  with the trainer beyond the clip range is clipped from the first update on and gets no gradient at
+  all, so AQN's noise acts as extra clipping rather than exploration, and without dual clip a
+  negative-advantage token with a large ratio has an unbounded loss. ``anchor: sampler`` with
+  ``tis_cap: null`` (and ``dual_clip: null``) gives the sampler-anchored objective.
 * Metrics are returned as sums and counts, not means, so the caller can combine minibatches exactly.
 """
 

@@ -4,7 +4,7 @@ It runs the dequantized twin (mode ``hf-nvfp4-emulated``) with the LoRA adapter 
 AQN applied to the norm weights by ``qerl.pipeline.rollout.aqn.apply_to_hf_model`` (same noise as vLLM's).
 Sampling goes through ``generate`` itself (its temperature/top-k/top-p warpers); the recorded
 logprob is recomputed from the raw logits ``generate`` returns as ``log_softmax(logits / T)`` at the
-sampled token (see ``qerl.pipeline.rollout.engine`` for why this and not the warped distribution).
+sampled token (see ``qerl.pipeline.rollout.protocol`` for why this and not the warped distribution).
 
 Batches are left-padded (the only padding that decoder-only generation supports); a row stops at
 its first EOS, which is kept in the completion together with its logprob (the policy chose to
@@ -21,14 +21,13 @@ from typing import Any
 
 import torch
 from qerl.pipeline.rollout.aqn import apply_to_hf_model
-from qerl.pipeline.rollout.engine import (
+from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.prompt_encoding import encode_prompt, eos_token_ids
+from qerl.pipeline.rollout.protocol import (
     Completion,
     EngineError,
-    RolloutConfig,
     SamplingSpec,
     check_adapter_dir,
-    encode_prompt,
-    eos_token_ids,
     sample_seed,
 )
 

@@ -12,10 +12,10 @@
   n requests of a GRPO group are scheduled in the same step, so each would prefill the whole prompt.
   With n > 1 every distinct prompt is first prefilled once (a 1-token greedy request, output
   dropped); the group's requests then reuse its full KV blocks and prefill only the partial last
-  block. At the rollout benchmark's shape (16 prompts x 8 samples, ~90-token prompts, CPU) prefill
-  took 37 s of a ~60 s batch. On CPU the KV block is 32 tokens (``kv_block_size``) instead of vLLM's
-  128, which is longer than most prompts and so would share nothing.
-- Logprobs: ``logprobs_mode`` chosen as described in ``qerl.pipeline.rollout.engine`` (processed_logprobs when
+  block. Without it, prefill is most of a CPU rollout batch at GRPO group sizes. On CPU the KV block
+  is 32 tokens (``kv_block_size``) instead of vLLM's 128, which is longer than most prompts and so
+  would share nothing.
+- Logprobs: ``logprobs_mode`` chosen as described in ``qerl.pipeline.rollout.protocol`` (processed_logprobs when
   top-k/top-p are off, raw_logprobs at T = 1, otherwise an error).
 - Mode: on CUDA it reads back the quantization scheme the workers built and refuses to call itself
   ``vllm-nvfp4-marlin`` unless an NVFP4 scheme is there.
@@ -29,15 +29,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qerl.pipeline.rollout.engine import (
+from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.prompt_encoding import encode_prompt
+from qerl.pipeline.rollout.protocol import (
     Completion,
     EngineError,
-    RolloutConfig,
     SamplingSpec,
     check_adapter_dir,
-    encode_prompt,
     sample_seed,
 )
+from qerl.pipeline.runtime.device import cuda_available
 from qerl.pipeline.runtime.threads import restore, snapshot
 
 log = logging.getLogger("qerl.engines.vllm")
@@ -102,6 +103,75 @@ VLLM_CPU_DEFAULT_BATCHED_TOKENS = 4096
 CPU_KV_BLOCK = 32
 
 
+def _llm_kwargs(cfg: RolloutConfig, model_dir: Path, logprobs_mode: str, cuda: bool) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for ``cfg`` on this machine (sets vLLM's multiprocessing switch)."""
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "tokenizer": str(model_dir),
+        "dtype": cfg.dtype,
+        "seed": cfg.seed,
+        "max_model_len": cfg.max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "enable_prefix_caching": True,
+        "enable_lora": cfg.enable_lora,
+        "logprobs_mode": logprobs_mode,
+        "worker_extension_cls": EXTENSION,
+        "enforce_eager": cfg.enforce_eager,
+        # checked against the model's heads and the device by qerl.pipeline.planning.run_checks.check_parallelism
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+    }
+    # vLLM reads this switch from the environment only; set it both ways so one in-process
+    # engine does not silently turn every later engine in this process in-process too.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.in_process else "1"
+    if cfg.in_process:
+        _shield_llvmlite_from_vllm_scan()
+        # Engine core and worker in this process: no subprocess re-importing torch and vLLM,
+        # which is most of a CPU startup.
+        kwargs["distributed_executor_backend"] = "uni"
+        log.info("vLLM engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor, no thread binding)")
+    elif not cuda:
+        log.info(
+            "vLLM engine in worker processes: VLLM_CPU_OMP_THREADS_BIND=%s pins the worker's OpenMP "
+            "threads ('auto': one NUMA node, one core left to the engine process); this process's "
+            "threads keep their affinity",
+            os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        )
+    if cfg.kv_block_size or not cuda:
+        kwargs["block_size"] = cfg.kv_block_size or CPU_KV_BLOCK
+    if cfg.enable_lora:
+        kwargs.update(max_loras=1, max_lora_rank=cfg.max_lora_rank)
+    if cfg.enforce_eager:
+        kwargs["compilation_config"] = {"mode": 0}  # no torch.compile: a fast startup
+    kwargs.update(_memory_kwargs(cfg, cuda))
+    return kwargs
+
+
+def _memory_kwargs(cfg: RolloutConfig, cuda: bool) -> dict[str, Any]:
+    """The KV cache and step-budget arguments: a share of the GPU, or a fixed CPU cache."""
+    if cuda:
+        kwargs: dict[str, Any] = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+        if cfg.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        return kwargs
+    kwargs = {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * (1 << 30))}
+    # Every request is seeded. When chunked prefill splits a prompt, vLLM discards that
+    # step's sample and rewinds the request's generator by its offset, which only CUDA
+    # (Philox) generators have: on CPU the engine dies with "CPU Generator does not use
+    # offset" as soon as a batch's prompts exceed one step's token budget. So prompts are
+    # never split on CPU; a step takes whole prompts up to the budget.
+    kwargs["enable_chunked_prefill"] = False
+    kwargs["max_num_batched_tokens"] = max(
+        cfg.max_model_len, cfg.max_num_batched_tokens or VLLM_CPU_DEFAULT_BATCHED_TOKENS
+    )
+    log.info(
+        "vLLM on CPU: chunked prefill off (seeded CPU generators cannot rewind), max_num_batched_tokens=%d",
+        kwargs["max_num_batched_tokens"],
+    )
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        log.info("VLLM_CPU_KVCACHE_SPACE=%s GiB overrides kv_cache_gib", os.environ["VLLM_CPU_KVCACHE_SPACE"])
+    return kwargs
+
+
 class VLLMEngine:
     """``vllm.LLM`` + LoRARequest per adapter version + AQN via the worker extension."""
 
@@ -111,77 +181,13 @@ class VLLMEngine:
         # no-op: all put back once it is up, so the trainer and later child processes keep their own
         # thread settings (qerl.pipeline.runtime.threads)
         threads_before = snapshot()
-        import torch
         from transformers import AutoTokenizer
         from vllm import LLM
 
         self.cfg, self.mode, self.model_dir = cfg, mode, Path(model_dir)
         self.logprobs_mode = logprobs_mode_for(cfg.sampling())
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        kwargs: dict[str, Any] = {
-            "model": str(self.model_dir),
-            "tokenizer": str(self.model_dir),
-            "dtype": cfg.dtype,
-            "seed": cfg.seed,
-            "max_model_len": cfg.max_model_len,
-            "max_num_seqs": cfg.max_num_seqs,
-            "enable_prefix_caching": True,
-            "enable_lora": cfg.enable_lora,
-            "logprobs_mode": self.logprobs_mode,
-            "worker_extension_cls": EXTENSION,
-            "enforce_eager": cfg.enforce_eager,
-            # checked against the model's heads and the device by qerl.pipeline.planning.run_config.check_parallelism
-            "tensor_parallel_size": cfg.tensor_parallel_size,
-        }
-        # vLLM reads this switch from the environment only; set it both ways so one in-process
-        # engine does not silently turn every later engine in this process in-process too.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.in_process else "1"
-        if cfg.in_process:
-            _shield_llvmlite_from_vllm_scan()
-            # Engine core and worker in this process: no subprocess re-importing torch and vLLM,
-            # which is most of a CPU startup.
-            kwargs["distributed_executor_backend"] = "uni"
-            log.info(
-                "vLLM engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor, no thread binding)"
-            )
-        elif not torch.cuda.is_available():
-            log.info(
-                "vLLM engine in worker processes: VLLM_CPU_OMP_THREADS_BIND=%s pins the worker's OpenMP "
-                "threads ('auto': one NUMA node, one core left to the engine process); this process's "
-                "threads keep their affinity",
-                os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
-            )
-        if cfg.kv_block_size or not torch.cuda.is_available():
-            kwargs["block_size"] = cfg.kv_block_size or CPU_KV_BLOCK
-        if cfg.enable_lora:
-            kwargs.update(max_loras=1, max_lora_rank=cfg.max_lora_rank)
-        if cfg.enforce_eager:
-            kwargs["compilation_config"] = {"mode": 0}  # no torch.compile: ~2 s startup on CPU
-        if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-            if cfg.max_num_batched_tokens:
-                kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-        else:
-            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * (1 << 30))
-            # Every request is seeded. When chunked prefill splits a prompt, vLLM discards that
-            # step's sample and rewinds the request's generator by its offset, which only CUDA
-            # (Philox) generators have: on CPU the engine dies with "CPU Generator does not use
-            # offset" as soon as a batch's prompts exceed one step's token budget. So prompts are
-            # never split on CPU; a step takes whole prompts up to the budget.
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(
-                cfg.max_model_len, cfg.max_num_batched_tokens or VLLM_CPU_DEFAULT_BATCHED_TOKENS
-            )
-            log.info(
-                "vLLM on CPU: chunked prefill off (seeded CPU generators cannot rewind), "
-                "max_num_batched_tokens=%d",
-                kwargs["max_num_batched_tokens"],
-            )
-            if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                log.info(
-                    "VLLM_CPU_KVCACHE_SPACE=%s GiB overrides kv_cache_gib",
-                    os.environ["VLLM_CPU_KVCACHE_SPACE"],
-                )
+        kwargs = _llm_kwargs(cfg, self.model_dir, self.logprobs_mode, cuda_available())
         try:
             self.llm = LLM(**kwargs)
         finally:
@@ -328,8 +334,8 @@ class VLLMEngine:
                 shutdown()
             del llm
             if self.cfg.in_process:
-                # the in-process worker's gloo groups keep ~26 threads waking ~100 times a second each
-                # in this process after shutdown; the trainer's threads share the cores with them
+                # the in-process worker's gloo groups keep dozens of threads polling in this process
+                # after shutdown; the trainer's threads would share the cores with them
                 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
                 cleanup_dist_env_and_memory()

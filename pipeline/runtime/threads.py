@@ -1,35 +1,14 @@
 """The trainer's CPU threads next to a rollout engine: MKL and OpenMP as in a fresh process, one core per
 intra-op thread, and nothing of vLLM's thread settings left behind in the trainer's process.
 
-What was found (issue 12; 2-vCPU Firecracker VM, torch 2.13's libgomp and MKL, vLLM 0.32 on CPU):
-
-- **The root cause: ``torch.set_num_threads`` changes MKL, and MKL then nests and insists.**
-  ``torch.set_num_threads(n)`` (ATen's ``set_num_threads``) also calls ``mkl_set_dynamic(false)``
-  and ``mkl_set_num_threads_local(n)``. A fresh process never calls it; after a vLLM engine start
-  (something in its start calls it in the caller's process), the demo's one-thread SFT, or any other caller, MKL's state differs, with
-  two effects measured here (benchmarks/bench_contention.py, one process per arm):
-  1. *A new thread for every GEMM.* A slow step created ~22,000 tasks (``ns_last_pid`` before and
-     after), a fast one none. gdb on ``pthread_create``: torch's CPU flash attention runs a
-     ``parallel_for`` (an OpenMP team of 2), each of its blocks calls MKL's sgemm, and MKL, with its
-     dynamic mode off, opens a *nested* ``GOMP_parallel`` team inside it; libgomp keeps no pool for
-     nested teams, so every block starts and ends a thread: 15x slower steps on a quiet machine.
-     libgomp's default max-active-levels here is unlimited, so nothing stopped the nesting.
-  2. *No backing off under load.* With nesting stopped but MKL's thread-local count set to 2, a step
-     next to one busy process on the other core took 3.7 s against 0.6 s in a fresh process (and
-     20-35 s with the engine's children around): MKL keeps both threads in every GEMM and each
-     barrier waits for the one that shares its core. With the thread-local count cleared (0: follow
-     the global setting, as in a fresh process) it took 0.55 s.
-  What a step leaves in libgomp's pool also carried over to later steps in one process (a first
-  step with threads pinned made later unpinned ones fast), which is why pinning alone looked like
-  the fix (1.48x) before the cause was found; the "two threads on one core" seen in ``/proc``
-  samples then were the short-lived nested threads.
-- What vLLM's start leaves in the caller's process, compared before/after (``snapshot``):
-  process and per-thread affinity, ``torch.get_num_threads()`` and the OpenMP runtimes loaded are
-  unchanged; MKL's dynamic mode is off (above); it writes environment variables that every later
-  child process inherits (``LD_PRELOAD`` with torch's libgomp, ``NUMEXPR_MAX_THREADS``,
-  ``TORCHINDUCTOR_*``) and, in-process, replaces ``torch.set_num_threads`` with a function that
-  ignores every later call (``CPUWorker.init_device``), so the trainer (or the demo's one-thread
-  SFT) could no longer choose its thread count.
+Why. ``torch.set_num_threads(n)`` also turns MKL's dynamic mode off and sets a thread-local MKL count.
+A fresh process never calls it; after a vLLM engine start (which calls it in the caller's process), a
+one-thread SFT or any other caller, MKL nests an OpenMP team inside every block of torch's own
+``parallel_for``. libgomp keeps no pool for nested teams, so every GEMM block starts and ends a thread,
+and under load MKL keeps both threads in every GEMM while one of them shares its core. vLLM's start
+also writes thread environment variables that later children inherit (``LD_PRELOAD`` with torch's
+libgomp, ``NUMEXPR_MAX_THREADS``) and replaces ``torch.set_num_threads`` in-process with a function
+that ignores later calls. The measurements behind this are in docs/decisions.md and BENCHMARKS.md.
 
 What this module does:
 
@@ -42,10 +21,8 @@ What this module does:
   afterwards, so nothing created later inherits a pin. The thread ids come from running a parallel
   region of torch's own libgomp (``GOMP_parallel`` through ctypes, the pool torch uses from this
   thread). With more threads than CPUs, on CUDA, or with no libgomp in the process, it pins nothing
-  and says why. ``trainer_threads()`` is both, what the train stage uses. Pinning is kept for load
-  (bench_contention.py, engine live, 4 and 3 rounds): on a quiet machine unpinned steps were
-  0.80x of a fresh process and pinned 1.01x; next to one busy process, pinned 1.00x and unpinned
-  2.39x, because an unpinned thread that shares a core with the other job holds up every barrier.
+  and says why. Pinning matters under load: an unpinned thread that shares a core with another job
+  holds up every barrier of the step. ``trainer_threads()`` is both, what the train stage uses.
 - ``preserved_thread_state(reason)``: around an engine start, restores what vLLM changed in this
   process (the thread-related environment, ``torch.set_num_threads`` and the thread count) and logs
   each restored item at INFO with its old and new value.

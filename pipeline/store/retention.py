@@ -46,7 +46,6 @@ instead; resuming a run never does, because its last checkpoint is always kept.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
 import shutil
@@ -55,35 +54,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
-from qerl.pipeline.config import StrictModel
-from qerl.pipeline.evaluation.ablation import ABLATION_DIR
-from qerl.pipeline.store.artifacts import MANIFEST, ArtifactError, ArtifactStore, Manifest
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.layout import (
+    MANIFEST,
+    OBJECTS_DIR,
+    OPTIMIZER_FILE,
+    RUNS_DIR,
+    STORE_DIR,
+    TMP_DIR,
+    TRAIN_STAGE,
+    TRASH_DIR,
+)
+from qerl.pipeline.store.manifest import ArtifactError, Manifest
+from qerl.pipeline.store.retention_policy import (
+    Marks,
+    RetentionConfig,
+    RetentionError,
+    is_live,
+    load_ablations,
+    load_runs,
+    mark_ablations,
+    mark_run,
+    policy_for,
+    registered_train_digests,
+)
 
 log = logging.getLogger("qerl.retention")
 
-TRAIN_STAGE = "train"
-REGISTER_STAGE = "register"
-OPTIMIZER_FILES = ("optimizer.safetensors",)  # what qerl.pipeline.rl.training.save_checkpoint writes
 TRASH_MIN_AGE_S = 600.0  # younger trash entries may still be filling (a prune in progress)
-
-
-class RetentionConfig(StrictModel):
-    """What ``qerl gc`` (and the flow, after each step) may delete from the store."""
-
-    keep_optimizer_last: int = Field(
-        2, ge=1, description="optimizer states kept per run: those of its last K steps (resume needs 1)"
-    )
-    keep_adapters_every: int = Field(
-        0, ge=0, description="keep every E-th step's adapter (0: all); last/evaluated/registered always kept"
-    )
-    live_window_h: float = Field(
-        24.0, gt=0, description="a run 'running' and updated within this many hours is live: gc skips it"
-    )
-
-
-class RetentionError(RuntimeError):
-    """gc cannot decide safely (an unreadable run record or register manifest); names the file."""
 
 
 @dataclass
@@ -123,155 +121,7 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def load_runs(work: Path) -> list[dict[str, Any]]:
-    """Every run record under ``work/runs``; an unreadable one stops gc (its references are unknown)."""
-    records = []
-    for path in sorted((work / "runs").glob("*/run.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise RetentionError(f"cannot read run record {path} ({err}): refusing to collect") from err
-        if not isinstance(record, dict) or not isinstance(record.get("steps"), list):
-            raise RetentionError(f"run record {path} has no 'steps' list: refusing to collect")
-        record.setdefault("run_id", path.parent.name)
-        records.append(record)
-    return records
-
-
-def policy_for(record: dict[str, Any], overrides: dict[str, Any] | None = None) -> RetentionConfig:
-    """The run's own ``store`` section (defaults for records that predate it) with ``overrides``."""
-    own = (record.get("config") or {}).get("store") or {}
-    try:
-        return RetentionConfig.model_validate({**own, **(overrides or {})})
-    except ValidationError as err:
-        raise RetentionError(f"run {record.get('run_id')}: bad store retention settings: {err}") from err
-
-
-def is_live(record: dict[str, Any], window_h: float, now: _dt.datetime | None = None) -> bool:
-    """Status running and touched within ``window_h`` (a record without a time counts as live)."""
-    if record.get("status") != "running":
-        return False
-    stamp = record.get("updated_at") or record.get("started_at")
-    if not stamp:
-        return True
-    try:
-        when = _dt.datetime.fromisoformat(str(stamp))
-    except ValueError:
-        return True
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=_dt.UTC)
-    now = now or _dt.datetime.now(_dt.UTC)
-    return (now - when).total_seconds() < window_h * 3600
-
-
-def _train_keys(record: dict[str, Any]) -> list[tuple[int, str]]:
-    """(step, train key) of every recorded step, in step order."""
-    out = []
-    for i, entry in enumerate(record["steps"]):
-        key = ((entry or {}).get("manifests") or {}).get("train")
-        if key:
-            out.append((int(entry.get("step", i)), str(key)))
-    return sorted(out)
-
-
-def load_ablations(work: Path, notes: list[str]) -> list[dict[str, Any]]:
-    """Every readable ablation record ``<work>/ablations/<id>/ablation.json`` (an unreadable one is
-    noted and skipped: see the module docstring)."""
-    records = []
-    for path in sorted((work / ABLATION_DIR).glob("*/ablation.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            notes.append(f"skipped ablation record {path} ({err}): its runs' own records still protect them")
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
-            notes.append(f"skipped ablation record {path}: no 'runs' list")
-            continue
-        record.setdefault("id", path.parent.name)
-        records.append(record)
-    return records
-
-
-def ablation_adapters(record: dict[str, Any]) -> set[str]:
-    """Train keys of a run's final evaluated adapter: what an ablation compares (``qerl.flows.ablate``
-    reads the evaluation of the adapter after ``loop.steps``), and the run's ``final_adapter``."""
-    steps = int(((record.get("config") or {}).get("loop") or {}).get("steps") or 0)
-    keys = {
-        str(e["adapter"])
-        for e in record.get("evaluations") or []
-        if isinstance(e, dict) and e.get("adapter") and int(e.get("step", -1)) == steps
-    }
-    if record.get("final_adapter"):
-        keys.add(Path(record["final_adapter"]).parent.name)
-    return keys
-
-
-def _mark_ablations(
-    marks: _Marks, ablations: list[dict[str, Any]], runs: list[dict[str, Any]], notes: list[str]
-) -> None:
-    """Keep each listed run's final evaluated adapter (a run not started yet has nothing to keep)."""
-    by_id = {r["run_id"]: r for r in runs}
-    for ablation in ablations:
-        listed = [str(e.get("run_id")) for e in ablation["runs"] if isinstance(e, dict)]
-        finals = [ablation_adapters(by_id[r]) for r in listed if r in by_id]
-        marks.keep_adapter.update(*finals)
-        if any(finals):
-            done = sum(1 for f in finals if f)
-            notes.append(
-                f"kept the final adapters of ablation {ablation['id']}: {done} of its {len(listed)} runs"
-            )
-
-
-def registered_train_digests(store: ArtifactStore) -> set[str]:
-    """Digests of the train artifacts whose adapters were registered from this store."""
-    digests = set()
-    for directory in sorted((store.root / "objects" / REGISTER_STAGE).glob("*")):
-        if not (directory / MANIFEST).is_file():
-            continue
-        try:
-            manifest = Manifest.load(directory)
-        except (ValueError, ArtifactError) as err:
-            raise RetentionError(f"cannot read register manifest in {directory} ({err})") from err
-        if "train" in manifest.inputs:
-            digests.add(manifest.inputs["train"])
-    return digests
-
-
-@dataclass
-class _Marks:
-    keep_opt: set[str] = field(default_factory=set)
-    keep_adapter: set[str] = field(default_factory=set)
-    drop_opt: dict[str, str] = field(default_factory=dict)  # key -> reason
-    drop_adapter: dict[str, str] = field(default_factory=dict)
-
-
-def _mark_run(marks: _Marks, record: dict[str, Any], policy: RetentionConfig, live: bool) -> None:
-    steps = _train_keys(record)
-    keys = [k for _, k in steps]
-    rid = record["run_id"]
-    if live or not keys:
-        marks.keep_opt.update(keys)
-        marks.keep_adapter.update(keys)
-        return
-    last_k = keys[-policy.keep_optimizer_last :]
-    marks.keep_opt.update(last_k)
-    marks.keep_adapter.update(last_k)  # a resume from a kept optimizer state needs its adapter too
-    marks.keep_adapter.update(e["adapter"] for e in record.get("evaluations") or [] if e.get("adapter"))
-    if record.get("final_adapter"):
-        marks.keep_adapter.add(Path(record["final_adapter"]).parent.name)
-    if not policy.keep_adapters_every:
-        marks.keep_adapter.update(keys)
-    for step, key in steps:
-        if key not in last_k:
-            marks.drop_opt.setdefault(
-                key, f"run {rid} step {step}: older than its last {policy.keep_optimizer_last} steps"
-            )
-        every = policy.keep_adapters_every
-        if every and (step + 1) % every:
-            marks.drop_adapter.setdefault(key, f"run {rid} step {step}: not a multiple of {every} steps")
-
-
-def _pruning(store: ArtifactStore, marks: _Marks, registered: set[str], notes: list[str]) -> list[Deletion]:
+def _pruning(store: ArtifactStore, marks: Marks, registered: set[str], notes: list[str]) -> list[Deletion]:
     out = []
     for key in sorted(set(marks.drop_opt) | set(marks.drop_adapter)):
         directory = store.path_for(TRAIN_STAGE, key)
@@ -284,7 +134,8 @@ def _pruning(store: ArtifactStore, marks: _Marks, registered: set[str], notes: l
             continue
         names, reasons = [], []
         if key in marks.drop_opt and key not in marks.keep_opt:
-            names += [n for n in OPTIMIZER_FILES if n in manifest.files]
+            if OPTIMIZER_FILE in manifest.files:
+                names.append(OPTIMIZER_FILE)
             reasons.append(f"optimizer: {marks.drop_opt[key]}")
         if key in marks.drop_adapter and key not in marks.keep_adapter and manifest.digest not in registered:
             folder = str(manifest.extra.get("adapter", "adapter")).rstrip("/") + "/"
@@ -311,13 +162,13 @@ def _tmp_lock_name(folder: Path) -> str | None:
 
 def _sweeps(store: ArtifactStore, notes: list[str], now: _dt.datetime) -> list[Deletion]:
     out = []
-    for entry in sorted((store.root / "trash").iterdir()):
+    for entry in sorted((store.root / TRASH_DIR).iterdir()):
         # a fresh entry may be a prune (or a gc) still moving files into it: leave it to the next gc
         if now.timestamp() - entry.lstat().st_mtime < TRASH_MIN_AGE_S:
             notes.append(f"kept {entry}: moved to trash less than {TRASH_MIN_AGE_S:.0f} s ago")
             continue
         out.append(Deletion("trash", entry, _tree_bytes(entry), "moved aside earlier (corrupt or pruned)"))
-    for entry in sorted((store.root / "tmp").iterdir()):
+    for entry in sorted((store.root / TMP_DIR).iterdir()):
         name = _tmp_lock_name(entry)
         if name is None:
             notes.append(f"kept {entry}: not a build folder of this store")
@@ -344,14 +195,14 @@ def plan(
     run's steps and treats it as not live (the flow pruning its own past steps) and skips the sweeps.
     """
     work = Path(work)
-    if not (work / "store" / "objects").is_dir():
-        raise RetentionError(f"no artifact store under {work} (expected {work / 'store' / 'objects'})")
-    store = ArtifactStore(work / "store")
+    if not (work / STORE_DIR / OBJECTS_DIR).is_dir():
+        raise RetentionError(f"no artifact store under {work} (expected {work / STORE_DIR / OBJECTS_DIR})")
+    store = ArtifactStore(work / STORE_DIR)
     result = GcPlan()
-    marks = _Marks()
+    marks = Marks()
     records = load_runs(work)
     if only_run is not None and only_run not in {r["run_id"] for r in records}:
-        raise RetentionError(f"no run record for '{only_run}' under {work / 'runs'}")
+        raise RetentionError(f"no run record for '{only_run}' under {work / RUNS_DIR}")
     for record in records:
         policy = policy_for(record, overrides)
         live = record["run_id"] != only_run and is_live(record, policy.live_window_h, now)
@@ -361,8 +212,8 @@ def plan(
             )
         # with only_run, every other run only protects (as a live one does): none of its drops count
         protect_only = live or (only_run is not None and record["run_id"] != only_run)
-        _mark_run(marks, record, policy, protect_only)
-    _mark_ablations(marks, load_ablations(work, result.notes), records, result.notes)
+        mark_run(marks, record, policy, protect_only)
+    mark_ablations(marks, load_ablations(work, result.notes), records, result.notes)
     result.deletions += _pruning(store, marks, registered_train_digests(store), result.notes)
     if only_run is None:
         result.deletions += _sweeps(store, result.notes, now or _dt.datetime.now(_dt.UTC))
@@ -371,7 +222,7 @@ def plan(
 
 def apply(work: str | Path, gc_plan: GcPlan) -> int:
     """Carry out ``gc_plan``; returns the bytes freed. Folders are renamed aside, then deleted."""
-    store = ArtifactStore(Path(work) / "store")
+    store = ArtifactStore(Path(work) / STORE_DIR)
     freed = 0
     for d in gc_plan.deletions:
         if d.kind == "prune":
@@ -387,7 +238,7 @@ def apply(work: str | Path, gc_plan: GcPlan) -> int:
         elif d.kind == "tmp":
             with store.try_lock(d.key) as free:
                 if free and d.path.exists():  # re-checked: a producer may have started since the plan
-                    aside = store.root / "trash" / f"gc-{d.path.name}-{uuid.uuid4().hex[:8]}"
+                    aside = store.root / TRASH_DIR / f"gc-{d.path.name}-{uuid.uuid4().hex[:8]}"
                     os.replace(d.path, aside)
                     freed += _tree_bytes(aside)
                     shutil.rmtree(aside)

@@ -4,8 +4,9 @@ What: ``quantize_nvfp4`` turns a 2-D weight ``[out, in]`` into the three tensors
 "nvfp4-pack-quantized" Linear (``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` float8_e4m3fn
 ``[out, in/16]``, ``weight_global_scale`` float32 ``[1]``) and ``dequantize_nvfp4`` inverts it. The Triton
 kernels in ``qerl.kernels.nvfp4_triton`` and the numba loops in ``qerl.kernels.nvfp4_numba`` must agree with these
-functions bit for bit; ``quantize`` and ``dequantize`` at the bottom dispatch between them (Triton on
-CUDA tensors, numba on CPU, this file on CPU without numba; the choice is logged).
+functions bit for bit; ``qerl.kernels.nvfp4_dispatch`` picks between them and this file per device. Every
+backend validates its arguments with the checks here (``check_weight``, ``check_packed``,
+``check_global_scale``, ``resolve_global_scale``), so their errors read the same.
 
 How, operation by operation (the order of float32 operations is part of the spec, because the
 compressed-tensors library is the reference we are bit-exact against):
@@ -18,7 +19,7 @@ compressed-tensors library is the reference we are bit-exact against):
   strictly negative quotients, so ``-0.3 -> 0x8`` ("negative zero") but ``-0.0 -> 0x0``.
 * dequantization ``x = q * (s / gs)`` in float32, then one rounding to the output dtype.
 
-Departures from the paper/DESIGN wording and why: DESIGN writes ``s = fp8(gs * amax / 6)`` and
+Departures from the textbook formulas and why: NVFP4 is usually written ``s = fp8(gs * amax / 6)`` and
 ``x = q * s / gs``; the library computes ``gs * (amax / 6)`` and ``q * (s / gs)``, which can differ in
 the last float32 bit, so we follow the library. All arithmetic is float32 whatever the input dtype
 (a bf16 weight is upcast exactly); the library gives the same codes for a bf16 weight only when its
@@ -33,7 +34,6 @@ interpreter's cast is wrong when rounding carries into the exponent and both pat
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -42,23 +42,20 @@ __all__ = [
     "FP4_VALUES",
     "GROUP_SIZE",
     "NVFP4Error",
+    "check_global_scale",
     "check_packed",
     "check_weight",
-    "dequantize",
-    "dequantize_backend",
     "dequantize_nvfp4",
     "fp4_codes",
     "global_scale",
     "pack_codes",
-    "quantize",
-    "quantize_backend",
     "quantize_nvfp4",
+    "resolve_global_scale",
     "round_fp8_e4m3",
     "tensor_amax",
     "unpack_codes",
 ]
 
-log = logging.getLogger("qerl.kernels.nvfp4")
 
 GROUP_SIZE = 16
 FP4_MAX = 6.0
@@ -108,6 +105,22 @@ def _global_scale(amax: torch.Tensor | float) -> torch.Tensor:
     amax_t = amax_t.clamp(min=torch.finfo(torch.float32).tiny)
     gs = (FP8_MAX * FP4_MAX) / amax_t
     return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+def resolve_global_scale(w: torch.Tensor, gs: torch.Tensor | float | None, name: str) -> torch.Tensor:
+    """``gs`` as float32 ``[1]`` on ``w``'s device, or ``w``'s own global scale when None; the amax pass
+    rejects NaN/Inf in ``w`` (naming ``name``), and a non-finite or non-positive scale is an error."""
+    amax = tensor_amax(w, name)  # also the NaN/Inf check
+    out = _global_scale(amax) if gs is None else torch.as_tensor(gs, dtype=torch.float32).reshape(1)
+    out = out.to(device=w.device, dtype=torch.float32)
+    check_global_scale(out, name)
+    return out
+
+
+def check_global_scale(gs: torch.Tensor, name: str = "weight") -> None:
+    """A global scale (float32 ``[1]``) must be finite and positive; the error names the tensor."""
+    if not (torch.isfinite(gs).all() and gs.item() > 0):
+        raise NVFP4Error(f"tensor '{name}': global scale must be finite and positive, got {gs.item()}")
 
 
 def fp4_codes(y: torch.Tensor, boundaries: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,7 +195,7 @@ def quantize_nvfp4(
     ``global_scale`` is the shared scale of a fused group (q/k/v, gate/up); None computes it from ``w``.
     """
     check_weight(w, name)
-    gs = _resolve_gs(w, global_scale, name)
+    gs = resolve_global_scale(w, global_scale, name)
     out_f, in_f = w.shape
     packed = torch.empty(out_f, in_f // 2, dtype=torch.uint8, device=w.device)
     scale = torch.empty(out_f, in_f // GROUP_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
@@ -198,8 +211,15 @@ def quantize_nvfp4(
     return packed, scale, gs
 
 
-def check_packed(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
-    """Shape/dtype checks of a packed weight; returns the dense ``(out, in)``."""
+def check_packed(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[int, int]:
+    """Shape/dtype checks of a packed weight, and of ``out`` (the contiguous ``dtype`` ``[out, in]``
+    buffer a decode writes into) when given; returns the dense ``(out, in)``. Every dequantizer
+    (reference, dispatch, Triton) validates its arguments here."""
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise NVFP4Error(
             f"weight_packed must be a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}"
@@ -209,6 +229,12 @@ def check_packed(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
         raise NVFP4Error(
             f"weight_scale shape {tuple(scale.shape)} does not match weight_packed {tuple(packed.shape)} "
             f"(expected {(out_f, in_f // GROUP_SIZE)})"
+        )
+    if out is not None and (
+        out.dtype != dtype or tuple(out.shape) != (out_f, in_f) or not out.is_contiguous()
+    ):
+        raise NVFP4Error(
+            f"out must be a contiguous {dtype} {(out_f, in_f)} tensor, got {out.dtype} {tuple(out.shape)}"
         )
     return out_f, in_f
 
@@ -233,137 +259,3 @@ def dequantize_nvfp4(
         mult = (scale[r0 : r0 + step].float() / gs).unsqueeze(-1)
         out[r0 : r0 + step] = (q * mult).reshape(codes.shape[0], in_f).to(dtype)
     return out
-
-
-def quantize_backend(device: torch.device | str) -> str:
-    """Which implementation ``quantize`` uses on ``device``: "triton", "numba" or "torch"."""
-    if torch.device(device).type == "cuda":
-        return "triton"
-    from qerl.kernels import nvfp4_numba
-
-    return "numba" if nvfp4_numba.available() else "torch"
-
-
-def _resolve_gs(w: torch.Tensor, gs: torch.Tensor | float | None, name: str) -> torch.Tensor:
-    amax = tensor_amax(w, name)  # also the NaN/Inf check
-    out = _global_scale(amax) if gs is None else torch.as_tensor(gs, dtype=torch.float32).reshape(1)
-    out = out.to(device=w.device, dtype=torch.float32)
-    if not (torch.isfinite(out).all() and out.item() > 0):
-        raise NVFP4Error(f"tensor '{name}': global scale must be finite and positive, got {out.item()}")
-    return out
-
-
-@torch.no_grad()
-def _quantize_numba(
-    w: torch.Tensor, gs: torch.Tensor | float | None, name: str, chunk_elements: int = CHUNK_ELEMENTS
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from qerl.kernels import nvfp4_numba
-
-    check_weight(w, name)
-    if gs is None:
-        gs_t = _resolve_gs(w, gs, name)  # the amax pass also rejects NaN/Inf
-    else:  # a shared global scale: skip the amax pass, the kernel counts non-finite inputs instead
-        gs_t = torch.as_tensor(gs, dtype=torch.float32).reshape(1).cpu()
-        if not (math.isfinite(gs_t.item()) and gs_t.item() > 0):
-            raise NVFP4Error(f"tensor '{name}': global scale must be finite and positive, got {gs_t.item()}")
-    out_f, in_f = w.shape
-    packed = torch.empty(out_f, in_f // 2, dtype=torch.uint8)
-    scale32 = torch.empty(out_f, in_f // GROUP_SIZE, dtype=torch.float32)
-    step = max(1, chunk_elements // max(1, in_f))
-    bad = 0
-    for r0 in range(0, out_f, step):
-        rows = slice(r0, r0 + step)
-        bad += nvfp4_numba.quantize_rows(w[rows].float(), gs_t.item(), packed[rows], scale32[rows])
-    if bad:
-        tensor_amax(w, name)  # raises with the row and column
-    return packed, scale32.to(torch.float8_e4m3fn), gs_t
-
-
-def quantize(
-    w: torch.Tensor, gs: torch.Tensor | float | None = None, name: str = "weight"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize with the fastest exact implementation for ``w``'s device (see ``quantize_backend``).
-
-    Triton on CUDA tensors, the fused numba loop on CPU, the torch reference on CPU without numba.
-    Every backend is bit-identical to ``quantize_nvfp4``; the choice is logged, not silent.
-    """
-    backend = quantize_backend(w.device)
-    log.debug("nvfp4 quantize %s %s: %s backend", name, tuple(w.shape), backend)
-    if backend == "triton":
-        from qerl.kernels import nvfp4_triton
-
-        return nvfp4_triton.quantize_nvfp4_triton(w, gs, name=name)
-    if backend == "numba":
-        return _quantize_numba(w, gs, name)
-    return quantize_nvfp4(w, gs, name=name)
-
-
-def dequantize_backend(device: torch.device | str) -> str:
-    """Which implementation ``dequantize`` uses on ``device``: "triton", "numba" or "torch"."""
-    if torch.device(device).type == "cuda":
-        return "triton"
-    if torch.device(device).type != "cpu":
-        return "torch"
-    from qerl.kernels import nvfp4_numba
-
-    return "numba" if nvfp4_numba.available() else "torch"
-
-
-_logged_backends: set[tuple[str, str]] = set()
-
-
-def _log_backend(op: str, backend: str) -> None:
-    """Log each (operation, backend) once at INFO, so a run's log says which path ran without
-    flooding it (the training layer dequantizes several times per layer per step)."""
-    if (op, backend) not in _logged_backends:
-        _logged_backends.add((op, backend))
-        log.info("nvfp4 %s: %s backend", op, backend)
-
-
-@torch.no_grad()
-def dequantize(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    gs: torch.Tensor | float,
-    dtype: torch.dtype = torch.bfloat16,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Dequantize with the fastest exact implementation for ``packed``'s device (``dequantize_backend``).
-
-    Triton on CUDA tensors, the numba loop on CPU, the torch reference on CPU without numba; all are
-    bit-identical to ``dequantize_nvfp4``. ``packed``/``scale`` may be column slices of a weight (a
-    multiple of 16 columns); ``out`` (contiguous, ``dtype``, ``[out, in]``) is written in place when
-    given, so a caller decoding a weight chunk by chunk reuses one buffer. The backend is logged.
-    """
-    out_f, in_f = check_packed(packed, scale)
-    if out is not None and (
-        out.dtype != dtype or tuple(out.shape) != (out_f, in_f) or not out.is_contiguous()
-    ):
-        raise NVFP4Error(
-            f"out must be a contiguous {dtype} {(out_f, in_f)} tensor, got {out.dtype} {tuple(out.shape)}"
-        )
-    backend = dequantize_backend(packed.device)
-    _log_backend("dequantize", backend)
-    if backend == "numba":
-        from qerl.kernels import nvfp4_numba
-
-        if scale.dtype != torch.float8_e4m3fn:  # the kernel decodes the FP8 bytes itself
-            raise NVFP4Error(f"weight_scale must be float8_e4m3fn, got {scale.dtype}")
-
-        gs_f = float(torch.as_tensor(gs, dtype=torch.float32).reshape(1)[0])
-        if dtype in (torch.float32, torch.bfloat16):
-            return nvfp4_numba.dequantize_into(
-                packed, scale, gs_f, out if out is not None else torch.empty(out_f, in_f, dtype=dtype)
-            )
-        # other dtypes: float32 from the kernel, then the reference's single rounding to dtype
-        dense = nvfp4_numba.dequantize_into(
-            packed, scale, gs_f, torch.empty(out_f, in_f, dtype=torch.float32)
-        )
-        return dense.to(dtype) if out is None else out.copy_(dense)
-    if backend == "triton":
-        from qerl.kernels import nvfp4_triton
-
-        dense = nvfp4_triton.dequantize_nvfp4_triton(packed, scale, gs, dtype=dtype)
-    else:
-        dense = dequantize_nvfp4(packed, scale, gs, dtype=dtype)
-    return dense if out is None else out.copy_(dense)

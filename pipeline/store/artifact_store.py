@@ -1,24 +1,20 @@
 """Content-addressed artifact store: every stage output lives under a key and is written atomically.
 
-Layout under the store root::
-
-    objects/<stage>/<key>/            finished outputs, manifest.json inside (the completion marker)
-    tmp/<stage>-<key>-<nonce>/        work in progress; renamed into objects/ when complete
-    locks/<stage>-<key>.lock          flock held while a key is being produced (or pruned)
-    trash/                            corrupt artifacts moved aside, files on their way to deletion
-    builds.jsonl, gc.jsonl            audit logs: one line per build; one per retention prune
-    digests.json                      memo of source-directory digests keyed by (path, size, mtime)
+The folders and files under the store root (objects/, tmp/, locks/, trash/, the audit logs) are
+named, and drawn as a tree, in ``qerl.pipeline.store.layout``; the manifest is
+``qerl.pipeline.store.manifest``.
 
 The key is sha256 over (stage, canonical config JSON, input digests, code version). A stage's output
 directory is built in tmp/, its files are hashed (streaming sha256), the manifest is written last and
 the whole directory is renamed into place, so a reader sees either nothing or a complete artifact.
 Two processes producing the same key serialise on a lock file; the second finds the first's result.
 
-Integrity: a lookup checks every file's size and mtime against the manifest (cheap enough for a
-cache hit well under a second on a 7B checkpoint) and ``verify="full"`` re-hashes the contents. A
-manifest whose files are missing or changed is reported, moved aside, and the stage recomputes.
-Departure from a pure content hash: size+mtime is the default check because re-hashing 6 GB on every
-cache hit would cost tens of seconds; ``QERL_VERIFY=full`` makes every lookup re-hash.
+Integrity: a lookup checks every file's size and mtime against the manifest (a stat per file, so a
+cache hit costs the same for a tiny model and a 7B checkpoint) and ``verify="full"`` re-hashes the
+contents. A manifest whose files are missing or changed is reported, moved aside, and the stage
+recomputes. Departure from a pure content hash: size+mtime is the default check because re-hashing
+a multi-GB checkpoint on every cache hit costs far more than the lookup it guards;
+``QERL_VERIFY=full`` makes every lookup re-hash.
 
 Retention (``qerl.pipeline.store.retention``, ``qerl gc``) deletes files on purpose with ``prune``: the
 manifest keeps their records (the digest, and every downstream key, is unchanged) and names them in
@@ -30,216 +26,38 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
-import hashlib
-import importlib.metadata
-import inspect
 import json
 import logging
 import os
 import shutil
-import signal
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from qerl.pipeline.config import config_hash
+from qerl.pipeline.store.faults import fault_point
+from qerl.pipeline.store.files import (
+    atomic_write_json,
+    atomic_write_text,
+    fsync_dir,
+    sha256_file,
+    sha256_json,
+)
+from qerl.pipeline.store.layout import (
+    BUILDS_LOG,
+    DIGESTS_MEMO,
+    GC_LOG,
+    LOCKS_DIR,
+    MANIFEST,
+    OBJECTS_DIR,
+    TMP_DIR,
+    TRASH_DIR,
+)
+from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest, file_record, tree_files
 
 log = logging.getLogger("qerl.artifacts")
-
-MANIFEST = "manifest.json"
-_CHUNK = 1 << 20
-
-
-class ArtifactError(RuntimeError):
-    """An artifact is missing, corrupt or inconsistent; the message names the path."""
-
-
-def sha256_file(path: str | Path) -> str:
-    """Streaming sha256 of a file (constant memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_json(obj: Any) -> str:
-    return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same directory and an atomic rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-
-
-def default_work_dir(work_dir: str | Path | None = None) -> Path:
-    """The one work directory (store, run records, MLflow db): argument, $QERL_WORK_DIR, ./qerl-work."""
-    return Path(work_dir or os.environ.get("QERL_WORK_DIR") or "qerl-work").resolve()
-
-
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("qerl")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
-def code_version(*modules: ModuleType | str | Path) -> str:
-    """Hash of the given modules' source files plus the package version.
-
-    A stage passes its own module (and the kernels whose numerics define its output), so editing a
-    stage invalidates exactly that stage's caches; downstream stages follow through input digests.
-    """
-    digest = hashlib.sha256(package_version().encode())
-    for module in modules:
-        if isinstance(module, ModuleType):
-            source_file = inspect.getsourcefile(module)
-            if source_file is None:
-                raise ArtifactError(f"module {module.__name__} has no source file to hash")
-            path = Path(source_file)
-        else:
-            path = Path(module)
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-_FAULT_COUNTS: dict[str, int] = {}
-
-
-def _fault_point(stage: str) -> None:
-    """Crash-test hook: ``QERL_FAULT=stage:n`` SIGKILLs this process inside the n-th build of
-    ``stage`` (its outputs written, its manifest not yet), as a power cut or OOM kill would."""
-    spec = os.environ.get("QERL_FAULT")
-    if not spec:
-        return
-    target, _, nth = spec.partition(":")
-    if target != stage:
-        return
-    _FAULT_COUNTS[stage] = _FAULT_COUNTS.get(stage, 0) + 1
-    if _FAULT_COUNTS[stage] == int(nth or 1):
-        log.error("QERL_FAULT=%s: killing this process inside stage %s", spec, stage)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class FileRecord(BaseModel):
-    sha256: str
-    size: int
-    mtime_ns: int
-
-
-class Manifest(BaseModel):
-    """A stage output's self-description: what made it, from what, and the digest of every file."""
-
-    stage: str
-    key: str
-    config: dict[str, Any]
-    inputs: dict[str, str] = Field(
-        description="input name -> digest (an upstream manifest digest or a file sha256)"
-    )
-    code_version: str
-    files: dict[str, FileRecord]
-    created_at: str
-    mode: str | None = None
-    metrics: dict[str, Any] = Field(default_factory=dict)
-    extra: dict[str, Any] = Field(default_factory=dict)
-    pruned: dict[str, str] = Field(
-        default_factory=dict,
-        description="file name -> why it was deleted by retention (qerl gc); its record stays in files",
-    )
-    path: str = Field(default="", exclude=True)
-
-    @property
-    def dir(self) -> Path:
-        return Path(self.path)
-
-    def file(self, name: str) -> Path:
-        if name not in self.files:
-            raise ArtifactError(
-                f"artifact {self.stage}/{self.key} has no file '{name}' (has: {sorted(self.files)})"
-            )
-        if name in self.pruned:
-            raise ArtifactError(
-                f"artifact {self.stage}/{self.key} no longer holds '{name}': {self.pruned[name]}"
-            )
-        return self.dir / name
-
-    def require(self, *names: str) -> None:
-        """Raise a clear ArtifactError unless every file of ``names`` (a file, or a folder: the files
-        under it) is present in the manifest and not pruned; a consumer calls this before reading."""
-        for name in names:
-            under = [n for n in self.files if n.startswith(name.rstrip("/") + "/")]
-            for have in under or [name]:
-                self.file(have)
-
-    @property
-    def digest(self) -> str:
-        """Content digest: what a downstream stage puts in its key for this input."""
-        return sha256_json(
-            {"stage": self.stage, "files": {k: v.sha256 for k, v in sorted(self.files.items())}}
-        )
-
-    @classmethod
-    def load(cls, directory: str | Path) -> Manifest:
-        directory = Path(directory)
-        path = directory / MANIFEST
-        if not path.is_file():
-            raise ArtifactError(f"no manifest at {path}")
-        manifest = cls.model_validate_json(path.read_text())
-        manifest.path = str(directory)
-        return manifest
-
-
-class BuildResult(BaseModel):
-    """What a stage's build function returns besides the files it wrote."""
-
-    mode: str | None = None
-    metrics: dict[str, Any] = Field(default_factory=dict)
-    extra: dict[str, Any] = Field(default_factory=dict)
-
-
-def _record(path: Path) -> FileRecord:
-    stat = path.stat()
-    return FileRecord(sha256=sha256_file(path), size=stat.st_size, mtime_ns=stat.st_mtime_ns)
-
-
-def _tree_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
 class ArtifactStore:
@@ -247,7 +65,7 @@ class ArtifactStore:
 
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
-        for sub in ("objects", "tmp", "locks", "trash"):
+        for sub in (OBJECTS_DIR, TMP_DIR, LOCKS_DIR, TRASH_DIR):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     # keys -------------------------------------------------------------------------------------
@@ -263,7 +81,7 @@ class ArtifactStore:
         )[:32]
 
     def path_for(self, stage: str, key: str) -> Path:
-        return self.root / "objects" / stage / key
+        return self.root / OBJECTS_DIR / stage / key
 
     # lookup -----------------------------------------------------------------------------------
     def problems(self, manifest: Manifest, full: bool = False) -> list[str]:
@@ -336,7 +154,7 @@ class ArtifactStore:
             fresh = {n: f"pruned {when}: {reason}" for n in names if n not in manifest.pruned}
             manifest.pruned.update(fresh)
             atomic_write_text(directory / MANIFEST, manifest.model_dump_json(indent=2))
-            aside = self.root / "trash" / f"pruned-{stage}-{key}-{uuid.uuid4().hex[:8]}"
+            aside = self.root / TRASH_DIR / f"pruned-{stage}-{key}-{uuid.uuid4().hex[:8]}"
             freed = 0
             for name in manifest.pruned:
                 path = directory / name
@@ -350,16 +168,16 @@ class ArtifactStore:
                         parent.rmdir()
             shutil.rmtree(aside, ignore_errors=True)
         if fresh:
-            self._journal({"stage": stage, "key": key, "event": "pruned", "files": sorted(fresh)}, "gc.jsonl")
+            self._journal({"stage": stage, "key": key, "event": "pruned", "files": sorted(fresh)}, GC_LOG)
         return freed
 
     def _discard(self, directory: Path) -> None:
         if directory.exists():
-            os.replace(directory, self.root / "trash" / f"{directory.name}-{uuid.uuid4().hex[:8]}")
+            os.replace(directory, self.root / TRASH_DIR / f"{directory.name}-{uuid.uuid4().hex[:8]}")
 
     @contextlib.contextmanager
     def lock(self, name: str) -> Iterator[None]:
-        path = self.root / "locks" / f"{name}.lock"
+        path = self.root / LOCKS_DIR / f"{name}.lock"
         with open(path, "a+") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
@@ -370,7 +188,7 @@ class ArtifactStore:
     @contextlib.contextmanager
     def try_lock(self, name: str) -> Iterator[bool]:
         """Non-blocking ``lock``: yields whether it was taken (held elsewhere: a build is running)."""
-        with open(self.root / "locks" / f"{name}.lock", "a+") as fh:
+        with open(self.root / LOCKS_DIR / f"{name}.lock", "a+") as fh:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -402,11 +220,11 @@ class ArtifactStore:
         with self.lock(f"{stage}-{key}"):
             if (hit := self.get(stage, key, _locked=True)) is not None:
                 return hit, True
-            tmp = self.root / "tmp" / f"{stage}-{key}-{uuid.uuid4().hex[:8]}"
+            tmp = self.root / TMP_DIR / f"{stage}-{key}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
             try:
                 result = build(tmp) or BuildResult()
-                files = {str(p.relative_to(tmp)): _record(p) for p in _tree_files(tmp)}
+                files = {str(p.relative_to(tmp)): file_record(p) for p in tree_files(tmp)}
                 config_dump = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
                 manifest = Manifest(
                     stage=stage,
@@ -420,13 +238,13 @@ class ArtifactStore:
                     metrics=result.metrics,
                     extra=result.extra,
                 )
-                _fault_point(stage)
+                fault_point(stage)
                 atomic_write_text(tmp / MANIFEST, manifest.model_dump_json(indent=2))
                 final = self.path_for(stage, key)
                 final.parent.mkdir(parents=True, exist_ok=True)
                 self._discard(final)  # a manifest-less leftover cannot exist, but a corrupt one can
                 os.replace(tmp, final)
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -451,7 +269,7 @@ class ArtifactStore:
             if not manifest.pruned:  # healed meanwhile by another process
                 manifest.path = str(directory)
                 return manifest
-            tmp = self.root / "tmp" / f"heal-{hit.stage}-{hit.key}-{uuid.uuid4().hex[:8]}"
+            tmp = self.root / TMP_DIR / f"heal-{hit.stage}-{hit.key}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
             try:
                 build(tmp)
@@ -466,18 +284,18 @@ class ArtifactStore:
                 for name in manifest.pruned:
                     (directory / name).parent.mkdir(parents=True, exist_ok=True)
                     os.replace(tmp / name, directory / name)
-                    manifest.files[name] = _record(directory / name)  # same sha256; the new mtime
+                    manifest.files[name] = file_record(directory / name)  # same sha256; the new mtime
                 healed = sorted(manifest.pruned)
                 manifest.pruned = {}
                 atomic_write_text(directory / MANIFEST, manifest.model_dump_json(indent=2))
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         manifest.path = str(directory)
-        self._journal({"stage": hit.stage, "key": hit.key, "event": "healed", "files": healed}, "gc.jsonl")
+        self._journal({"stage": hit.stage, "key": hit.key, "event": "healed", "files": healed}, GC_LOG)
         log.info("stage %s: rebuilt the pruned %s of %s", hit.stage, healed, directory)
         return manifest
 
-    def _journal(self, entry: dict[str, Any], name: str = "builds.jsonl") -> None:
+    def _journal(self, entry: dict[str, Any], name: str = BUILDS_LOG) -> None:
         """Append to builds.jsonl: the audit trail that proves no finished stage ran twice (deletions
         by retention go to gc.jsonl, so that trail stays one line per build)."""
         entry = {"at": _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds"), **entry}
@@ -485,7 +303,7 @@ class ArtifactStore:
             fh.write(json.dumps(entry) + "\n")
 
     def builds(self) -> list[dict[str, Any]]:
-        path = self.root / "builds.jsonl"
+        path = self.root / BUILDS_LOG
         return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
     # source digests ---------------------------------------------------------------------------
@@ -494,9 +312,9 @@ class ArtifactStore:
         path = Path(path).resolve()
         if not path.exists():
             raise ArtifactError(f"source not found: {path}")
-        files = [path] if path.is_file() else _tree_files(path)
+        files = [path] if path.is_file() else tree_files(path)
         fingerprint = sha256_json([(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
-        memo_path = self.root / "digests.json"
+        memo_path = self.root / DIGESTS_MEMO
         with self.lock("digests"):
             memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
             if memo.get(str(path), {}).get("fingerprint") == fingerprint:

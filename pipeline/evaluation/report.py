@@ -1,54 +1,32 @@
-"""Ablations (``qerl ablate``): arms as config overrides, and the comparison of their runs.
+"""The comparison of an ablation's arms and its report: per-step curves, plots, markdown, table.
 
-What. QeRL's claims are comparative: NVFP4 LoRA explores more (higher policy entropy early) and
-learns faster than 16-bit LoRA, and AQN adds to that. An ablation runs one ordinary run per
-(arm, seed) and compares the arms. This module holds everything that is not Prefect:
-
-- **Arms** (``ARMS``): overrides of the user's config. ``bf16-lora`` serves and trains the
-  unquantized base (``quantize.scheme: none``, in the twin dtype = ``train.dtype``; the arm keeps
-  the paper's name), ``nvfp4-lora`` the NVFP4 base without AQN, ``nvfp4-aqn`` is QeRL.
-- **Seeds** (``arm_config``): "everything else identical, seeds included". Replicate ``i`` adds
-  ``i`` to every seed that drives training randomness (``loop.seed``: prompt order; ``rollout.seed``:
-  sampling and AQN noise; ``train.seed``: LoRA init) and is the same replicate in every arm, so arm A
-  seed 1 and arm B seed 1 differ only by the arm. ``data.seed`` and ``eval.seed`` stay fixed: every run
-  trains on the same problems and is evaluated on the same items with the same sampling seeds,
-  which is what makes the paired comparison over items valid. Each run's ``loop.name`` becomes
-  ``<name>-<arm>-s<i>`` so run ids are readable (the id is still the config hash).
-- **Statistics**: the final held-out accuracy per arm with a Student-t 95% interval across seeds
-  (``t_interval``); a paired comparison of two arms on the same items (``paired_bootstrap``): each
-  item's accuracy averaged over the seeds of an arm, the per-item difference, and a seeded
-  percentile bootstrap over items. The verdict says "no significant difference" whenever the
-  interval holds 0. Departure from a full hierarchical bootstrap (items x seeds): with the 2-5 seeds
-  an ablation affords, resampling seeds adds little but noise; seed spread is shown by the t interval.
-- **Curves and report**: reward, rollout accuracy, policy entropy and the rollout/trainer mismatch
-  (``train_mismatch_kl``) per step and arm (mean over seeds, min-max band) as PNGs, the entropy
-  of the first steps compared explicitly, and a markdown report (``write_report``). A step that
-  trained no token (every completion empty or truncated-and-masked) has no entropy or mismatch: the
-  trainer records null there (``qerl.pipeline.rl.training``; records written before that hold a placeholder
-  0 with ``train_tokens_trained == 0``). Such points are left out of the curves, and the early-entropy
+- **Comparison** (``compare``): per arm the final held-out accuracy with its t interval across seeds
+  and the policy entropy of the first ``EARLY_STEPS`` steps; per pair of arms the paired bootstrap
+  over items (``qerl.pipeline.evaluation.statistics``).
+- **Curves**: reward, rollout accuracy, policy entropy and the rollout/trainer mismatch
+  (``train_mismatch_kl``) per step and arm (mean over seeds, min-max band) as PNGs, and the entropy
+  of the first steps compared explicitly. A step that trained no token (every completion empty or
+  truncated-and-masked) has no entropy or mismatch: the trainer records null there
+  (``qerl.pipeline.rl.step``; a record may instead hold a placeholder 0 beside
+  ``train_tokens_trained == 0``, which counts as null). Such points are left out of the curves, and the early-entropy
   comparison averages the steps that have a value and says how many that was per run.
+- **Report** (``write_report``): ``report.md`` (verdicts first, then the tables, then the plots) and
+  ``plots/*.png`` in the ablation's folder; ``table_rows`` is one row per arm for a Prefect table.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import os
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qerl.pipeline.config import config_hash
-from qerl.pipeline.store.artifacts import atomic_write_text
+from qerl.pipeline.evaluation.arms import AblationError
+from qerl.pipeline.evaluation.statistics import Interval, mean_items, paired_bootstrap, t_interval
+from qerl.pipeline.store.files import atomic_write_text
 
-ARMS: dict[str, dict[str, dict[str, Any]]] = {
-    "bf16-lora": {"quantize": {"scheme": "none"}, "aqn": {"enabled": False}},
-    "nvfp4-lora": {"quantize": {"scheme": "nvfp4"}, "aqn": {"enabled": False}},
-    "nvfp4-aqn": {"quantize": {"scheme": "nvfp4"}, "aqn": {"enabled": True}},
-}
-SEED_KEYS = (("loop", "seed"), ("rollout", "seed"), ("train", "seed"))
 # per-step curves: title -> history key candidates (first present wins); the mismatch is the train stage's
 CURVES: dict[str, tuple[str, ...]] = {
     "reward": ("reward_mean",),
@@ -56,157 +34,9 @@ CURVES: dict[str, tuple[str, ...]] = {
     "entropy": ("train_entropy", "entropy"),
     "mismatch_kl": ("train_mismatch_kl",),
 }
+
+
 EARLY_STEPS = 3  # "higher policy entropy early": the first steps compared explicitly
-ABLATION_DIR = "ablations"  # <work>/ablations/<id>/: ablation.json, report.md, plots/ (qerl gc reads it)
-
-
-class AblationError(ValueError):
-    """An ablation cannot be set up or compared as asked; the message names the offending thing."""
-
-
-# ---- arms and seeds ------------------------------------------------------------------------------
-def parse_arms(text: str | Sequence[str]) -> list[str]:
-    """``"a,b"`` or a list -> arm names, checked: known, distinct, at least two."""
-    names = [a.strip() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
-    unknown = [a for a in names if a not in ARMS]
-    if unknown:
-        raise AblationError(f"unknown arm(s) {unknown}; the arms are {sorted(ARMS)}")
-    if len(set(names)) != len(names):
-        raise AblationError(f"arms must be distinct, got {names}")
-    if len(names) < 2:
-        raise AblationError(f"an ablation compares at least two arms, got {names}")
-    return names
-
-
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = copy.deepcopy(value)
-    return base
-
-
-def arm_config(config: Mapping[str, Any], arm: str, replicate: int) -> dict[str, Any]:
-    """The run config of (``arm``, replicate ``replicate``): the user's config, the arm's overrides, and
-    every training seed shifted by ``replicate`` (see the module docstring). ``config`` is not changed."""
-    if arm not in ARMS:
-        raise AblationError(f"unknown arm '{arm}'; the arms are {sorted(ARMS)}")
-    if replicate < 0:
-        raise AblationError(f"replicate must be >= 0, got {replicate}")
-    out = _merge(copy.deepcopy(dict(config)), ARMS[arm])
-    for section, key in SEED_KEYS:
-        part = out.setdefault(section, {})
-        part[key] = int(part.get(key, 0)) + replicate
-    loop = out.setdefault("loop", {})
-    loop["name"] = f"{loop.get('name', 'demo')}-{arm}-s{replicate}"
-    return out
-
-
-def check_seeds(seeds: int) -> int:
-    """The number of replicates per arm, checked: a whole number >= 1 (``--seeds 0`` would run nothing
-    and then fail in the comparison, after Prefect had started)."""
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise AblationError(f"--seeds must be a whole number >= 1 (replicates per arm), got {seeds!r}")
-    return seeds
-
-
-def ablation_id(config: Mapping[str, Any], arms: Sequence[str], seeds: int) -> str:
-    """``abl-<hash>``: the same config, arms and seed count are the same ablation (so a re-run resumes).
-
-    Checks ``seeds`` first: the CLI computes the id before it starts Prefect, so a bad count fails there."""
-    check_seeds(seeds)
-    return f"abl-{config_hash({'config': dict(config), 'arms': list(arms), 'seeds': seeds})[:10]}"
-
-
-# ---- statistics ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Interval:
-    """A mean with its confidence interval (``lo``/``hi`` are NaN when n < 2: no spread to measure)."""
-
-    mean: float
-    lo: float
-    hi: float
-    n: int
-
-    def text(self, digits: int = 3) -> str:
-        if math.isnan(self.lo):
-            return f"{self.mean:.{digits}f} (n={self.n}, no CI)"
-        return f"{self.mean:.{digits}f} [{self.lo:.{digits}f}, {self.hi:.{digits}f}] (n={self.n})"
-
-
-def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
-    """Student-t interval of the mean: mean +- t_{(1+level)/2, n-1} * sd / sqrt(n), sd with n-1."""
-    from scipy.stats import t as student_t
-
-    xs = [float(v) for v in values]
-    if not xs:
-        raise AblationError("no values to summarize")
-    n, mean = len(xs), sum(xs) / len(xs)
-    if n < 2:
-        return Interval(mean, math.nan, math.nan, n)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-    half = float(student_t.ppf((1 + level) / 2, n - 1)) * sd / math.sqrt(n)
-    return Interval(mean, mean - half, mean + half, n)
-
-
-@dataclass(frozen=True)
-class Paired:
-    """Arm ``a`` minus arm ``b`` on the same items: the mean per-item difference and its bootstrap CI."""
-
-    a: str
-    b: str
-    diff: float
-    lo: float
-    hi: float
-    n_items: int
-    n_boot: int
-
-    @property
-    def significant(self) -> bool:
-        return self.lo > 0 or self.hi < 0
-
-    def verdict(self) -> str:
-        ci = f"{self.diff:+.3f}, 95% CI [{self.lo:+.3f}, {self.hi:+.3f}] over {self.n_items} items"
-        if not self.significant:
-            return f"{self.a} vs {self.b}: no significant difference ({ci})"
-        better, worse = (self.a, self.b) if self.diff > 0 else (self.b, self.a)
-        return f"{self.a} vs {self.b}: {better} is better than {worse} ({ci})"
-
-
-def paired_bootstrap(
-    a: Mapping[str, float], b: Mapping[str, float], names: tuple[str, str] = ("a", "b"),
-    n_boot: int = 10_000, seed: int = 0, level: float = 0.95,
-) -> Paired:  # fmt: skip
-    """Percentile bootstrap over items of mean(a[i] - b[i]); ``a``/``b`` map item id -> accuracy.
-
-    Both arms must hold exactly the same items (a paired comparison). Seeded: the same inputs give
-    the same interval."""
-    if set(a) != set(b):
-        only = sorted(set(a) ^ set(b))[:5]
-        raise AblationError(f"paired comparison needs the same items in both arms; differing ids e.g. {only}")
-    if not a:
-        raise AblationError("paired comparison over zero items")
-    ids = sorted(a)
-    diffs = [float(a[i]) - float(b[i]) for i in ids]
-    n = len(diffs)
-    rng = random.Random(seed)
-    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(n_boot))
-    tail = (1 - level) / 2
-    lo = means[max(0, math.floor(tail * n_boot))]
-    hi = means[min(n_boot - 1, math.ceil((1 - tail) * n_boot) - 1)]
-    return Paired(names[0], names[1], sum(diffs) / n, lo, hi, n, n_boot)
-
-
-def mean_items(per_seed: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Each item's accuracy averaged over an arm's seeds (all seeds must hold the same items)."""
-    if not per_seed:
-        raise AblationError("no per-item results")
-    ids = set(per_seed[0])
-    for other in per_seed[1:]:
-        if set(other) != ids:
-            raise AblationError("the seeds of one arm were evaluated on different items")
-    return {i: sum(float(s[i]) for s in per_seed) / len(per_seed) for i in ids}
 
 
 # ---- curves --------------------------------------------------------------------------------------
@@ -214,7 +44,7 @@ def step_values(history: Sequence[Mapping[str, Any]], candidates: Sequence[str])
     """step -> value of the first key of ``candidates`` present (finite values only).
 
     A trainer metric (``train_*``) of a step that trained no token is left out: the trainer records
-    null there (older records: a placeholder 0 beside ``train_tokens_trained == 0``), since entropy or
+    null there (or a placeholder 0 beside ``train_tokens_trained == 0``), since entropy or
     mismatch of nothing is undefined, and a 0 would drag an arm's early entropy down."""
     for key in candidates:
         points = {
@@ -336,6 +166,7 @@ def _finite_interval(values: Sequence[float]) -> Interval | None:
     return t_interval(finite) if finite else None
 
 
+# ---- the report ----------------------------------------------------------------------------------
 def report_markdown(ablation: str, result: Mapping[str, Any], plots: Sequence[str]) -> str:
     """The human report: verdicts first, then the tables, then the plots (relative paths)."""
     lines = [f"# qerl ablation `{ablation}`", "", "## Verdict", ""]

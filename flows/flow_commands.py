@@ -1,0 +1,161 @@
+"""The commands that run a Prefect flow: ``qerl run``, ``resume``, ``schedule`` and ``ablate``.
+
+Each sets Prefect's environment for the work directory (``runner.prepare_environment``) before
+anything imports Prefect, runs the flow under the console (``flows/console.py``: lines for people,
+the libraries' chatter in ``run.log``) and prints the result. Static checks that need no Prefect (the
+config, ``--arms``, the Ray cluster's settings) run first, so a mistake fails before a server starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from qerl.flows.tool_commands import work_dir
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    """Run (or continue) an ablation with the console; the log is <work>/ablations/<id>/run.log."""
+    from pathlib import Path
+
+    from qerl.flows import console, runner
+    from qerl.pipeline.evaluation.arms import ablation_id, parse_arms
+    from qerl.pipeline.planning.run_config import load_run_config
+
+    cfg = load_run_config(args.config, args.set)
+    work = Path(work_dir(args)).resolve()
+    arms = parse_arms(args.arms)  # a bad --arms fails before Prefect starts
+    aid = ablation_id(cfg.model_dump(mode="json"), arms, args.seeds)
+    runner.prepare_environment(work)
+    address, tracking_uri = _ablate_ray_checks(args, cfg, work)  # a bad cluster setup fails before the flow
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from qerl.flows.ablate import ablate_flow, ablation_dir
+
+    params = {
+        "config": cfg.model_dump(mode="json"), "work_dir": str(work), "arms": arms, "seeds": args.seeds,
+        "n_boot": args.bootstrap,
+    }  # fmt: skip
+    with console.session(ablation_dir(work, aid), verbose=args.verbose) as ui:
+        ui.line(
+            f"ablation {aid}: {len(arms)} arms x {args.seeds} seeds (details in {ablation_dir(work, aid)})"
+        )
+        runner.start_temporary_server()
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            if address is None:
+                record = ablate_flow(**params)
+            else:
+                from qerl.flows.ray.connection import cluster
+
+                with cluster(
+                    address, work, tracking_uri, args.cpus_per_run, args.gpus_per_run,
+                    cfg.rollout.tensor_parallel_size,
+                ) as (task_runner, plan):  # fmt: skip
+                    record = ablate_flow.with_options(task_runner=task_runner)(**params, ray=plan)
+    print(f"ablation {aid}: {record['status']}", flush=True)
+    for verdict in record.get("verdicts", []):
+        print(f"  {verdict}", flush=True)
+    print(f"  report: {record.get('report')}", flush=True)
+    return 0
+
+
+def _ablate_ray_checks(args: argparse.Namespace, cfg: Any, work: Any) -> tuple[str | None, str]:
+    """The Ray address (--ray, else $QERL_RAY_ADDRESS) and the resolved MLflow URI, with the static rules
+    of qerl.flows.ray.rules checked before the flow starts."""
+    from qerl.flows.ray import rules
+
+    address = rules.resolve_address(args.ray)
+    if address is None:
+        return None, ""
+    from qerl.pipeline.registry import tracking as registry
+
+    tracking_uri, _ = registry.resolve_uris(cfg.registry, work)
+    remote = bool(rules.address_is_remote(address))
+    rules.check_settings(address, str(work), tracking_uri, os.environ.get("PREFECT_API_URL"), remote)
+    rules.check_reachable(address)
+    return address, tracking_uri
+
+
+def _print_run(record: dict, work: str) -> None:
+    """The run's result for people: the last thing ``qerl run``/``qerl resume`` prints."""
+    from pathlib import Path
+
+    from qerl.flows.run_record import eval_text
+    from qerl.pipeline.store.layout import MLFLOW_DB, RUN_RECORD, RUNS_DIR
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    reg = record.get("registration") or {}
+    night = f", night {record['night']}" if record.get("night") else ""
+    say(f"run {record['run_id']}: {record['status']} (engine mode {record.get('engine_mode')}{night})")
+    data = record.get("data") or {}
+    if data.get("dropped_too_long"):
+        say(f"  data: {data['kept']} problems, {data['dropped_too_long']} dropped (prompt > {data['prompt_token_limit']} tokens)")  # fmt: skip
+    warm = (record.get("plan") or {}).get("warm_start") or {}
+    if warm.get("version"):
+        say(f"  warm start: {reg.get('model_name') or 'adapter'} v{warm['version']}")
+    for e in record.get("evaluations", []):
+        who = "base (no adapter)" if e["adapter"] is None else f"adapter after step {e['step']}"
+        say(f"  {eval_text(e)}  {who}")
+    if reg:
+        say(f"  registered {reg.get('model_name')} v{reg.get('version')}; champion: {reg.get('promoted')}")
+    run_path = Path(work) / RUNS_DIR / record["run_id"]
+    say(f"  run record: {run_path / RUN_RECORD}")
+    say(f"  log:        {run_path / 'run.log'}")
+    say(f"  adapter:    {record.get('final_adapter')}")
+    uri = ((record.get("config") or {}).get("registry") or {}).get("tracking_uri") or ""
+    if uri.startswith(("http://", "https://")):  # a tracking server serves its own UI
+        say(f"  MLflow UI:  {uri}")
+    else:  # a database URI may hold a password: name the setting, not its value
+        store = "<registry.tracking_uri>" if uri else f"sqlite:///{Path(work) / MLFLOW_DB}"
+        say(f"  MLflow UI:  mlflow ui --backend-store-uri {store}")
+
+
+def _run_with_console(args: argparse.Namespace, cfg: Any, work: Any, night: Any) -> int:
+    """Run the flow with the console (flows/console.py): lines for people, chatter in run.log."""
+    from qerl.flows import console, runner
+
+    # before qerl.flows.run_record imports Prefect, which reads its settings once
+    runner.prepare_environment(work)
+    from qerl.flows.run_record import run_dir, run_id_for
+
+    rid = run_id_for(cfg, night)
+    with console.session(run_dir(work, rid), verbose=args.verbose) as ui:
+        ui.line(f"run {rid}: starting (details in {run_dir(work, rid) / console.LOG_NAME})")
+        record = runner.run(cfg, work, night)
+    _print_run(record, str(work))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from qerl.pipeline.planning.prompt_stream import parse_night
+    from qerl.pipeline.planning.run_config import load_run_config
+
+    cfg = load_run_config(args.config, args.set)
+    work = Path(work_dir(args)).resolve()
+    return _run_with_console(args, cfg, work, parse_night(args.night) if args.night else None)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from qerl.flows import runner
+
+    work = Path(work_dir(args)).resolve()
+    runner.prepare_environment(work)  # recorded_run imports Prefect
+    cfg, night = runner.recorded_run(args.run_id, work)
+    return _run_with_console(args, cfg, work, night)
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from qerl.flows import runner
+    from qerl.pipeline.planning.run_config import load_run_config
+
+    cfg = load_run_config(args.config, args.set)
+    runner.schedule(cfg, Path(work_dir(args)).resolve(), args.cron)
+    return 0

@@ -1,0 +1,169 @@
+"""A run's record and how it is shown: ``<work>/runs/<run_id>/run.json``, the run's id, and the
+one-line, markdown and table forms of its evaluations.
+
+The record holds the config, night, data slice, warm start, status, per-step manifests, history,
+evaluations and registration; the console's log is ``run.log`` beside it. A plain run's id is
+``<loop.name>-<config hash>`` (the retention policy, ``store``, is not part of it); a nightly run's
+id adds the night (``-YYYYMMDD``). Each evaluation names its benchmark (``gsm8k/test@<digest>``:
+name, split and the digest of the exact items), its accuracy (avg@k) with the standard error over
+items, the item count and k, and the same for each ``eval.also`` benchmark (``also``), so two runs'
+numbers can be compared knowing what they measured and how precisely.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from qerl.pipeline.config import config_hash
+from qerl.pipeline.evaluation import statistics
+from qerl.pipeline.planning.prompt_stream import night_label
+from qerl.pipeline.planning.run_config import RunConfig
+from qerl.pipeline.store.files import atomic_write_json
+from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR, TRAIN_STAGE
+from qerl.pipeline.store.manifest import Manifest
+from qerl.stages import evaluate
+
+log = logging.getLogger("qerl.flow")
+
+
+def run_id_for(cfg: RunConfig, night: _dt.date | None = None) -> str:
+    """``<loop.name>-<config hash>``, plus ``-YYYYMMDD`` for a nightly run."""
+    # the retention policy (``store``) says what to delete, not what to compute: not part of the identity
+    base = f"{cfg.loop.name}-{config_hash(cfg.model_dump(mode='json', exclude={'store'}))[:10]}"
+    return f"{base}-{night_label(night)}" if night else base
+
+
+def run_dir(work: Path, run_id: str) -> Path:
+    """``<work>/runs/<run_id>``: the run's record and its console log."""
+    return work / RUNS_DIR / run_id
+
+
+def load_run_record(work: Path, run_id: str) -> dict[str, Any]:
+    """The run's ``run.json``; a missing run names the runs there are."""
+    path = run_dir(work, run_id) / RUN_RECORD
+    if not path.is_file():
+        known = sorted(p.name for p in (work / RUNS_DIR).glob("*")) if (work / RUNS_DIR).is_dir() else []
+        raise FileNotFoundError(f"no run '{run_id}' under {work / RUNS_DIR} (known runs: {known or 'none'})")
+    return json.loads(path.read_text())
+
+
+def save_record(work: Path, record: dict[str, Any]) -> None:
+    """Write ``run.json`` atomically, stamped with ``updated_at``."""
+    record["updated_at"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    atomic_write_json(run_dir(work, record["run_id"]) / RUN_RECORD, record)
+
+
+def step_record(step: int, sigma: float, r: Manifest, s: Manifest, t: Manifest) -> dict[str, Any]:
+    """One step's entry of the run record: the numeric metrics of its rollout, score and train
+    manifests (``rollout_*``, the headline names or ``score_*``, ``train_*``) and their keys."""
+    metrics: dict[str, Any] = {"step": step, "sigma": sigma}
+    metrics.update({f"rollout_{k}": v for k, v in r.metrics.items() if isinstance(v, int | float)})
+    keep = ("reward_mean", "reward_std", "accuracy")  # the headline names; the rest are score_*
+    metrics.update(
+        {k if k in keep else f"score_{k}": v for k, v in s.metrics.items() if isinstance(v, int | float)}
+    )
+    # a per-token mean of a step that trained no token is None: kept as null, a point the curves skip
+    metrics.update(
+        {f"train_{k}": v for k, v in t.metrics.items() if v is None or isinstance(v, int | float | bool)}
+    )
+    metrics["manifests"] = {"rollout": r.key, "score": s.key, TRAIN_STAGE: t.key}  # read by qerl gc
+    return metrics
+
+
+def eval_entry(step: int, adapter: Manifest | None, ev: Manifest) -> dict[str, Any]:
+    """The run record's entry for one evaluation (module docstring): benchmark id, accuracy, its
+    standard error, items and k, and the same for every ``eval.also`` benchmark."""
+    summary = evaluate.load_summary(ev) if "summary.json" in ev.files else {}
+    stderr = ev.metrics.get("stderr", summary.get("stderr"))
+    if stderr is None and "items.parquet" in ev.files:  # a manifest without a recorded stderr
+        import pyarrow.parquet as pq
+
+        stderr = statistics.stderr(pq.read_table(ev.file("items.parquet")).column("rate").to_pylist())
+    return {
+        "step": step,
+        "adapter": adapter.key if adapter else None,
+        "benchmark": ev.extra.get("benchmark", summary.get("benchmark")),
+        "accuracy": float(ev.metrics.get("accuracy", float("nan"))),
+        "stderr": None if stderr is None else float(stderr),
+        "n_items": ev.metrics.get("n_items", summary.get("n_items")),
+        "k": ev.metrics.get("k", summary.get("k")),
+        "also": [
+            {
+                "benchmark": o.get("benchmark"),
+                "name": f"{o.get('benchmark_name')}_{o.get('split')}",  # as the manifest's accuracy_<name>
+                "accuracy": float(o["accuracy"]),
+                "stderr": o.get("stderr"),
+                "n_items": o.get("n_items"),
+            }
+            for o in summary.get("also") or []
+        ],
+        "manifest": str(ev.dir),
+    }
+
+
+def _pm(accuracy: float, stderr: float | None) -> str:
+    return f"{accuracy:.3f}" if stderr is None else f"{accuracy:.3f} ± {stderr:.3f}"
+
+
+def eval_text(entry: dict[str, Any]) -> str:
+    """An evaluation entry in one line (console, CLI summary):
+    ``accuracy 0.302 ± 0.041 (arithmetic/test@..., 100 items); gsm8k_test 0.040 ± 0.028``."""
+    text = f"accuracy {_pm(entry['accuracy'], entry.get('stderr'))}"
+    if entry.get("benchmark"):
+        text += f" ({entry['benchmark']}, {entry.get('n_items')} items)"
+    others = [f"{o['name']} {_pm(o['accuracy'], o.get('stderr'))}" for o in entry.get("also") or []]
+    return "; ".join([text, *others])
+
+
+def summary_markdown(record: dict[str, Any]) -> str:
+    """The run as markdown: status, a table of its evaluations, its registration."""
+    lines = [f"# qerl run `{record['run_id']}`", "", f"status: **{record['status']}**", ""]
+    evals = record.get("evaluations", [])
+    if evals:
+        lines += [
+            "| after step | adapter | benchmark | accuracy ± stderr | items | also |",
+            "|---|---|---|---|---|---|",
+        ]
+        for e in evals:
+            also = "; ".join(
+                f"{o['name']} {_pm(o['accuracy'], o.get('stderr'))}" for o in e.get("also") or []
+            )
+            lines.append(
+                f"| {e['step']} | {e['adapter'] or 'none (base)'} | {e.get('benchmark') or ''} | "
+                f"{_pm(e['accuracy'], e.get('stderr'))} | {e.get('n_items') or ''} | {also} |"
+            )
+    reg = record.get("registration") or {}
+    if reg:
+        lines += [
+            "",
+            f"registered `{reg.get('model_name')}` v{reg.get('version')}, champion: {reg.get('promoted')}",
+        ]
+    return "\n".join(lines)
+
+
+def table_row(entry: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation as one flat table row: each ``eval.also`` benchmark becomes its own columns."""
+    row = {k: v for k, v in entry.items() if k not in ("manifest", "also")}
+    for o in entry.get("also") or []:
+        row.update({f"{o['name']}_accuracy": o["accuracy"], f"{o['name']}_stderr": o.get("stderr")})
+    return row
+
+
+def publish(record: dict[str, Any]) -> None:
+    """Prefect artifacts: a markdown summary and the evaluation table.
+
+    Called from the flow's ``finally``: raising here would replace the run's own error, so a
+    failure to publish is logged as a warning (the run record on disk holds the same facts)."""
+    try:
+        key = record["run_id"].lower().replace("_", "-").replace(".", "-")
+        create_markdown_artifact(summary_markdown(record), key=f"{key}-summary", description="qerl run")
+        if record.get("evaluations"):
+            rows = [table_row(e) for e in record["evaluations"]]
+            create_table_artifact(rows, key=f"{key}-evaluation", description="evaluations")
+    except Exception as err:  # noqa: BLE001
+        log.warning("could not publish Prefect artifacts for %s: %s", record.get("run_id"), err)

@@ -1,0 +1,175 @@
+"""The one-shot commands: ``qerl score``, ``quantize``, ``eval``, ``promote``, ``gc``, ``plan``, ``bench``.
+
+Each handler turns its parsed arguments into a call of the stage or library function that does the
+work and prints the result; none runs a Prefect flow. Stages are imported inside the handlers, so
+``qerl --help`` stays fast and a missing optional backend only fails the command that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def work_dir(args: argparse.Namespace) -> str:
+    """The work directory: ``--work-dir``, else ``$QERL_WORK_DIR``, else ``./qerl-work``."""
+    from qerl.pipeline.store.layout import default_work_dir
+
+    return str(default_work_dir(args.work_dir))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``qerl plan``: the memory table; exit 1 when the run does not fit."""
+    from qerl.pipeline.planning.memory_plan import plan_for_run
+
+    plan = plan_for_run(args.model, args.gpu_mem, args.config, args.set, args.prompt_tokens, args.base)
+    print(plan.render(), end="")
+    return 0 if plan.fits else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``qerl bench``: each benchmark script in turn, then ``collect.py`` rewrites BENCHMARKS.md."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    names = [args.name] if args.name else ["quantize", "score", "rollout", "train", "contention"]
+    for name in names:
+        script = root / "benchmarks" / f"bench_{name}.py"
+        if not script.is_file():
+            print(f"no benchmark '{name}' ({script} not found)", file=sys.stderr)
+            return 2
+    missed = []  # a benchmark exits 1 when it misses its goal, after writing its results: collect them all
+    for name in names:
+        if subprocess.run(
+            [sys.executable, str(root / "benchmarks" / f"bench_{name}.py")], cwd=root
+        ).returncode:
+            missed.append(name)
+    subprocess.run([sys.executable, str(root / "benchmarks" / "collect.py")], check=True, cwd=root)
+    if missed:
+        print(f"benchmarks that failed or missed their goal: {', '.join(missed)}", file=sys.stderr)
+    return 1 if missed else 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from qerl.pipeline.config import load_config
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.pipeline.store.layout import STORE_DIR
+    from qerl.stages.fetch_model import resolve_base
+    from qerl.stages.quantize import export, run_with_status
+
+    t0 = time.perf_counter()
+    cfg = load_config(QuantizeConfig, args.config, args.set)
+    work = Path(work_dir(args))
+    store = ArtifactStore(work / STORE_DIR)
+    manifest, cached = run_with_status(cfg, resolve_base(args.src, store), store)
+    dst = export(manifest, args.out)
+    status = "cache hit" if cached else f"quantized ({manifest.mode})"
+    print(
+        f"{status}: {dst} ({manifest.extra.get('quantized_tensors')} linears) in {time.perf_counter() - t0:.2f}s"
+    )
+    return 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from qerl.pipeline.config import load_config
+    from qerl.pipeline.data.rewards import RewardConfig
+    from qerl.stages.score import score_jsonl
+    from tqdm import tqdm
+
+    cfg = load_config(RewardConfig, args.config, args.set)
+    total = None
+    if os.path.isfile(args.input):
+        with open(args.input, encoding="utf-8") as fh:
+            total = sum(1 for line in fh if line.strip())
+    with tqdm(total=total, unit="answer", desc="score") as bar:
+        metrics = score_jsonl(args.input, args.output, cfg, progress=bar.update)
+    print(
+        f"{metrics['n']} answers: accuracy {metrics['accuracy']:.3f}, reward mean {metrics['reward_mean']:.3f}, "
+        f"no_answer {metrics['no_answer_count']}, timeout {metrics['timeout_count']}, error {metrics['error_count']}, "
+        f"{metrics['answers_per_s'] or 0:.0f} answers/s -> {args.output}"
+    )
+    return 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from qerl.pipeline.config import load_config
+    from qerl.pipeline.registry import promotion
+    from qerl.pipeline.registry import tracking as registry
+
+    cfg = load_config(registry.RegistryConfig, args.config, args.set).model_copy(
+        update={"model_name": args.name}
+    )
+    registry.open_tracking(cfg, work_dir(args))
+    promotion.promote(cfg, args.name, args.version)
+    info = promotion.version_info(cfg, args.version)
+    print(f"{args.name} v{args.version} is now @{cfg.champion_alias} (aliases: {', '.join(info['aliases'])})")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``qerl eval``: one adapter (or none) on one benchmark, outside any run."""
+    import json
+    from pathlib import Path
+
+    from qerl.pipeline.config import apply_overrides, load_config
+    from qerl.pipeline.data.rewards import RewardConfig
+    from qerl.pipeline.evaluation.eval_config import EvalConfig
+    from qerl.pipeline.planning.engine_setup import eval_rollout_config, needs_twin
+    from qerl.pipeline.rollout.factory import build_engine
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.pipeline.store.layout import STORE_DIR
+    from qerl.stages import evaluate, fetch_model
+
+    engine_sets = [s.removeprefix("rollout.") for s in args.set if s.startswith("rollout.")]
+    cfg = load_config(EvalConfig, args.config, [s for s in args.set if not s.startswith("rollout.")])
+    if args.benchmark:
+        cfg = apply_overrides(cfg, {"benchmark": {"dataset": args.benchmark}})
+    store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
+    base = fetch_model.resolve_base(args.base, store)  # a catalogue name becomes its directory
+    quantized, twin = evaluate.base_artifacts(base, store, needs_twin(args.engine))
+    adapter = None if args.adapter.lower() == "none" else Path(args.adapter)
+    digest = None if adapter is None else store.source_digest(adapter)
+    rollout_cfg = eval_rollout_config(cfg, args.engine, quantized.dir, adapter, engine_sets)
+    engine = build_engine(rollout_cfg, quantized, twin)
+    try:
+        manifest = evaluate.run(cfg, quantized, adapter, digest, store, engine, RewardConfig())
+    finally:
+        engine.close()
+    s = evaluate.load_summary(manifest)
+    print(
+        f"{s['benchmark']}: avg@{s['k']} = {s['accuracy']:.4f} +- {s['stderr']:.4f} over {s['n_items']} items "
+        f"(engine {s['engine_mode']}) -> {manifest.dir}"
+    )
+    print(json.dumps({k: s[k] for k in ("benchmark", "accuracy", "stderr", "n_items", "k")}))
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from qerl.pipeline.store import retention
+    from qerl.pipeline.store.layout import default_work_dir
+
+    work = default_work_dir(args.work_dir)
+    names = ("keep_optimizer_last", "keep_adapters_every", "live_window_h")
+    overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    gc_plan = retention.plan(work, overrides=overrides)
+    for note in gc_plan.notes:
+        print(f"  {note}")
+    for d in gc_plan.deletions:
+        what = ", ".join(d.files) if d.files else "(leftovers)" if d.kind == "prune" else "whole folder"
+        print(f"  {retention.human_bytes(d.nbytes):>10}  {d.kind:5} {d.path}: {what}  [{d.reason}]")
+    if not gc_plan.deletions:
+        print(f"gc {work / 'store'}: nothing to delete")
+    elif args.dry_run:
+        print(
+            f"gc --dry-run: would free {retention.human_bytes(gc_plan.nbytes)} in {len(gc_plan.deletions)} deletions"
+        )
+    else:
+        freed = retention.apply(work, gc_plan)
+        print(f"gc: freed {retention.human_bytes(freed)} in {len(gc_plan.deletions)} deletions")
+    return 0

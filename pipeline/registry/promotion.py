@@ -1,0 +1,241 @@
+"""The model registry: adapter versions with their lineage, the aliases, and the promotion rule.
+
+What: a run's adapter becomes a registered model version carrying its lineage as tags (base model
+digest, quantization recipe, dataset digest, code version, Prefect flow run id, the adapter's own
+digest and its evaluation). Aliases, not the deprecated stages, name the roles: ``challenger`` is
+the newest complete version, ``champion`` the one serving. Registration is idempotent by adapter
+digest: a version already carrying it is returned as is.
+
+Promotion rule: a version becomes champion only when its run is complete and its accuracy beats the
+current champion's *on the same benchmark* by more than ``promote_margin`` (absolute). A champion
+evaluated on another benchmark is not comparable, so the candidate is not promoted (``qerl promote``
+is the way to change benchmarks). The decision and its reason are written as a version tag.
+
+Race safety, and why a lock rather than compare-and-set: "read the champion, compare, set the
+alias" is a read-modify-write; two runs finishing together could both read the old champion and
+the loser could write last. MLflow has no conditional alias update, so a compare-and-set loop
+(set, re-read, retry) can only detect a lost update after the fact and cannot order two writers
+correctly by accuracy. The whole decision (and version creation, so the "same adapter digest
+already registered?" check is atomic too) is therefore serialised under a lock that lives with the
+database: an ``flock`` on ``<db>.lock`` next to a sqlite file, a session-level
+``pg_advisory_lock`` on the same PostgreSQL database. Both are released by the kernel/server when
+the holder dies, so a crashed run never wedges the registry. After setting an alias it is re-read
+as a sanity check. Any other backend is refused with a clear error rather than run unprotected.
+Through a tracking server there is no such lock; ``qerl.pipeline.registry.lock`` explains the ticket
+lock used instead (a version-numbered lease on the server).
+
+Every function uses MLflow's process-wide URIs: ``qerl.pipeline.registry.tracking.connect`` first.
+Departure from the paper: none (the paper has no registry); this is the product's MLOps layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from qerl.pipeline.registry.lock import RegistryError, registry_lock
+from qerl.pipeline.registry.tracking import RegistryConfig, tag_value
+
+log = logging.getLogger("qerl.registry")
+
+LINEAGE_KEYS = ("base_digest", "quant_recipe", "dataset_digest", "code_version", "flow_run_id")
+
+
+def _uri() -> str:
+    return mlflow.get_tracking_uri()
+
+
+def find_version(cfg: RegistryConfig, adapter_digest: str) -> ModelVersion | None:
+    """The existing version of ``cfg.model_name`` registered for ``adapter_digest``, if any."""
+    if not all(c.isalnum() or c in "-_:" for c in adapter_digest):
+        raise RegistryError(f"adapter digest '{adapter_digest}' has characters a registry filter cannot hold")
+    found = MlflowClient().search_model_versions(
+        f"name = '{cfg.model_name}' and tags.adapter_digest = '{adapter_digest}'"
+    )
+    return min(found, key=lambda v: int(v.version)) if found else None
+
+
+def register_adapter(
+    cfg: RegistryConfig,
+    run_id: str,
+    adapter_dir: str | Path,
+    manifest_path: str | Path | None,
+    eval_summary: Mapping[str, Any],
+    lineage: Mapping[str, Any],
+    complete: bool = True,
+) -> tuple[str, bool]:
+    """Log the adapter (and its manifest) to ``run_id`` and register it; returns (version, created).
+
+    Idempotent: a version already carrying ``lineage['adapter_digest']`` is returned as is
+    (created=False) and nothing is logged again.
+    """
+    missing = [k for k in (*LINEAGE_KEYS, "adapter_digest") if k not in lineage]
+    if missing:
+        raise RegistryError(f"lineage for {cfg.model_name} lacks {missing} (has {sorted(lineage)})")
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise RegistryError(f"{adapter_dir} is not a peft adapter folder (no adapter_config.json)")
+    client = MlflowClient()
+    with registry_lock(_uri(), cfg.model_name, cfg.lock_timeout_s):
+        existing = find_version(cfg, str(lineage["adapter_digest"]))
+        if existing is not None:
+            log.info(
+                "adapter %s is already %s v%s", lineage["adapter_digest"], cfg.model_name, existing.version
+            )
+            return str(existing.version), False
+        client.log_artifacts(run_id, str(adapter_dir), artifact_path="adapter")
+        if manifest_path is not None:
+            client.log_artifact(run_id, str(manifest_path), artifact_path="adapter_manifest")
+        tags = {k: tag_value(v) for k, v in lineage.items() if not isinstance(v, dict | list)}
+        tags.update(
+            eval_benchmark=tag_value(eval_summary.get("benchmark")),
+            eval_accuracy=tag_value(eval_summary.get("accuracy")),
+            eval_k=tag_value(eval_summary.get("k")),
+            eval_n_items=tag_value(eval_summary.get("n_items")),
+            complete=str(bool(complete)).lower(),
+        )
+        source = f"{client.get_run(run_id).info.artifact_uri}/adapter"
+        version = client.create_model_version(cfg.model_name, source=source, run_id=run_id, tags=tags)
+    log.info("registered %s v%s from run %s", cfg.model_name, version.version, run_id)
+    return str(version.version), True
+
+
+def alias_version(cfg: RegistryConfig, alias: str) -> ModelVersion | None:
+    try:
+        return MlflowClient().get_model_version_by_alias(cfg.model_name, alias)
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(err).lower():
+            return None
+        raise
+
+
+def _set_alias(cfg: RegistryConfig, alias: str, version: str) -> None:
+    client = MlflowClient()
+    client.set_registered_model_alias(cfg.model_name, alias, str(version))
+    now = alias_version(cfg, alias)  # sanity re-read: we hold the lock, so this must be ours
+    if now is None or str(now.version) != str(version):
+        raise RegistryError(
+            f"alias {cfg.model_name}@{alias} reads back {now and now.version}, expected {version}"
+        )
+
+
+def set_challenger(cfg: RegistryConfig, version: str) -> bool:
+    """Point ``challenger`` at ``version`` unless a newer version already holds it."""
+    with registry_lock(_uri(), cfg.model_name, cfg.lock_timeout_s):
+        current = alias_version(cfg, cfg.challenger_alias)
+        if current is not None and int(current.version) > int(version):
+            return False
+        _set_alias(cfg, cfg.challenger_alias, version)
+    return True
+
+
+def _accuracy(version: ModelVersion) -> float | None:
+    try:
+        value = float(version.tags.get("eval_accuracy", "nan"))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def promotion_decision(
+    cfg: RegistryConfig,
+    champion: ModelVersion | None,
+    version: str,
+    benchmark: str,
+    accuracy: float | None,
+    complete: bool,
+) -> tuple[bool, str]:
+    """(promote?, reason) — the pure rule, given the current champion (None if there is none)."""
+    if not complete:
+        return False, "run incomplete or failed: never promoted"
+    if accuracy is None or not math.isfinite(accuracy):
+        return False, f"no finite accuracy on {benchmark}"
+    if champion is None:
+        return True, f"no champion yet; accuracy {accuracy:.4f} on {benchmark}"
+    if str(champion.version) == str(version):
+        return True, "already champion"
+    champ_bench = champion.tags.get("eval_benchmark")
+    champ_acc = _accuracy(champion)
+    if champ_bench != benchmark:
+        return (
+            False,
+            f"champion v{champion.version} was evaluated on {champ_bench}, not {benchmark}: not comparable",
+        )
+    if champ_acc is None:
+        return True, f"champion v{champion.version} has no recorded accuracy"
+    if accuracy > champ_acc + cfg.promote_margin:
+        return (
+            True,
+            f"{accuracy:.4f} beats champion v{champion.version} {champ_acc:.4f} + margin {cfg.promote_margin}",
+        )
+    return (
+        False,
+        f"{accuracy:.4f} does not beat champion v{champion.version} {champ_acc:.4f} + margin {cfg.promote_margin}",
+    )
+
+
+def maybe_promote(
+    cfg: RegistryConfig, version: str, benchmark: str, accuracy: float | None, complete: bool
+) -> bool:
+    """Make ``version`` champion if the rule says so (see the module docstring); race-safe."""
+    client = MlflowClient()
+    with registry_lock(_uri(), cfg.model_name, cfg.lock_timeout_s):
+        champion = alias_version(cfg, cfg.champion_alias)
+        promote_it, reason = promotion_decision(cfg, champion, version, benchmark, accuracy, complete)
+        if promote_it and (champion is None or str(champion.version) != str(version)):
+            _set_alias(cfg, cfg.champion_alias, version)
+        client.set_model_version_tag(cfg.model_name, str(version), "promotion", reason[:5000])
+    log.info("%s v%s: %s (%s)", cfg.model_name, version, "promoted" if promote_it else "not promoted", reason)
+    return promote_it
+
+
+def promote(cfg: RegistryConfig, name: str, version: str) -> None:
+    """Manual promotion (``qerl promote NAME VERSION``): ``name`` v``version`` becomes champion."""
+    cfg = cfg.model_copy(update={"model_name": name})
+    client = MlflowClient()
+    with registry_lock(_uri(), name, cfg.lock_timeout_s):
+        try:
+            client.get_model_version(name, str(version))
+        except MlflowException:
+            raise RegistryError(f"model version {name} v{version} does not exist") from None
+        _set_alias(cfg, cfg.champion_alias, str(version))
+        client.set_model_version_tag(name, str(version), "promotion", "manual promotion")
+    log.info("%s v%s promoted to %s manually", name, version, cfg.champion_alias)
+
+
+def version_info(cfg: RegistryConfig, version: str) -> dict[str, Any]:
+    """A JSON-able view of a version: number, source, run, tags, aliases."""
+    mv = MlflowClient().get_model_version(cfg.model_name, str(version))
+    return {
+        "name": mv.name,
+        "version": str(mv.version),
+        "source": mv.source,
+        "run_id": mv.run_id,
+        "tags": dict(mv.tags),
+        "aliases": sorted(mv.aliases),
+    }
+
+
+def download_adapter(version: ModelVersion, dest: str | Path) -> Path:
+    """Copy a registered version's adapter folder (its ``source``) to ``dest``; returns ``dest``.
+
+    Goes through MLflow's artifact layer, so a local file store, ``mlflow-artifacts:`` behind a
+    tracking server and cloud stores all work; the nightly warm start reads the champion this way."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        got = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=tmp))
+        if not (got / "adapter_config.json").is_file():
+            raise RegistryError(
+                f"{version.name} v{version.version}: source {version.source} holds no peft adapter"
+            )
+        got.rename(dest)  # same filesystem: an atomic rename, dest appears complete or not at all
+    return dest

@@ -1,0 +1,64 @@
+"""The train stage's settings: LoRA shape, optimizer and schedule, minibatching, and the GRPO objective.
+
+``TrainConfig`` holds the QeRL recipe's defaults. LoRA goes on the projections inside the decoder
+layers only (``ALL_PROJECTIONS`` by default): the fused logprob head applies ``lm_head`` as a plain
+linear layer, and the embedding is tied to it, so neither may carry an adapter. The GRPO settings are
+``qerl.pipeline.rl.objective.GRPOConfig``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from qerl.pipeline.config import StrictModel
+from qerl.pipeline.rl.objective import GRPOConfig
+
+__all__ = ["ALL_PROJECTIONS", "TrainConfig"]
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class TrainConfig(StrictModel):
+    """LoRA + optimizer + GRPO settings of the train stage (QeRL recipe defaults)."""
+
+    lora_r: int = Field(16, gt=0)
+    lora_alpha: int = Field(32, gt=0)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: tuple[str, ...] = ALL_PROJECTIONS
+    lr: float = Field(1e-5, gt=0.0)
+    warmup_steps: int = Field(0, ge=0, description="optimizer updates of linear warmup")
+    total_steps: int | None = Field(
+        None,
+        gt=0,
+        description="optimizer updates over which the cosine decays; null: in a run, the loop's total "
+        "updates (loop.steps x updates per step); standalone, no decay after warmup",
+    )
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    mu: int = Field(1, ge=1, description="passes over the step's samples")
+    minibatch_size: int = Field(8, ge=1, description="sequences per forward/backward")
+    grad_accum: int = Field(1, ge=1, description="minibatches per optimizer update")
+    max_grad_norm: float = Field(0.2, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    gradient_checkpointing: bool = False
+    lora_autocast: bool = Field(
+        True,
+        description="LoRA matmuls in the base dtype (bf16), fp32 master weights/grads/AdamW; false: all fp32",
+    )
+    seed: int = 0
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    temperature: float = Field(1.0, gt=0.0, description="must equal the rollout temperature")
+    grpo: GRPOConfig = GRPOConfig()
+
+    @field_validator("target_modules")
+    @classmethod
+    def _frozen_head_and_embeddings(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        # The fused logprob head (``_TokenLogprobs``) applies the lm_head as a plain Linear, so a
+        # peft-wrapped head would be skipped; the embedding is tied to it: neither may carry a LoRA.
+        bad = [m for m in value if m in ("lm_head", "embed_tokens")]
+        if bad:
+            raise ValueError(f"target_modules may not include {bad}: only projections inside the layers")
+        return value

@@ -1,0 +1,121 @@
+"""Which engine runs on this machine, in which mode, on which checkpoint; and building it.
+
+``planned_mode`` is the one decision: from the config, the machine (``qerl.pipeline.runtime.device``)
+and whether the base is unquantized, it names the mode and the implementation module. The run
+planner and ``LazyEngine`` read it before any engine exists (the mode is part of every
+rollout/evaluate cache key); ``build_engine`` follows it and adds the checkpoint the mode serves.
+
+Modes (recorded in every rollout manifest and logged at WARNING when emulated; never silent):
+- ``vllm-nvfp4-marlin``: CUDA, vLLM serves the NVFP4 compressed-tensors checkpoint (FP4 Marlin,
+  weight-only) with LoRA on top. The quantization scheme vLLM picked is read back from the workers
+  and kept in ``engine.info``.
+- ``vllm-nvfp4-emulated``: CPU. vLLM has no NVFP4 kernel there, so it serves the dequantized twin
+  (bf16 weights equal to the NVFP4 values): the same function up to accumulation order.
+- ``hf-nvfp4-emulated``: transformers ``generate`` on the twin, the reference and the fallback.
+- ``vllm-unquantized`` / ``hf-unquantized``: ``quantize.scheme: none`` (the 16-bit arm of an
+  ablation): the quantize stage's artifact is the plain base (mode ``unquantized``), served as is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+
+from qerl.pipeline.nvfp4.recipe import TWIN_MODE, UNQUANTIZED_MODE
+from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.protocol import EngineError, RolloutEngine
+from qerl.pipeline.runtime import device
+from qerl.pipeline.store.manifest import Manifest
+
+__all__ = ["build_engine", "is_unquantized", "planned_mode"]
+
+log = logging.getLogger("qerl.engines")
+
+# engine name -> (implementation module, engine class); the module is named by string so that
+# planning a mode imports neither vLLM nor transformers
+IMPLEMENTATIONS = {
+    "vllm": ("qerl.pipeline.rollout.vllm_engine", "VLLMEngine"),
+    "hf": ("qerl.pipeline.rollout.hf_engine", "HFEngine"),
+}
+
+
+def is_unquantized(quantized: Manifest | None) -> bool:
+    """Whether the quantize stage's artifact is the plain base (``quantize.scheme: none``)."""
+    return quantized is not None and quantized.mode == UNQUANTIZED_MODE
+
+
+def planned_mode(cfg: RolloutConfig, unquantized: bool = False) -> tuple[str, str]:
+    """(mode, implementation module) of the engine ``cfg`` runs on this machine."""
+    module = IMPLEMENTATIONS[cfg.engine][0]
+    if unquantized:
+        return f"{cfg.engine}-unquantized", module
+    if cfg.engine == "vllm":
+        return ("vllm-nvfp4-marlin" if device.cuda_available() else "vllm-nvfp4-emulated"), module
+    return "hf-nvfp4-emulated", module
+
+
+def _checkpoint_dir(manifest: Manifest, what: str) -> Path:
+    directory = manifest.dir
+    if not (directory / "config.json").is_file():
+        raise EngineError(
+            f"{what} artifact {manifest.stage}/{manifest.key} at {directory} has no config.json"
+        )
+    return directory
+
+
+def _served_dir(mode: str, quantized: Manifest | None, twin: Manifest | None) -> Path:
+    """The checkpoint an NVFP4 mode serves (the quantized one on CUDA vLLM, else the twin)."""
+    if mode == "vllm-nvfp4-marlin":
+        if quantized is None:
+            raise EngineError("vLLM on CUDA serves the NVFP4 checkpoint: pass the quantize stage's manifest")
+        model_dir = _checkpoint_dir(quantized, "quantized")
+        log.info("rollout engine mode %s: vLLM serves the NVFP4 checkpoint %s", mode, model_dir)
+        return model_dir
+    if mode == "vllm-nvfp4-emulated":
+        if twin is None:
+            raise EngineError(
+                "vLLM on CPU has no NVFP4 kernel and serves the dequantized twin, but no twin was "
+                "given: run the dequantize stage and pass its manifest"
+            )
+        model_dir = _checkpoint_dir(twin, "twin")
+        log.warning(
+            "rollout engine mode %s: no CUDA, vLLM serves the dequantized NVFP4 twin %s "
+            "(the NVFP4 values stored in %s, not the FP4 kernel)",
+            mode,
+            model_dir,
+            twin.extra.get("dtype", "the twin's dtype"),
+        )
+        return model_dir
+    if twin is None:
+        raise EngineError("the transformers engine runs the dequantized twin, but no twin was given")
+    model_dir = _checkpoint_dir(twin, "twin")
+    log.warning("rollout engine mode %s: transformers generate on the dequantized twin %s", mode, model_dir)
+    return model_dir
+
+
+def build_engine(cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest | None) -> RolloutEngine:
+    """Build the configured engine on this machine and log the mode it runs in.
+
+    ``quantized`` is the quantize stage's NVFP4 checkpoint, ``twin`` the dequantize stage's bf16
+    twin. On CUDA vLLM serves ``quantized``; otherwise (CPU vLLM, or the HF engine) the twin is
+    required and a missing twin is an error, not a silent switch to some other model. An unquantized
+    base (``quantize.scheme: none``) is served directly by either engine, and then takes no twin.
+    """
+    unquantized = is_unquantized(quantized)
+    mode, _ = planned_mode(cfg, unquantized)
+    if unquantized:
+        assert quantized is not None
+        if twin is not None:
+            raise EngineError(f"an unquantized base ({quantized.dir}) has no twin, but one was given")
+        model_dir = _checkpoint_dir(quantized, "unquantized base")
+        log.info("rollout engine mode %s: %s serves the unquantized base %s", mode, cfg.engine, model_dir)
+    else:
+        if twin is not None and twin.mode != TWIN_MODE:
+            raise EngineError(
+                f"twin artifact {twin.stage}/{twin.key} has mode {twin.mode!r}, expected {TWIN_MODE!r} "
+                "(the dequantize stage's output)"
+            )
+        model_dir = _served_dir(mode, quantized, twin)
+    module, cls = IMPLEMENTATIONS[cfg.engine]
+    return getattr(importlib.import_module(module), cls)(cfg, model_dir, mode)

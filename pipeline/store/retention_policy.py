@@ -1,0 +1,199 @@
+"""What retention keeps: the policy (``RetentionConfig``) and the marks it sets on train artifacts.
+
+Each run record (``<work>/runs/<id>/run.json``) lists its steps' train keys; its policy (the run
+config's ``store`` section) marks which optimizer states and adapters of those steps may go and
+which stay. Protections add to the keep marks and always win: every step of a live run, a run's
+last ``keep_optimizer_last`` steps, its evaluated and final adapters, each ablation's final
+evaluated adapters, and (in ``qerl.pipeline.store.retention``) every registered adapter. The
+reasons are written in that module's docstring; ``qerl.pipeline.store.retention`` turns the marks
+into a plan of deletions and carries it out.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError
+from qerl.pipeline.config import StrictModel
+from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.layout import (
+    ABLATION_DIR,
+    ABLATION_RECORD,
+    MANIFEST,
+    OBJECTS_DIR,
+    REGISTER_STAGE,
+    RUN_RECORD,
+    RUNS_DIR,
+    TRAIN_STAGE,
+)
+from qerl.pipeline.store.manifest import ArtifactError, Manifest
+
+
+class RetentionConfig(StrictModel):
+    """What ``qerl gc`` (and the flow, after each step) may delete from the store."""
+
+    keep_optimizer_last: int = Field(
+        2, ge=1, description="optimizer states kept per run: those of its last K steps (resume needs 1)"
+    )
+    keep_adapters_every: int = Field(
+        0, ge=0, description="keep every E-th step's adapter (0: all); last/evaluated/registered always kept"
+    )
+    live_window_h: float = Field(
+        24.0, gt=0, description="a run 'running' and updated within this many hours is live: gc skips it"
+    )
+
+
+class RetentionError(RuntimeError):
+    """gc cannot decide safely (an unreadable run record or register manifest); names the file."""
+
+
+def load_runs(work: Path) -> list[dict[str, Any]]:
+    """Every run record under ``work/runs``; an unreadable one stops gc (its references are unknown)."""
+    records = []
+    for path in sorted((work / RUNS_DIR).glob(f"*/{RUN_RECORD}")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise RetentionError(f"cannot read run record {path} ({err}): refusing to collect") from err
+        if not isinstance(record, dict) or not isinstance(record.get("steps"), list):
+            raise RetentionError(f"run record {path} has no 'steps' list: refusing to collect")
+        record.setdefault("run_id", path.parent.name)
+        records.append(record)
+    return records
+
+
+def policy_for(record: dict[str, Any], overrides: dict[str, Any] | None = None) -> RetentionConfig:
+    """The run's own ``store`` section (defaults for records that predate it) with ``overrides``."""
+    own = (record.get("config") or {}).get("store") or {}
+    try:
+        return RetentionConfig.model_validate({**own, **(overrides or {})})
+    except ValidationError as err:
+        raise RetentionError(f"run {record.get('run_id')}: bad store retention settings: {err}") from err
+
+
+def is_live(record: dict[str, Any], window_h: float, now: _dt.datetime | None = None) -> bool:
+    """Status running and touched within ``window_h`` (a record without a time counts as live)."""
+    if record.get("status") != "running":
+        return False
+    stamp = record.get("updated_at") or record.get("started_at")
+    if not stamp:
+        return True
+    try:
+        when = _dt.datetime.fromisoformat(str(stamp))
+    except ValueError:
+        return True
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=_dt.UTC)
+    now = now or _dt.datetime.now(_dt.UTC)
+    return (now - when).total_seconds() < window_h * 3600
+
+
+def train_keys(record: dict[str, Any]) -> list[tuple[int, str]]:
+    """(step, train key) of every recorded step, in step order."""
+    out = []
+    for i, entry in enumerate(record["steps"]):
+        key = ((entry or {}).get("manifests") or {}).get(TRAIN_STAGE)
+        if key:
+            out.append((int(entry.get("step", i)), str(key)))
+    return sorted(out)
+
+
+def load_ablations(work: Path, notes: list[str]) -> list[dict[str, Any]]:
+    """Every readable ablation record ``<work>/ablations/<id>/ablation.json`` (an unreadable one is
+    noted and skipped: see the module docstring)."""
+    records = []
+    for path in sorted((work / ABLATION_DIR).glob(f"*/{ABLATION_RECORD}")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            notes.append(f"skipped ablation record {path} ({err}): its runs' own records still protect them")
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
+            notes.append(f"skipped ablation record {path}: no 'runs' list")
+            continue
+        record.setdefault("id", path.parent.name)
+        records.append(record)
+    return records
+
+
+def ablation_adapters(record: dict[str, Any]) -> set[str]:
+    """Train keys of a run's final evaluated adapter: what an ablation compares (``qerl.flows.ablate``
+    reads the evaluation of the adapter after ``loop.steps``), and the run's ``final_adapter``."""
+    steps = int(((record.get("config") or {}).get("loop") or {}).get("steps") or 0)
+    keys = {
+        str(e["adapter"])
+        for e in record.get("evaluations") or []
+        if isinstance(e, dict) and e.get("adapter") and int(e.get("step", -1)) == steps
+    }
+    if record.get("final_adapter"):
+        keys.add(Path(record["final_adapter"]).parent.name)
+    return keys
+
+
+def mark_ablations(
+    marks: Marks, ablations: list[dict[str, Any]], runs: list[dict[str, Any]], notes: list[str]
+) -> None:
+    """Keep each listed run's final evaluated adapter (a run not started yet has nothing to keep)."""
+    by_id = {r["run_id"]: r for r in runs}
+    for ablation in ablations:
+        listed = [str(e.get("run_id")) for e in ablation["runs"] if isinstance(e, dict)]
+        finals = [ablation_adapters(by_id[r]) for r in listed if r in by_id]
+        marks.keep_adapter.update(*finals)
+        if any(finals):
+            done = sum(1 for f in finals if f)
+            notes.append(
+                f"kept the final adapters of ablation {ablation['id']}: {done} of its {len(listed)} runs"
+            )
+
+
+def registered_train_digests(store: ArtifactStore) -> set[str]:
+    """Digests of the train artifacts whose adapters were registered from this store."""
+    digests = set()
+    for directory in sorted((store.root / OBJECTS_DIR / REGISTER_STAGE).glob("*")):
+        if not (directory / MANIFEST).is_file():
+            continue
+        try:
+            manifest = Manifest.load(directory)
+        except (ValueError, ArtifactError) as err:
+            raise RetentionError(f"cannot read register manifest in {directory} ({err})") from err
+        if TRAIN_STAGE in manifest.inputs:
+            digests.add(manifest.inputs[TRAIN_STAGE])
+    return digests
+
+
+@dataclass
+class Marks:
+    keep_opt: set[str] = field(default_factory=set)
+    keep_adapter: set[str] = field(default_factory=set)
+    drop_opt: dict[str, str] = field(default_factory=dict)  # key -> reason
+    drop_adapter: dict[str, str] = field(default_factory=dict)
+
+
+def mark_run(marks: Marks, record: dict[str, Any], policy: RetentionConfig, live: bool) -> None:
+    steps = train_keys(record)
+    keys = [k for _, k in steps]
+    rid = record["run_id"]
+    if live or not keys:
+        marks.keep_opt.update(keys)
+        marks.keep_adapter.update(keys)
+        return
+    last_k = keys[-policy.keep_optimizer_last :]
+    marks.keep_opt.update(last_k)
+    marks.keep_adapter.update(last_k)  # a resume from a kept optimizer state needs its adapter too
+    marks.keep_adapter.update(e["adapter"] for e in record.get("evaluations") or [] if e.get("adapter"))
+    if record.get("final_adapter"):
+        marks.keep_adapter.add(Path(record["final_adapter"]).parent.name)
+    if not policy.keep_adapters_every:
+        marks.keep_adapter.update(keys)
+    for step, key in steps:
+        if key not in last_k:
+            marks.drop_opt.setdefault(
+                key, f"run {rid} step {step}: older than its last {policy.keep_optimizer_last} steps"
+            )
+        every = policy.keep_adapters_every
+        if every and (step + 1) % every:
+            marks.drop_adapter.setdefault(key, f"run {rid} step {step}: not a multiple of {every} steps")
