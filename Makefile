@@ -1,5 +1,5 @@
 # Two entry points; each creates .venv on first use (scripts/bootstrap.sh).
-.PHONY: demo test lint bench venv
+.PHONY: demo test lint bench venv docs
 venv:
 	@scripts/bootstrap.sh
 
@@ -9,7 +9,12 @@ demo: venv
 test: venv
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 	.venv/bin/python -m pytest -q
 
 bench: venv
 	.venv/bin/qerl bench
+
+# The docs site (mkdocs.yml, docs/) into site/; `make test` builds it too (--strict: broken links fail).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
