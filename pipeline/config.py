@@ -37,9 +37,10 @@ class ConfigError(ValueError):
 
 
 class StrictModel(BaseModel):
-    """Base for all configs: unknown keys are errors, instances are immutable."""
+    """Base for all configs: unknown keys are errors, instances are immutable, floats are finite (an
+    ``inf`` learning rate or a ``nan`` sigma is a typo, never a setting)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 def _valid_keys(model: type[BaseModel]) -> list[str]:
@@ -92,18 +93,33 @@ def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def apply_overrides(cfg: M, overrides: list[str] | dict[str, Any] | None) -> M:
     """Return a copy of ``cfg`` with dotted overrides applied and re-validated."""
     extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
-    return _validate(type(cfg), _deep_merge(cfg.model_dump(mode="json"), extra or {}), "overrides")
+    pairs = overrides if isinstance(overrides, list) else None
+    return _validate(type(cfg), _deep_merge(cfg.model_dump(mode="json"), extra or {}), "overrides", pairs)
 
 
-def _validate(model: type[M], data: dict[str, Any], source: str) -> M:
+def _blame(loc: tuple, overrides: list[str]) -> str | None:
+    """The ``--set`` override that set the value at ``loc`` (or a section above it), if one did."""
+    dotted = ".".join(str(p) for p in loc)
+    for pair in reversed(overrides):
+        key = pair.split("=", 1)[0].strip()
+        if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + "."):
+            return pair
+    return None
+
+
+def _validate(model: type[M], data: dict[str, Any], source: str, overrides: list[str] | None = None) -> M:
+    """Validate ``data``; an error names each bad key and where its value came from: the ``--set``
+    override that set it, else ``source`` (the YAML file, or the defaults)."""
     _check_keys(model, data, "")
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors()
-        )
-        raise ConfigError(f"invalid config from {source}: {problems}") from None
+        problems = []
+        for e in err.errors():
+            where = _blame(e["loc"], overrides or [])
+            key = ".".join(str(p) for p in e["loc"]) or "<root>"
+            problems.append(f"{key}: {e['msg']}" + (f" (from --set {where})" if where else f" (from {source})"))
+        raise ConfigError("invalid config: " + "; ".join(problems)) from None
 
 
 def load_config(model: type[M], path: str | Path | None = None, overrides: list[str] | None = None) -> M:
@@ -122,7 +138,7 @@ def load_config(model: type[M], path: str | Path | None = None, overrides: list[
         data = loaded
         source = str(path)
     data = _deep_merge(data, parse_overrides(overrides))
-    return _validate(model, data, source)
+    return _validate(model, data, source, overrides)
 
 
 def config_hash(cfg: BaseModel | dict[str, Any]) -> str:

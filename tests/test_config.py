@@ -233,3 +233,28 @@ def test_eval_benchmarks_read_the_runs_data_root(tmp_path, monkeypatch):
     monkeypatch.setenv("QERL_DATA_DIR", str(shared))
     plain = RunConfig.model_validate({"eval": {"benchmark": {"dataset": "gsm8k"}}})
     assert plain.eval.benchmark.root is None and len(load_problems(plain.eval.benchmark)) == 3
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_non_finite_floats_are_rejected(value):
+    with pytest.raises(ConfigError, match=r"inner\.lr: Input should be a finite number \(from --set inner\.lr="):
+        load_config(Outer, None, [f"inner.lr={value}"])
+
+
+def test_a_bad_override_is_blamed_on_the_override_not_the_file(tmp_path):
+    path = tmp_path / "preset.yaml"
+    path.write_text("name: run1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(Outer, path, ["steps=many"])
+    assert "steps: " in str(err.value) and "(from --set steps=many)" in str(err.value)
+    assert str(path) not in str(err.value)
+    path.write_text("steps: many\n")
+    with pytest.raises(ConfigError, match=rf"steps: .*\(from {path}\)"):
+        load_config(Outer, path, ["name=x"])
+
+
+def test_the_run_config_rejects_an_infinite_learning_rate():
+    from qerl.pipeline.planning.run_config import load_run_config
+
+    with pytest.raises(ConfigError, match=r"train\.lr: .*finite.*\(from --set train\.lr=\.inf\)"):
+        load_run_config(None, ["train.lr=.inf"])
