@@ -25,7 +25,24 @@ from qerl.pipeline.store.files import atomic_write_json
 from qerl.pipeline.store.layout import OPTIMIZER_FILE
 from safetensors.torch import load_file, save_file
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["load_checkpoint", "save_adapter", "save_checkpoint"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def save_adapter(model: Any, out_dir: str | Path) -> Path:
+    """``model.save_pretrained(out_dir)``, then ``adapter_config.json`` rewritten in a canonical form:
+    peft keeps ``target_modules`` as a set and writes it in the process's string-hash order, so the
+    same adapter would get another digest in another process (a rebuild would look like new weights)."""
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    path = out_dir / ADAPTER_CONFIG
+    config = json.loads(path.read_text())
+    for key, value in config.items():
+        if isinstance(value, list) and all(isinstance(v, str) for v in value) and key.endswith("modules"):
+            config[key] = sorted(value)
+    atomic_write_json(path, config)
+    return out_dir
 
 
 def save_checkpoint(state: TrainState, out_dir: str | Path) -> Path:
@@ -36,7 +53,7 @@ def save_checkpoint(state: TrainState, out_dir: str | Path) -> Path:
     tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.mkdir(parents=True)
     try:
-        state.model.save_pretrained(tmp / "adapter")
+        save_adapter(state.model, tmp / "adapter")
         names = [n for n, _ in trainable_parameters(state.model)]
         opt = state.optimizer.state_dict()
         tensors = {}
