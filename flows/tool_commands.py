@@ -121,6 +121,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qerl.pipeline.data.rewards import RewardConfig
     from qerl.pipeline.evaluation.eval_config import EvalConfig
     from qerl.pipeline.planning.engine_setup import eval_rollout_config, needs_twin
+    from qerl.pipeline.rollout.adapter_fit import check_adapter_fits
     from qerl.pipeline.rollout.factory import build_engine
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.pipeline.store.layout import STORE_DIR
@@ -133,7 +134,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
     base = fetch_model.resolve_base(args.base, store)  # a catalogue name becomes its directory
     quantized, twin = evaluate.base_artifacts(base, store, needs_twin(args.engine))
-    adapter = None if args.adapter.lower() == "none" else Path(args.adapter)
+    adapter = None if args.adapter.lower() == "none" else check_adapter_fits(Path(args.adapter), quantized.dir)
     digest = None if adapter is None else store.source_digest(adapter)
     rollout_cfg = eval_rollout_config(cfg, args.engine, quantized.dir, adapter, engine_sets)
     engine = build_engine(rollout_cfg, quantized, twin)

@@ -329,3 +329,31 @@ def test_cli_eval_on_the_default_vllm_engine(tiny_model_dir, tmp_path, capsys):
     assert saved["sampling"] == {"temperature": 0.6, "top_p": 0.95, "greedy": False}
     rows = pq.read_table(manifest_dir / "results.parquet").to_pylist()
     assert len(rows) == 6 and all(r["completion_tokens"] <= 8 for r in rows)
+
+
+def test_cli_eval_refuses_an_adapter_of_another_base(tiny_model_dir, tiny_model_factory, tmp_path, capsys):
+    """An adapter trained on a smaller model (hidden 64, 2 layers) on the tiny base (hidden 128): refused
+    before any engine starts, naming the mismatch; an adapter of the base itself passes the check."""
+    from qerl.flows.cli import main
+    from qerl.pipeline.rollout.adapter_fit import adapter_mismatches, check_adapter_fits
+    from qerl.pipeline.rollout.protocol import EngineError
+
+    from tests.test_engines import make_adapter
+
+    other = tiny_model_factory(hidden_size=64, num_layers=2, intermediate_size=128)
+    wrong = make_adapter(other, tmp_path / "wrong", rank=8)
+    right = make_adapter(tiny_model_dir, tmp_path / "right", rank=8)
+    work, ckpt = tmp_path / "work", tmp_path / "ckpt"
+    assert main(["quantize", str(tiny_model_dir), "--out", str(ckpt), "--work-dir", str(work)]) == 0
+    assert adapter_mismatches(right, ckpt) == [] and adapter_mismatches(right, tiny_model_dir) == []
+    problems = adapter_mismatches(wrong, ckpt)
+    assert "model.layers.0.self_attn.q_proj.lora_A: 64 inputs, the base's linear has 128" in problems
+    with pytest.raises(EngineError, match="was not trained for the base"):
+        check_adapter_fits(wrong, tiny_model_dir)
+    capsys.readouterr()
+    argv = ["eval", "--base", str(ckpt), "--adapter", str(wrong), "--benchmark", "arithmetic", "--engine", "hf",
+            "--work-dir", str(work), "--set", "benchmark.limit=2"]  # fmt: skip
+    assert main(argv) == 2  # the CLI's exit status for a refused input
+    err = capsys.readouterr().err
+    assert "was not trained for the base" in err and "lora_A: 64 inputs" in err
+    assert not (work / "store" / "objects" / "evaluate").exists()

@@ -1,0 +1,54 @@
+"""Whether a LoRA adapter was trained for this base: every LoRA pair must sit on a linear the base has,
+with the base's input and output sizes. Read from the safetensors headers of both (no weights
+loaded), so an adapter of another model is refused before an engine starts, naming what differs;
+without it a smaller adapter loads into a larger model and gives a meaningless accuracy."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from qerl.pipeline.nvfp4.safetensors_io import safetensors_index
+from qerl.pipeline.rollout.protocol import EngineError, check_adapter_dir
+
+__all__ = ["adapter_mismatches", "check_adapter_fits"]
+
+_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
+_SHOWN = 5  # mismatches named in the error; the count says how many more
+
+
+def adapter_mismatches(adapter_dir: str | Path, base_dir: str | Path) -> list[str]:
+    """What does not fit, one line per LoRA tensor (empty when the adapter fits the base)."""
+    base = safetensors_index(base_dir)
+    problems = []
+    for name, spec in sorted(safetensors_index(adapter_dir).items()):
+        match = _LORA_KEY.match(name)
+        if match is None:
+            continue
+        module, ab = match["module"], match["ab"]
+        layer = base.get(f"{module}.weight") or base.get(f"{module}.weight_packed")
+        if layer is None:
+            problems.append(f"{module}: the base has no such linear")
+            continue
+        out_features = layer.shape[0]
+        in_features = layer.shape[1] * (2 if layer.name.endswith("weight_packed") else 1)  # 2 FP4 codes a byte
+        if ab == "A" and spec.shape[1] != in_features:
+            problems.append(f"{module}.lora_A: {spec.shape[1]} inputs, the base's linear has {in_features}")
+        if ab == "B" and spec.shape[0] != out_features:
+            problems.append(f"{module}.lora_B: {spec.shape[0]} outputs, the base's linear has {out_features}")
+    return problems
+
+
+def check_adapter_fits(adapter_dir: str | Path, base_dir: str | Path) -> Path:
+    """``adapter_dir`` if it is a peft adapter that fits the base in ``base_dir``, else an ``EngineError``
+    naming the first mismatches."""
+    adapter = check_adapter_dir(Path(adapter_dir))
+    problems = adapter_mismatches(adapter, base_dir)
+    if problems:
+        more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+        raise EngineError(
+            f"the LoRA adapter {adapter} was not trained for the base {base_dir}: "
+            + "; ".join(problems[:_SHOWN])
+            + more
+        )
+    return adapter
