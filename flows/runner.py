@@ -44,7 +44,10 @@ def prepare_environment(work: Path) -> None:
     """Point Prefect at the work directory; must run before ``prefect`` is imported."""
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_HOME", str(work / "prefect"))
+    # A nightly tool that runs offline sends no usage data (server and client side) and so prints no
+    # telemetry notice; a user who wants Prefect's telemetry sets these variables.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.5")
     # The temporary server's default 20 s start-up budget is too tight on a loaded 2-core box.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

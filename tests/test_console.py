@@ -123,3 +123,23 @@ def test_a_failed_run_shows_its_error_in_full_and_is_not_retried(tmp_path):
     (log_path,) = (tmp_path / "work" / "runs").glob("*/run.log")
     assert log_path.read_text().count("not retried") == 1
     assert "Retry 1/2" not in log_path.read_text()
+
+
+def test_runs_send_no_usage_data_and_print_no_telemetry_notice(tmp_path):
+    """``prepare_environment`` turns Prefect's client telemetry off (DO_NOT_TRACK) as well as the
+    server's, in a process whose environment says nothing about either."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from qerl.flows import runner\n"
+        "runner.prepare_environment(Path(sys.argv[1]))\n"
+        "from prefect._internal.analytics.enabled import is_telemetry_enabled\n"
+        "from prefect.settings import get_current_settings\n"
+        "print(is_telemetry_enabled(), get_current_settings().server.analytics_enabled)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DO_NOT_TRACK", "CI"))}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "False"]
