@@ -322,7 +322,7 @@ def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> 
                 "dtype": dtype_name,
                 "dequantized_linears": sum(1 for n in specs if n.endswith(".weight_packed")),
                 "aux_files": aux,
-                "note": "derived artifact: Linear weights are qerl.kernels.nvfp4.dequantize_nvfp4 of the NVFP4 checkpoint",
+                "note": "derived artifact: Linear weights are qerl.kernels.nvfp4_reference.dequantize_nvfp4 of the NVFP4 checkpoint",
             },
         )
 
