@@ -12,6 +12,25 @@
 # Options: --dest DIR (default .gpu-wheels)  --max-mib N (default 48, leaving room under 64)
 #          --only NAME (repeatable: just these of the list)  --extra SPEC (repeatable: e.g.
 #          --extra transformers==5.19.0 if the image's version turns out incompatible)  --list
+#
+# --vllm: build the vLLM bundle instead (issue 23): download the wheels pinned in
+#   scripts/gpu_vllm_requirements.txt (vllm 0.26.0 and the few distributions the image lacks that an
+#   offline LLM(...).generate with LoRA on an NVFP4A16 checkpoint imports, each with its reason) into
+#   .gpu-vllm-build/wheels (kept: a second run downloads nothing), unpack them into a staging folder,
+#   delete what Hopper's dense path never loads (scripts/gpu_vllm_drop.txt, each with what was
+#   checked), re-run the static import scan on the staged tree (scripts/gpu_bundle.py scan, roots in
+#   scripts/gpu_vllm_roots.txt: it fails if a needed distribution or module is missing), then tar + xz
+#   it and split it into chunks of at most 50 MiB in .gpu-vllm/ (part-01, part-02, ...) with
+#   .gpu-vllm/manifest.json (each chunk's size and sha256, the archive's, the dependency list, the
+#   dropped files). Those travel one chunk per device call: see `scripts/gpu_check.sh --help`.
+#   Options with --vllm: --vllm-dest DIR (default .gpu-vllm)  --chunk-mib N (default 50: a chunk, the
+#   manifest and the working tree must stay under the 64 MiB a device call carries)
+#   --xz-preset N (default 6: 285 MiB -> 74.5 MiB in ~4.5 min on 2 busy cores; 3 gives 78.2 MiB in
+#   2.4 min, the same 2 chunks; the 75 MiB _C extension is already compressed and does not shrink)
+#   --vllm-wheel PATH (an already downloaded vllm wheel: linked, not fetched)
+#   To redo the scan by hand (here, or on the GPU image with --installed instead of the built-in list):
+#     python3 scripts/gpu_bundle.py scan --tree .gpu-vllm-build/site --roots-file scripts/gpu_vllm_roots.txt
+#   (build with --keep-stage via GPU_BUNDLE_KEEP_STAGE=1 to keep .gpu-vllm-build/site).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,8 +43,18 @@ DEST=.gpu-wheels
 MAX_MIB=48
 ONLY=()
 EXTRA=()
+VLLM=0
+VLLM_DEST=.gpu-vllm
+CHUNK_MIB=50
+XZ_PRESET=6
+VLLM_WHEEL=""
 while (($#)); do
   case "$1" in
+    --vllm) VLLM=1; shift ;;
+    --vllm-dest) VLLM_DEST=$2; shift 2 ;;
+    --chunk-mib) CHUNK_MIB=$2; shift 2 ;;
+    --xz-preset) XZ_PRESET=$2; shift 2 ;;
+    --vllm-wheel) VLLM_WHEEL=$2; shift 2 ;;
     --dest) DEST=$2; shift 2 ;;
     --max-mib) MAX_MIB=$2; shift 2 ;;
     --only) ONLY+=("$2"); shift 2 ;;
@@ -35,6 +64,34 @@ while (($#)); do
     *) echo "fetch_gpu_wheels: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+
+PY=${PYTHON:-}
+if [[ -z "$PY" ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+PLATFORM_ARGS=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
+
+if ((VLLM)); then
+  REQ=scripts/gpu_vllm_requirements.txt
+  BUILD=.gpu-vllm-build
+  mkdir -p "$BUILD/wheels"
+  if [[ -n "$VLLM_WHEEL" ]]; then
+    [[ -f "$VLLM_WHEEL" ]] || { echo "fetch_gpu_wheels: no such wheel: $VLLM_WHEEL" >&2; exit 2; }
+    ln -sf "$(cd "$(dirname "$VLLM_WHEEL")" && pwd)/$(basename "$VLLM_WHEEL")" "$BUILD/wheels/"
+  fi
+  mapfile -t VSPECS < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' "$REQ" | grep -v '^$')
+  echo "fetch_gpu_wheels: ${#VSPECS[@]} pinned wheels (vLLM bundle) into $BUILD/wheels" >&2
+  # pip reuses a file already in the folder ("File was already downloaded"): a rerun fetches nothing
+  "$PY" -m pip download --quiet --disable-pip-version-check --no-deps "${PLATFORM_ARGS[@]}" \
+    -d "$BUILD/wheels" "${VSPECS[@]}" || exit 1
+  KEEP=()
+  [[ -n "${GPU_BUNDLE_KEEP_STAGE:-}" ]] && KEEP=(--keep-stage)
+  # xz over ~300 MiB on a shared machine: be nice to the neighbours
+  exec nice -n 10 "$PY" scripts/gpu_bundle.py build --wheels "$BUILD/wheels" --requirements "$REQ" \
+    --drop scripts/gpu_vllm_drop.txt --roots scripts/gpu_vllm_roots.txt --stage "$BUILD/site" \
+    --out "$VLLM_DEST" --chunk-mib "$CHUNK_MIB" --preset "$XZ_PRESET" "${KEEP[@]}"
+fi
 
 SPECS=()
 if ((${#ONLY[@]})); then
@@ -49,10 +106,6 @@ else
 fi
 SPECS+=("${EXTRA[@]}")
 
-PY=${PYTHON:-}
-if [[ -z "$PY" ]]; then
-  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
-fi
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl "$DEST"/wheels.json
 echo "fetch_gpu_wheels: ${#SPECS[@]} wheels for cp312 manylinux x86_64 into $DEST" >&2

@@ -1,0 +1,391 @@
+"""The vLLM bundle's machinery (scripts/gpu_bundle.py), on small synthetic trees, with no network.
+
+The split, the staging of carried chunks, the reassembly and the checksum checks: a missing chunk is
+named, a flipped byte is detected and the chunk named, the reassembled archive extracts to the same
+files. The import scan on a tiny synthetic package: module-level imports are found (in `if`, `try`,
+class bodies), function-level and TYPE_CHECKING imports are not, relative imports resolve, names map to
+distributions (a wheel's top_level.txt, the table), the image's distributions are subtracted. And the
+committed lists the shell script reads stay consistent (exact pins; pydantic equal to the small
+wheel set's pins; the drop list never removes what the scan found imported unguarded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_bundle.py"
+_spec = importlib.util.spec_from_file_location("gpu_bundle", SCRIPT)
+gb = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_bundle"] = gb
+_spec.loader.exec_module(gb)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def synthetic(tmp_path):
+    """A small tree: text that compresses, random bytes that do not, an executable, nested folders."""
+    src = tmp_path / "site"
+    (src / "pkg" / "sub").mkdir(parents=True)
+    (src / "pkg" / "__init__.py").write_text("x = 1\n" * 2000)
+    (src / "pkg" / "sub" / "blob.so").write_bytes(os.urandom(300_000))
+    tool = src / "pkg" / "tool"
+    tool.write_bytes(b"#!/bin/sh\necho hi\n")
+    tool.chmod(0o755)
+    (src / "pkg-1.0.dist-info").mkdir()
+    (src / "pkg-1.0.dist-info" / "METADATA").write_text("Name: pkg\nVersion: 1.0\n")
+    (src / "pkg" / "__pycache__").mkdir()
+    (src / "pkg" / "__pycache__" / "x.pyc").write_bytes(b"stale")
+    out = tmp_path / "out"
+    manifest = gb.pack(src, out, chunk_bytes=100_000, preset=1, meta={"vllm_version": "test"})
+    return src, out, manifest
+
+
+def test_pack_splits_into_numbered_chunks_with_a_manifest(synthetic):
+    src, out, manifest = synthetic
+    chunks = manifest["chunks"]
+    assert len(chunks) >= 3, "the random payload must need several 100 kB chunks"
+    assert [c["name"] for c in chunks] == [f"part-{k:02d}" for k in range(1, len(chunks) + 1)]
+    assert all(c["bytes"] <= 100_000 for c in chunks) and chunks[0]["bytes"] == 100_000
+    for c in chunks:
+        assert hashlib.sha256((out / c["name"]).read_bytes()).hexdigest() == c["sha256"]
+    whole = b"".join((out / c["name"]).read_bytes() for c in chunks)
+    assert len(whole) == manifest["archive"]["bytes"]
+    assert hashlib.sha256(whole).hexdigest() == manifest["archive"]["sha256"]
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert (
+        on_disk == manifest and on_disk["format"] == "qerl-gpu-bundle/1" and on_disk["vllm_version"] == "test"
+    )
+    assert not (out / gb.ARCHIVE).exists(), "only the chunks travel"
+
+
+def test_reassembled_archive_extracts_to_the_same_files(synthetic, tmp_path):
+    src, out, _ = synthetic
+    dest = tmp_path / "extracted"
+    assert gb.main(["unpack", "--dir", str(out), "--dest", str(dest)]) == 0
+    want = {k: v for k, v in _tree(src).items() if "__pycache__" not in k}
+    got = {k: v for k, v in _tree(dest).items() if k != ".bundle-sha256"}
+    assert got == want
+    assert os.access(dest / "pkg" / "tool", os.X_OK), "modes survive (binaries must stay executable)"
+    # a second unpack of the same bundle is a no-op (the stamp matches)
+    (dest / "marker").write_text("kept")
+    assert gb.main(["unpack", "--dir", str(out), "--dest", str(dest)]) == 0
+    assert (dest / "marker").exists()
+
+
+def test_a_missing_chunk_is_named_and_nothing_extracts(synthetic, tmp_path, capsys):
+    _, out, manifest = synthetic
+    last = manifest["chunks"][-1]["name"]
+    (out / "part-02").unlink()
+    (out / last).unlink()
+    assert gb.verify(out, manifest) == (["part-02", last], [])
+    rc = gb.main(["unpack", "--dir", str(out), "--dest", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert rc == gb.EXIT_MISSING
+    assert f"MISSING 2 of {len(manifest['chunks'])} chunks" in err and f"part-02 {last}" in err
+    assert '".gpu-vllm/part-02"' in err, "the next call's carry is spelled out"
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_flipped_byte_is_detected_and_the_chunk_named(synthetic, tmp_path, capsys):
+    _, out, manifest = synthetic
+    path = out / "part-02"
+    data = bytearray(path.read_bytes())
+    data[12345] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert gb.verify(out, manifest) == ([], ["part-02"])
+    rc = gb.main(["unpack", "--dir", str(out), "--dest", str(tmp_path / "x")])
+    assert rc == gb.EXIT_CORRUPT
+    assert "CORRUPT chunk" in capsys.readouterr().err and "part-02" in str(path)
+    assert not (tmp_path / "x").exists()
+
+
+def test_chunks_from_another_build_fail_the_whole_archive_check(synthetic, tmp_path, capsys):
+    """Each chunk matches its own line, but the manifest's archive sum does not: refuse to extract."""
+    _, out, manifest = synthetic
+    manifest["archive"]["sha256"] = "0" * 64
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert gb.main(["unpack", "--dir", str(out), "--dest", str(tmp_path / "x")]) == gb.EXIT_CORRUPT
+    assert "CORRUPT archive" in capsys.readouterr().err
+
+
+def test_stage_collects_one_chunk_per_call_into_the_kept_folder(synthetic, tmp_path, capsys):
+    """The device sequence: each call carries manifest + one chunk; stage moves it into the kept
+    folder and names what is still missing; the last call completes it."""
+    _, out, manifest = synthetic
+    names = [c["name"] for c in manifest["chunks"]]
+    kept = tmp_path / "kept"
+    for k, name in enumerate(names, start=1):
+        carried = tmp_path / f"carried{k}"
+        carried.mkdir()
+        (carried / "manifest.json").write_bytes((out / "manifest.json").read_bytes())
+        (carried / name).write_bytes((out / name).read_bytes())
+        rc = gb.main(["stage", "--from", str(carried), "--to", str(kept)])
+        err = capsys.readouterr().err
+        assert not (carried / name).exists() and (kept / name).exists()
+        if k < len(names):
+            assert rc == gb.EXIT_MISSING and f"MISSING {len(names) - k} of {len(names)}" in err
+            assert " ".join(names[k:]) in err
+        else:
+            assert rc == 0 and "all" in err
+    dest = tmp_path / "site"
+    assert gb.main(["unpack", "--dir", str(kept), "--dest", str(dest)]) == 0
+    assert (dest / "pkg" / "__init__.py").exists()
+
+
+def test_stage_drops_chunks_of_an_older_bundle(synthetic, tmp_path, capsys):
+    """A rebuilt bundle (new manifest) must not be completed with a staged chunk of the old one."""
+    src, out, _ = synthetic
+    kept = tmp_path / "kept"
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "manifest.json").write_bytes((out / "manifest.json").read_bytes())
+    (carried / "part-01").write_bytes((out / "part-01").read_bytes())
+    assert gb.main(["stage", "--from", str(carried), "--to", str(kept)]) == gb.EXIT_MISSING
+    (src / "pkg" / "new.py").write_text("changed = True\n")
+    out2 = tmp_path / "out2"
+    gb.pack(src, out2, chunk_bytes=100_000, preset=1)
+    (carried / "manifest.json").write_bytes((out2 / "manifest.json").read_bytes())
+    (carried / "part-02").write_bytes((out2 / "part-02").read_bytes())
+    capsys.readouterr()
+    assert gb.main(["stage", "--from", str(carried), "--to", str(kept)]) == gb.EXIT_MISSING
+    err = capsys.readouterr().err
+    assert "another bundle" in err and "staged so far: part-02" in err
+    assert not (kept / "part-01").exists()
+
+
+def test_stage_refuses_a_corrupt_carried_chunk(synthetic, tmp_path, capsys):
+    _, out, _ = synthetic
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "manifest.json").write_bytes((out / "manifest.json").read_bytes())
+    (carried / "part-01").write_bytes(b"\0" + (out / "part-01").read_bytes()[1:])
+    rc = gb.main(["stage", "--from", str(carried), "--to", str(tmp_path / "kept")])
+    assert rc == gb.EXIT_CORRUPT
+    assert "CORRUPT carried chunk" in capsys.readouterr().err
+    assert not (tmp_path / "kept" / "part-01").exists()
+
+
+# -- the import scan -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_pkg(tmp_path):
+    tree = tmp_path / "tree"
+    pkg = tree / "tinypkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "import os\n"
+        "import numpy as np\n"  # module level: found (in the image)
+        "from . import core\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    import mypy_only\n"  # never at run time
+    )
+    (pkg / "core.py").write_text(
+        "import yaml\n"  # module level, import name != distribution name (pyyaml)
+        "from .sub.helper import thing\n"
+        "try:\n"
+        "    import fancy_optional\n"  # guarded by ImportError: optional
+        "except ImportError:\n"
+        "    fancy_optional = None\n"
+        "if USE_GPU:\n"
+        "    import gpu_only_lib\n"  # module-level if: conditional
+        "class K:\n"
+        "    import msgspec\n"  # class bodies run at import time
+        "def f():\n"
+        "    import function_level_only\n"  # not at import time
+        "    return function_level_only\n"
+        "g = lambda: __import__('lambda_only')\n"
+    )
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "helper.py").write_text("import zmq\nfrom ..core2 import missing_thing\nthing = 1\n")
+    (pkg / "unused.py").write_text("import never_reached\n")
+    # a wheel whose top_level.txt maps `zmq` to pyzmq
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "pyzmq-27.3.0-cp312-abi3-manylinux_2_28_x86_64.whl", "w") as zf:
+        zf.writestr("zmq/__init__.py", "")
+        zf.writestr("pyzmq-27.3.0.dist-info/top_level.txt", "zmq\n")
+    return tree, wheels
+
+
+def test_scan_finds_module_level_imports_and_ignores_function_level(tiny_pkg):
+    tree, wheels = tiny_pkg
+    result = gb.scan([tree], ["tinypkg"])
+    ext = result["externals"]
+    assert {"numpy", "yaml", "zmq", "msgspec"} <= set(ext)
+    assert ext["yaml"]["kind"] == ext["zmq"]["kind"] == ext["msgspec"]["kind"] == "needed"
+    assert ext["fancy_optional"]["kind"] == "optional"
+    assert ext["gpu_only_lib"]["kind"] == "conditional" and ext["gpu_only_lib"]["guards"] == ["if USE_GPU"]
+    for absent in ("function_level_only", "lambda_only", "mypy_only", "never_reached", "os", "typing"):
+        assert absent not in ext, absent
+    assert "tinypkg.unused" not in result["reached"] and "tinypkg.sub.helper" in result["reached"]
+    assert ext["zmq"]["chain"] == ["tinypkg", "tinypkg.core", "tinypkg.sub.helper"]
+    # the relative `from ..core2 import` resolves to tinypkg.core2, which the tree lacks
+    assert result["missing"]["tinypkg.core2"]["chain"][-1] == "tinypkg.sub.helper"
+
+
+def test_scan_maps_names_to_distributions_and_subtracts_the_image(tiny_pkg):
+    tree, wheels = tiny_pkg
+    result = gb.map_externals(gb.scan([tree], ["tinypkg"]), {"numpy", "pyyaml"}, wheels, use_env=False)
+    ext = result["externals"]
+    assert (ext["zmq"]["dist"], ext["zmq"]["mapped_by"]) == ("pyzmq", "wheel")
+    assert (ext["yaml"]["dist"], ext["yaml"]["mapped_by"]) == ("pyyaml", "table")
+    assert ext["yaml"]["in_image"] and ext["numpy"]["in_image"] and not ext["zmq"]["in_image"]
+    assert (ext["msgspec"]["dist"], ext["msgspec"]["in_image"]) == ("msgspec", False)
+
+
+def test_scan_cli_fails_on_what_the_image_lacks(tiny_pkg, tmp_path):
+    tree, wheels = tiny_pkg
+    image = tmp_path / "image.txt"
+    image.write_text("numpy\npyyaml\n")
+    base = [
+        sys.executable,
+        str(SCRIPT),
+        "scan",
+        "--tree",
+        str(tree),
+        "--root",
+        "tinypkg",
+        "--wheels",
+        str(wheels),
+    ]
+    out = tmp_path / "scan.json"
+    proc = subprocess.run(
+        [*base, "--image", str(image), "--json", str(out), "--fail-on-needed"], capture_output=True, text=True
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert json.loads(out.read_text())["needed_dists"] == ["msgspec", "pyzmq"]
+    assert "needed but not provided: ['msgspec', 'pyzmq']" in proc.stderr
+
+
+def test_drop_deletes_matching_files_and_reports_them(tmp_path):
+    tree = tmp_path / "t"
+    (tree / "v" / "third" / "dg").mkdir(parents=True)
+    (tree / "v" / "fa2.so").write_bytes(b"x" * 10)
+    (tree / "v" / "fa3.so").write_bytes(b"y" * 5)
+    (tree / "v" / "third" / "dg" / "a.h").write_bytes(b"z")
+    dropped = gb.drop(tree, ["v/fa2.so", "v/third/dg/*"])
+    assert [d["path"] for d in dropped] == ["v/fa2.so", "v/third/dg/a.h"] and dropped[0]["bytes"] == 10
+    assert (tree / "v" / "fa3.so").exists() and not (tree / "v" / "third").exists()
+
+
+def test_unwheel_lays_out_purelib_and_platlib_like_an_installer(tmp_path):
+    whl = tmp_path / "demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as zf:
+        zf.writestr("demo/__init__.py", "v = 1\n")
+        zf.writestr("demo-1.0.data/platlib/demo_ext.py", "e = 1\n")
+        zf.writestr("demo-1.0.data/scripts/demo-cli", "#!python\n")
+        zf.writestr("demo-1.0.dist-info/METADATA", "Name: demo\nVersion: 1.0\n")
+    rows = gb.unwheel([whl], tmp_path / "site")
+    assert rows == [{"dist": "demo", "version": "1.0", "wheel": whl.name}]
+    assert sorted(_tree(tmp_path / "site")) == [
+        "demo-1.0.dist-info/METADATA",
+        "demo/__init__.py",
+        "demo_ext.py",
+    ]
+
+
+# -- the committed lists ----------------------------------------------------------------------------
+
+
+def test_requirements_are_exact_pins_consistent_with_the_small_wheel_set():
+    reqs = gb.parse_requirements(ROOT / "scripts" / "gpu_vllm_requirements.txt")
+    pins = {r["dist"]: r["version"] for r in reqs}
+    assert pins["vllm"] == "0.26.0" and all(r["reason"] for r in reqs), "each line says why"
+    image = {gb.norm(x) for x in gb.IMAGE_PACKAGES}
+    assert not set(pins) & image, "carrying an image package would shadow the image's (torch above all)"
+    small = (ROOT / "scripts" / "fetch_gpu_wheels.sh").read_text()
+    for dist in ("pydantic", "pydantic-core", "annotated-types", "typing-inspection"):
+        m = re.search(rf"(?<![-\w]){re.escape(dist)}==([\w.]+)", small)
+        assert m and m.group(1) == pins[dist], f"{dist}: both bundles may share one sys.path"
+
+
+def test_drop_list_spares_the_extensions_the_dense_path_loads():
+    patterns = gb.read_list(ROOT / "scripts" / "gpu_vllm_drop.txt")
+    import fnmatch
+
+    assert "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" in patterns
+    for kept in ("vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "vllm/_qutlass_C.abi3.so",
+                 "vllm/vllm_flash_attn/flash_attn_interface.py", "vllm/cumem_allocator.abi3.so"):  # fmt: skip
+        assert not any(fnmatch.fnmatchcase(kept, p) for p in patterns), kept
+    roots = gb.read_list(ROOT / "scripts" / "gpu_vllm_roots.txt")
+    assert "vllm.entrypoints.llm" in roots and "vllm.model_executor.models.qwen2" in roots
+
+
+def test_the_shell_script_exposes_the_vllm_build():
+    text = (ROOT / "scripts" / "fetch_gpu_wheels.sh").read_text()
+    assert "--vllm)" in text and "gpu_bundle.py build" in text
+    check = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert "--stage-only)" in check and "gpu_bundle.py stage" in check and "gpu_bundle.py unpack" in check
+
+
+def test_the_vllm_kit_names_qerl_modules_and_names_that_exist():
+    """tests/test_gpu_vllm.py runs only on a GPU: here, on any machine, every `from qerl... import x`
+    in it must resolve (module paths move in refactors; the GPU session should not find out first)."""
+    import ast
+    import importlib
+
+    tree = ast.parse((ROOT / "tests" / "test_gpu_vllm.py").read_text())
+    wanted = [
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qerl.")
+        for alias in node.names
+    ]
+    assert len(wanted) >= 10
+    missing = []
+    for module, name in wanted:
+        try:
+            if not hasattr(importlib.import_module(module), name):
+                missing.append(f"{module}.{name}")
+        except ImportError as err:
+            missing.append(f"{module} ({err})")
+    assert not missing, missing
+
+
+def test_the_qerl_side_of_the_vllm_part_needs_only_the_image_and_the_bundle(tmp_path):
+    """The static scan over our own code: what tests/test_gpu_vllm.py imports from qerl, the vLLM
+    engine and its worker extension (vLLM imports it by name in the worker), at module level, needs
+    no distribution beyond the GPU image's and the bundle's (no Prefect, MLflow, math_verify...)."""
+    import ast
+
+    src = tmp_path / "src" / "qerl"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_bytes((ROOT / "qerl" / "__init__.py").read_bytes())
+    for sub in ("pipeline", "stages", "kernels", "flows"):
+        (src / sub).symlink_to(ROOT / sub)
+    tree = ast.parse((ROOT / "tests" / "test_gpu_vllm.py").read_text())
+    roots = sorted(
+        {
+            n.module
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("qerl.")
+        }
+    )
+    roots += ["qerl.pipeline.rollout.vllm_engine", "qerl.pipeline.rollout.aqn_vllm"]
+    result = gb.map_externals(gb.scan([src.parent], roots), set(), None, use_env=True)
+    assert not result["missing"], result["missing"]
+    assert len(result["reached"]) > 20
+    provided = {gb.norm(x) for x in gb.IMAGE_PACKAGES}
+    provided |= {r["dist"] for r in gb.parse_requirements(ROOT / "scripts" / "gpu_vllm_requirements.txt")}
+    needed = {
+        top: (e["dist"], " > ".join(e["chain"]))
+        for top, e in result["externals"].items()
+        if e["kind"] == "needed" and e["dist"] not in provided
+    }
+    assert not needed, needed
