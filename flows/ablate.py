@@ -41,6 +41,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from qerl.flows import console
 from qerl.flows.rl import rl_flow
 from qerl.flows.run_record import load_run_record, run_id_for
+from qerl.pipeline.config import key_payload
 from qerl.pipeline.evaluation.arms import AblationError, ablation_id, arm_config, parse_arms
 from qerl.pipeline.evaluation.report import ArmRuns, table_rows, write_report
 from qerl.pipeline.planning.run_config import RunConfig
@@ -149,7 +150,7 @@ def ablate_flow(
     arms = parse_arms(arms)
     base = RunConfig.model_validate(config)  # the user's config must be valid before any arm runs
     work = default_work_dir(work_dir)
-    aid = ablation_id(base.model_dump(mode="json"), arms, seeds)
+    aid = ablation_id(key_payload(base), arms, seeds)  # resource settings are not its identity
     out = ablation_dir(work, aid)
     path = out / ABLATION_RECORD
     previous = json.loads(path.read_text()) if path.is_file() else {}

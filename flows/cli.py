@@ -117,10 +117,24 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     COMMANDS["run"] = flow_commands.cmd_run
     p = sub.add_parser("resume", help="continue a recorded run: completed stages are reused")
     p.add_argument("run_id", metavar="RUN", help="run id (see <work>/runs)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change a resource setting (memory, batching, workers, timeouts: 'in keys: no' in the "
+        "configuration reference); finished steps are still reused",
+    )
     _common(p)
     COMMANDS["resume"] = flow_commands.cmd_resume
     p = sub.add_parser("schedule", help="serve the nightly deployment on a Prefect server")
     p.add_argument("--cron", required=True, help="cron expression, e.g. '0 2 * * *'")
+    p.add_argument(
+        "--api-url",
+        default=None,
+        metavar="URL",
+        help="the Prefect server's API (default: $PREFECT_API_URL, else http://127.0.0.1:4200/api)",
+    )
     _config_options(p, "YAML file or preset name", SET_HELP)
     _common(p)
     COMMANDS["schedule"] = flow_commands.cmd_schedule

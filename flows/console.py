@@ -5,6 +5,12 @@ warm start, each evaluation, registration), one progress bar over the RL steps w
 the last step's rollout tokens/s, reward, accuracy and step time plus an ETA for the whole run, then
 the summary, last. Warnings of qerl's own modules and errors of any library (tracebacks in full) are
 shown as well. Without a terminal (a pipe, CI, a test) the bar becomes a line every tenth of the run.
+A long stage that reports items done (an evaluation: ``progress``) gets a bar of its own, or without
+a terminal a line at each further quarter, with its own ETA.
+
+The run's ETA counts what is left at the rate of the steps and evaluations built so far, each with
+its one-time start-up taken out (``startup``: the rollout engine's start, the trainer's first load
+of the policy), so the estimate after the first step is not the start-up spread over every step.
 
 Where the rest goes: ``<work>/runs/<run-id>/run.log``. ``session`` points file descriptors 1 and 2
 at that file, so vLLM's engine-core and worker processes (which inherit them), C extensions, tqdm bars
@@ -15,7 +21,10 @@ and its loggers, httpx's request lines and MLflow's propagate into the file. ``-
 every log line goes to the terminal, and to ``run.log`` too.
 
 The flow reports through ``current()``; when no session is open (a deployment run under
-``qerl schedule``) the same lines go to the ``qerl.console`` logger instead.
+``qerl schedule``) the same lines go to the ``qerl.console`` logger instead, and ``attach_run_log``
+(called by the flow) gives that run its ``run.log`` all the same: a root handler on the file for the
+flow's duration, with qerl's loggers at INFO, so the console's lines, qerl's and Prefect's flow-run
+logs and the error that ends a night are there as after ``qerl run``.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -63,11 +72,16 @@ class RunConsole:
         self.evals_left = 0
         self._step_times: list[float] = []
         self._eval_times: list[float] = []
+        self._progress: _Progress | None = None
 
     # -- the flow's hooks -----------------------------------------------------------------------
-    def stage(self, name: str, detail: str, seconds: float | None = None, cached: bool = False) -> None:
+    def stage(
+        self, name: str, detail: str, seconds: float | None = None, cached: bool = False, startup: float = 0.0
+    ) -> None:
+        """A stage's line; ``startup``: seconds of ``seconds`` that were one-time start-up (not its work)."""
+        self.end_progress()
         if name == "evaluate" and seconds is not None and not cached:
-            self._eval_times.append(seconds)
+            self._eval_times.append(max(0.0, seconds - startup))
         if name == "evaluate":
             self.evals_left = max(0, self.evals_left - 1)
         when = "cached" if cached else fmt_duration(seconds) if seconds is not None else ""
@@ -76,14 +90,36 @@ class RunConsole:
     def steps_start(self, total: int, evals: int) -> None:
         self.steps_total, self.steps_done, self.evals_left = total, 0, evals
 
-    def step(self, step: int, metrics: dict[str, Any], seconds: float, cached: bool) -> None:
-        self._account(step, seconds, cached)
+    def step(
+        self, step: int, metrics: dict[str, Any], seconds: float, cached: bool, startup: float = 0.0
+    ) -> None:
+        """Step ``step`` done in ``seconds`` (shown), ``startup`` of them one-time start-up (not in the ETA)."""
+        self._account(step, seconds, cached, startup)
         self.line(self._step_line(step, metrics, seconds, cached))
 
-    def _account(self, step: int, seconds: float, cached: bool) -> None:
+    def _account(self, step: int, seconds: float, cached: bool, startup: float = 0.0) -> None:
         self.steps_done = step + 1
         if not cached:
-            self._step_times.append(seconds)
+            self._step_times.append(max(0.0, seconds - startup))
+
+    def progress(self, name: str, done: int, total: int) -> None:
+        """``done`` of ``total`` items of the running stage ``name`` (its own line ends it): a line at
+        each further quarter."""
+        state = self._progress_state(name, total)
+        quarter = 4 * done // max(total, 1)
+        if done < total and quarter > state.shown:
+            state.shown = quarter
+            self.line(state.text(done))
+
+    def _progress_state(self, name: str, total: int) -> _Progress:
+        if self._progress is None or self._progress.name != name or self._progress.total != total:
+            self.end_progress()
+            self._progress = _Progress(name, total, time.perf_counter())
+        return self._progress
+
+    def end_progress(self) -> None:
+        """The running stage's progress is over (its bar, if any, goes)."""
+        self._progress = None
 
     def _step_line(self, step: int, metrics: dict[str, Any], seconds: float, cached: bool) -> str:
         width = len(str(self.steps_total))
@@ -100,14 +136,31 @@ class RunConsole:
 
     # -- estimates ------------------------------------------------------------------------------
     def eta(self) -> float | None:
-        """Seconds left in the run: steps at their mean built time (the first left out once there are
-        more: it includes the engine's start-up), evaluations at theirs (or a step's)."""
+        """Seconds left in the run: steps at their mean built time, evaluations at theirs (or a step's),
+        start-up left out of both."""
         if not self._step_times:
             return None
-        times = self._step_times[1:] or self._step_times  # the first built step also starts the engine
-        per_step = sum(times) / len(times)
+        per_step = sum(self._step_times) / len(self._step_times)
         per_eval = sum(self._eval_times) / len(self._eval_times) if self._eval_times else per_step
         return (self.steps_total - self.steps_done) * per_step + self.evals_left * per_eval
+
+
+class _Progress:
+    """One stage's progress over its items: where it started, the last quarter shown, a bar."""
+
+    def __init__(self, name: str, total: int, started: float):
+        self.name, self.total, self.started, self.shown = name, total, started, 0
+        self.bar: Any = None
+
+    def text(self, done: int) -> str:
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed * (self.total - done) / done if done else None
+        return f"{self.name:<11} {done}/{self.total} items  {fmt_duration(elapsed)}  ETA {fmt_duration(eta)}"
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 class TerminalConsole(RunConsole):
@@ -120,8 +173,10 @@ class TerminalConsole(RunConsole):
         self._bar: Any = None
 
     def line(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.write(text, file=self.stream)
+        if self._bar is not None or (self._progress is not None and self._progress.bar is not None):
+            from tqdm import tqdm
+
+            tqdm.write(text, file=self.stream)  # above the open bars, which are redrawn below it
         else:
             self.stream.write(text + "\n")
             self.stream.flush()
@@ -136,8 +191,10 @@ class TerminalConsole(RunConsole):
                 total=total, file=self.stream, desc="steps", bar_format=fmt, dynamic_ncols=True, disable=False
             )
 
-    def step(self, step: int, metrics: dict[str, Any], seconds: float, cached: bool) -> None:
-        self._account(step, seconds, cached)
+    def step(
+        self, step: int, metrics: dict[str, Any], seconds: float, cached: bool, startup: float = 0.0
+    ) -> None:
+        self._account(step, seconds, cached, startup)
         if self._bar is None:  # no terminal: the first, every tenth of the run, and the last step
             every = max(1, math.ceil(self.steps_total / 10))
             if step == 0 or (step + 1) % every == 0 or step + 1 == self.steps_total:
@@ -151,6 +208,23 @@ class TerminalConsole(RunConsole):
             self._bar.close()
             self._bar = None
 
+    def progress(self, name: str, done: int, total: int) -> None:
+        if not self.tty:
+            super().progress(name, done, total)
+            return
+        state = self._progress_state(name, total)
+        if state.bar is None:
+            from tqdm import tqdm
+
+            fmt = "{desc} {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} items [{elapsed}<{remaining}]"
+            state.bar = tqdm(total=total, file=self.stream, desc=name, bar_format=fmt, leave=False)
+        state.bar.update(done - state.bar.n)
+
+    def end_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+        super().end_progress()
+
 
 _ACTIVE: RunConsole | None = None
 
@@ -158,6 +232,35 @@ _ACTIVE: RunConsole | None = None
 def current() -> RunConsole:
     """The console the flow reports to: the session's, else a logging one."""
     return _ACTIVE if _ACTIVE is not None else RunConsole()
+
+
+def attach_run_log(run_dir: Path) -> Callable[[BaseException | None], None]:
+    """Without a session (module docstring), log to ``<run_dir>/run.log`` until the returned function
+    is called, with the error that ended the run if one did (Prefect logs it only after the flow
+    function has returned); within a session, nothing (the session writes that file already)."""
+    if _ACTIVE is not None:
+        return lambda error=None: None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / LOG_NAME, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.setLevel(logging.INFO)
+    root, own = logging.getLogger(), logging.getLogger("qerl")
+    level = own.level
+    if own.getEffectiveLevel() > logging.INFO:
+        own.setLevel(logging.INFO)
+    root.addHandler(handler)
+
+    def detach(error: BaseException | None = None) -> None:
+        if error is not None:  # to the file alone: the process's other handlers get Prefect's report
+            exc_info = (type(error), error, error.__traceback__)
+            handler.handle(
+                logging.LogRecord("qerl.flow", logging.ERROR, __file__, 0, "run failed", (), exc_info)
+            )
+        root.removeHandler(handler)
+        handler.close()
+        own.setLevel(level)
+
+    return detach
 
 
 class _ConsoleFilter(logging.Filter):
@@ -221,6 +324,7 @@ def session(run_dir: Path, verbose: bool = False) -> Iterator[TerminalConsole]:
     try:
         yield console
     finally:
+        console.end_progress()
         console.steps_end()
         _ACTIVE = None
         log.info("console session closed after %s", fmt_duration(time.perf_counter() - started))

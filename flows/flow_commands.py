@@ -3,7 +3,9 @@
 Each sets Prefect's environment for the work directory (``runner.prepare_environment``) before
 anything imports Prefect, runs the flow under the console (``flows/console.py``: lines for people,
 the libraries' chatter in ``run.log``) and prints the result. Static checks that need no Prefect (the
-config, ``--arms``, the Ray cluster's settings) run first, so a mistake fails before a server starts.
+config, ``--arms``, the Ray cluster's settings, and for ``run``/``resume`` the rows of the run's local
+data files, ``_check_data``) run first, so a mistake fails before a server starts or a model is built,
+in one line (a malformed file is named by path and line).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from qerl.flows import console, runner
+    from qerl.pipeline.config import key_payload
     from qerl.pipeline.evaluation.arms import ablation_id, parse_arms
     from qerl.pipeline.planning.run_config import load_run_config
 
     cfg = load_run_config(args.config, args.set)
     work = Path(work_dir(args)).resolve()
     arms = parse_arms(args.arms)  # a bad --arms fails before Prefect starts
-    aid = ablation_id(cfg.model_dump(mode="json"), arms, args.seeds)
+    aid = ablation_id(key_payload(cfg), arms, args.seeds)  # as ablate_flow computes it
     runner.prepare_environment(work)
     address, tracking_uri = _ablate_ray_checks(args, cfg, work)  # a bad cluster setup fails before the flow
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
@@ -112,10 +115,23 @@ def _print_run(record: dict, work: str) -> None:
         say(f"  MLflow UI:  mlflow ui --backend-store-uri {store}")
 
 
+def _check_data(cfg: Any) -> None:
+    """Read the rows of the run's local data files (training data, evaluation benchmarks): a malformed
+    one is a ValueError naming it (``path:line`` for a line that is no JSON object) before anything
+    starts. Generated (arithmetic) and hub datasets are left to the flow, which reads its training
+    data before it builds anything too."""
+    from qerl.pipeline.data.datasets import NAMED, data_root, load_problems
+
+    for data, split in [(cfg.data, "train"), (cfg.eval.benchmark, None), *((b, None) for b in cfg.eval.also)]:
+        if data.dataset != "arithmetic" and not (data.dataset in NAMED and data_root(data) is None):
+            load_problems(data, split)
+
+
 def _run_with_console(args: argparse.Namespace, cfg: Any, work: Any, night: Any) -> int:
     """Run the flow with the console (flows/console.py): lines for people, chatter in run.log."""
     from qerl.flows import console, runner
 
+    _check_data(cfg)
     # before qerl.flows.run_record imports Prefect, which reads its settings once
     runner.prepare_environment(work)
     from qerl.flows.run_record import run_dir, run_id_for
@@ -147,6 +163,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
     work = Path(work_dir(args)).resolve()
     runner.prepare_environment(work)  # recorded_run imports Prefect
     cfg, night = runner.recorded_run(args.run_id, work)
+    if args.set:  # resource settings only: the same run, its finished steps reused
+        from qerl.flows.run_record import with_resources
+
+        cfg = with_resources(cfg, night, args.set)
     return _run_with_console(args, cfg, work, night)
 
 
@@ -157,5 +177,5 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from qerl.pipeline.planning.run_config import load_run_config
 
     cfg = load_run_config(args.config, args.set)
-    runner.schedule(cfg, Path(work_dir(args)).resolve(), args.cron)
+    runner.schedule(cfg, Path(work_dir(args)).resolve(), args.cron, args.api_url)
     return 0

@@ -6,10 +6,14 @@ cache themselves in the content-addressed store, so resumption is exact: a re-ru
 what is missing, down to the half-done step. The phases of a run are ``qerl.flows.rl_phases``; its
 record (``<work>/runs/<run_id>/run.json``) and id are ``qerl.flows.run_record``.
 
-The rollout engine is built once per run (vLLM startup is the expensive part) and handed to the
-rollout and evaluate tasks; it takes each step's adapter version and AQN sigma. Only transient
-failures retry; a config error, a misconfigured engine or bad data fails the run at once, and the
-run record says where. A run that dies is continued by ``qerl resume RUN``.
+The run's data is read first, so a malformed file fails the run before the base model is fetched or
+quantized. The rollout engine is built once per run (vLLM startup is the expensive part) and handed
+to the rollout and evaluate tasks; it takes each step's adapter version and AQN sigma; its start-up
+time is counted apart (``TimedEngine``) so that the console's ETA leaves it out. Every run writes its
+``run.log``: under ``qerl run`` the console session does, a deployment run (no session) attaches the
+file itself (``qerl.flows.console.attach_run_log``). Only transient failures retry; a config error,
+a misconfigured engine or bad data fails the run at once, and the run record says where. A run that
+dies is continued by ``qerl resume RUN``.
 
 Two kinds of run:
 
@@ -33,20 +37,25 @@ from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
+from qerl.flows import console
 from qerl.flows.rl_phases import (
     Run,
+    TimedEngine,
     evaluate_adapter,
     load_data,
     plan_data,
     prepare_base,
+    read_data,
     register_final,
     train_loop,
 )
-from qerl.flows.run_record import publish
+from qerl.flows.run_record import publish, run_dir
+from qerl.pipeline.planning.disk_plan import check_disk
 from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_stream import DataCursor, parse_night
 from qerl.pipeline.planning.run_config import RunConfig
-from qerl.pipeline.rollout.lazy import LazyEngine
+from qerl.pipeline.registry import tracking
+from qerl.pipeline.store import retention
 from qerl.pipeline.store.layout import default_work_dir
 from qerl.stages import train
 
@@ -66,17 +75,22 @@ def rl_flow(
         raise RunPlanError("an ablation run is a plain run, not a nightly one")
     run = Run(cfg, default_work_dir(work_dir), _resolve_night(nightly, night), ablation)
     rec = run.record
+    detach_log = console.attach_run_log(run_dir(run.work, run.run_id))  # a scheduled night's run.log
+    run.logger.info("run %s: started (flow run %s)", run.run_id, rec["flow_run_id"])
     run.save()
-    engine = None
+    engine, failure = None, None
     try:
+        tracking.check_reachable(cfg.registry, run.work)  # a dead registry fails now, not after training
+        rec["disk_estimate"] = check_disk(cfg, run.work)  # refuses a run that cannot fit, with the numbers
+        rows = read_data(run)  # before anything is built: bad data fails the run here
         quantized, twin = prepare_base(run)
-        engine = LazyEngine(cfg.rollout, quantized, twin)  # started by the first stage that generates
+        engine = TimedEngine(cfg.rollout, quantized, twin)  # started by the first stage that generates
         rec["engine_mode"] = engine.mode
         run.logger.info("run %s: engine mode %s, work dir %s", run.run_id, engine.mode, run.work)
-        problems = load_data(run, quantized, twin)
+        problems = load_data(run, quantized, twin, rows)
         warm = plan_data(run, quantized, problems)
         final = train_loop(run, quantized, engine, problems, warm)
-        final_eval = evaluate_adapter(run, quantized, final, engine, cfg.loop.steps)
+        final_eval = evaluate_adapter(run, quantized, final, engine, cfg.loop.steps, run.validation)
         baseline = evaluate_adapter(run, quantized, None, engine, 0) if cfg.loop.eval_base else None
         register_final(run, quantized, final, final_eval, engine)
         rec["final_adapter"] = str(final.dir / "adapter")
@@ -89,6 +103,7 @@ def rl_flow(
                 rec["plan"]["stream"], rec["plan"]["end_slot"], run.run_id
             )
     except BaseException as err:
+        failure = err
         rec["status"] = "failed"
         rec["error"] = f"{type(err).__name__}: {err}"
         raise
@@ -98,6 +113,8 @@ def rl_flow(
             engine.close()
         train.drop_resident_policy()  # a serving process (qerl schedule) must not keep it across nights
         publish(rec)
+        detach_log(failure)
+    retention.prune_run(run.work, run.run_id, cfg.store)  # completed: no optimizer state stays
     return rec
 
 

@@ -3,10 +3,19 @@ its NVFP4 checkpoint (and dequantized twin), the training data, the plan (data s
 the step loop (rollout -> score -> train, with interim evaluations), the final evaluation and the
 registration.
 
+The training data loses its validation slice first (``eval.validation``, held out after the prompt
+fit, so the data cursor's stream never holds it); the final evaluation scores it beside the test
+benchmark, and registration compares it item by item with the champion evaluated under the same
+protocol (``_champion_evaluation``: the champion's adapter fetched through the warm-start stage and
+evaluated like this run's, a store hit when it already was).
+
 ``Run`` carries one run's state through them: config, store, record, console and the stage timing.
-A stage found in the store is shown as cached (built before this process started). The step loop
-saves the record after every step and then applies the run's retention policy; a step whose previous
-checkpoint was pruned by another run's retention gets that checkpoint rebuilt first (``_heal_chain``).
+A stage found in the store is shown as cached (built before this process started). A step or an
+evaluation reports its one-time start-up (the engine's start, ``TimedEngine``; the trainer's first
+load of the policy) apart from its time, for the console's ETA. The step loop
+saves the record after every step and then applies the run's retention policy; a step, rollout or
+evaluation that must build from a checkpoint another run's retention pruned gets it rebuilt first
+(``qerl.flows.rl_heal``).
 """
 
 from __future__ import annotations
@@ -15,12 +24,14 @@ import datetime as _dt
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger
 from prefect.runtime import flow_run
 from qerl.flows import console
+from qerl.flows.rl_heal import heal_chain, healing
 from qerl.flows.rl_tasks import (
     base_task,
     evaluate_task,
@@ -32,10 +43,20 @@ from qerl.flows.rl_tasks import (
     twin_task,
     warm_start_task,
 )
-from qerl.flows.run_record import eval_entry, eval_text, run_dir, run_id_for, save_record, step_record
+from qerl.flows.run_record import (
+    carried_over,
+    eval_entry,
+    eval_text,
+    run_dir,
+    run_id_for,
+    save_record,
+    step_record,
+)
 from qerl.pipeline.config import config_hash
 from qerl.pipeline.data.datasets import load_problems, problems_digest
+from qerl.pipeline.evaluation.eval_config import validation_split
 from qerl.pipeline.planning.engine_setup import needs_twin
+from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_fit import fit_prompts, load_tokenizer, prompt_token_limit
 from qerl.pipeline.planning.prompt_stream import DataCursor, data_slice, step_prompts, stream_key
 from qerl.pipeline.planning.run_config import RunConfig
@@ -65,12 +86,14 @@ class Run:
         self.since = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
         path = run_dir(work, self.run_id) / RUN_RECORD
         self.previous: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+        self.validation: list[Any] = []  # the held-out training problems promotion decides on
         self.record: dict[str, Any] = {
             "run_id": self.run_id, "config": cfg.model_dump(mode="json"), "status": "running", "steps": [],
             "evaluations": [], "flow_run_id": flow_run.get_id(), "code_version": package_version(),
             "night": night.isoformat() if night else None, "ablation": ablation,
             "started_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         }  # fmt: skip
+        self.record.update(carried_over(self.previous))  # from the first save on: a crash keeps the plan
 
     def cached(self, manifest: Manifest | None) -> bool:
         """Built before this process started: a store hit (ISO timestamps in UTC compare as text)."""
@@ -78,6 +101,39 @@ class Run:
 
     def save(self) -> None:
         save_record(self.work, self.record)
+
+
+class TimedEngine(LazyEngine):
+    """A ``LazyEngine`` that adds up the seconds spent bringing its engine up (``startup_s``; a
+    rebuild after a death too): the step or evaluation that pays it reports it as start-up, which the
+    console's ETA leaves out."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.startup_s = 0.0
+
+    def _real(self) -> Any:
+        if self.started:
+            return super()._real()
+        t0 = time.perf_counter()
+        try:
+            return super()._real()
+        finally:
+            self.startup_s += time.perf_counter() - t0
+
+
+def _engine_startup(engine: LazyEngine) -> float:
+    """The engine's start-up seconds so far (``TimedEngine``; 0 for another engine: a lookup of a
+    missing attribute would start a ``LazyEngine``'s engine)."""
+    return engine.startup_s if isinstance(engine, TimedEngine) else 0.0
+
+
+def _policy_load(run: Run, t: Manifest) -> float:
+    """The trainer's one-time load of the policy, when this process built step ``t`` from a loaded
+    (not resident) one: start-up, like the engine's."""
+    if run.cached(t) or t.extra.get("policy") != "loaded":
+        return 0.0
+    return float(t.extra.get("policy_load_s") or 0.0)
 
 
 def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
@@ -98,17 +154,28 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     return quantized, twin
 
 
-def load_data(run: Run, quantized: Manifest, twin: Manifest | None) -> list[Any]:
-    """The training problems whose prompts fit the engine: an over-long prompt would fail its step."""
+def read_data(run: Run) -> list[Any]:
+    """The training problems as the data gives them, read before anything is built: a malformed file
+    fails the run before the base model is fetched or quantized."""
+    return load_problems(run.cfg.data, "train")
+
+
+def load_data(run: Run, quantized: Manifest, twin: Manifest | None, problems: list[Any]) -> list[Any]:
+    """The training problems (``read_data``'s) whose prompts fit the engine: an over-long prompt
+    would fail its step."""
     cfg = run.cfg
-    problems = load_problems(cfg.data, "train")
     tokenizer = load_tokenizer((twin or quantized).dir)
     limit = prompt_token_limit(cfg.rollout)
     fit = fit_prompts(problems, tokenizer, cfg.rollout.template, limit)
-    run.record["data"] = {**fit.report(), "dataset_digest": problems_digest(fit.kept)}
+    kept, run.validation = validation_split(fit.kept, cfg.eval.validation)
+    run.record["data"] = {**fit.report(), "dataset_digest": problems_digest(kept)}
+    run.record["data"]["validation"] = {
+        "n_items": len(run.validation), "digest": problems_digest(run.validation)
+    }  # fmt: skip
     dropped = f", {len(fit.dropped)} dropped (prompt > {limit} tokens)" if fit.dropped else ""
-    run.ui.stage("data", f"{len(fit.kept)} problems from {cfg.data.dataset}/{cfg.data.split}{dropped}")
-    return fit.kept
+    held = f", {len(run.validation)} held out for validation" if run.validation else ""
+    run.ui.stage("data", f"{len(kept)} problems from {cfg.data.dataset}/{cfg.data.split}{dropped}{held}")
+    return kept
 
 
 def plan_data(run: Run, quantized: Manifest, problems: list[Any]) -> Manifest | None:
@@ -163,10 +230,13 @@ def train_loop(
     prev: Manifest | None = None
     history: list[tuple[Manifest, Manifest]] = []  # (scored, checkpoint) per step so far
     for step in range(steps):
-        t0 = time.perf_counter()
+        t0, engine_s = time.perf_counter(), _engine_startup(engine)
         sigma = sigma_schedule(step, steps, cfg.aqn) if cfg.aqn.enabled else 0.0
         batch = step_prompts(problems, start + step, cfg.loop.prompts_per_step, cfg.loop.seed)
-        r = rollout_task(cfg, batch, quantized, prev or warm, sigma, step, store, engine)
+        r, prev = healing(  # a pruned adapter of prev is rebuilt first
+            run, quantized, history, warm, prev,
+            lambda p, b=batch, sg=sigma, k=step: rollout_task(cfg, b, quantized, p or warm, sg, k, store, engine),
+        )  # fmt: skip
         s = score_task(cfg, r, store)
         if (
             prev is not None
@@ -174,7 +244,7 @@ def train_loop(
             and train.cached(cfg=cfg.train, base=quantized, scored=s, prev=prev, step=step, store=store)
             is None
         ):
-            prev = _heal_chain(run, quantized, history, warm)
+            prev = heal_chain(run, quantized, history, warm)
         t = train_task(cfg, quantized, s, prev, step, store, init=warm if prev is None else None)
         history.append((s, t))
         entry = step_record(step, sigma, r, s, t)
@@ -183,10 +253,18 @@ def train_loop(
             "step %d/%d sigma=%.2e reward=%.3f accuracy=%.3f", step + 1, steps, sigma,
             s.metrics.get("reward_mean", float("nan")), s.metrics.get("accuracy", float("nan")),
         )  # fmt: skip
-        ui.step(step, entry, time.perf_counter() - t0, all(run.cached(m) for m in (r, s, t)))
+        startup = _engine_startup(engine) - engine_s + _policy_load(run, t)
+        ui.step(step, entry, time.perf_counter() - t0, all(run.cached(m) for m in (r, s, t)), startup)
         prev = t
         if step + 1 < steps and cfg.loop.eval_every and (step + 1) % cfg.loop.eval_every == 0:
-            evaluate_adapter(run, quantized, t, engine, step + 1)
+            _, prev = healing(
+                run,
+                quantized,
+                history,
+                warm,
+                t,
+                lambda p, k=step + 1: evaluate_adapter(run, quantized, p, engine, k),
+            )
         run.save()
         retention.prune_run(run.work, run.run_id, cfg.store)  # after the save: the record names this step
     ui.steps_end()
@@ -194,54 +272,35 @@ def train_loop(
     return prev
 
 
-def _heal_chain(
-    run: Run, quantized: Manifest, history: list[tuple[Manifest, Manifest]], warm: Manifest | None
-) -> Manifest:
-    """The last checkpoint of ``history`` made whole again, for a step that must be built from it.
-
-    A run that found its steps cached can reach one it must build (it diverges from the run that
-    made them: the AQN arm after the noise-free first stage) whose previous checkpoint the other
-    run's retention pruned. The checkpoints from the last whole one on are rebuilt in order, each
-    checked against its recorded digests (``ArtifactStore._heal``): the same bytes, so the keys
-    downstream stay valid.
-    """
-    last_whole = max((i for i, (_, t) in enumerate(history) if not t.pruned), default=-1)
-    prev = history[last_whole][1] if last_whole >= 0 else None
-    log.info(
-        "run %s: rebuilding the pruned checkpoints of steps %d..%d",
-        run.run_id,
-        last_whole + 1,
-        len(history) - 1,
-    )
-    for i in range(last_whole + 1, len(history)):
-        init = warm if prev is None else None
-        init_adapter = (init.dir / "adapter", init.digest) if init is not None else None
-        prev = train.run(
-            cfg=run.cfg.train,
-            base=quantized,
-            scored=history[i][0],
-            prev=prev,
-            step=i,
-            store=run.store,
-            init_adapter=init_adapter,
-            heal=True,
-        )
-        history[i] = (history[i][0], prev)
-    assert prev is not None
-    return prev
-
-
 def evaluate_adapter(
-    run: Run, quantized: Manifest, adapter: Manifest | None, engine: LazyEngine, step: int
-) -> Manifest:
-    """Evaluate ``adapter`` (None: the base alone) and add its entry to the run record."""
-    t0 = time.perf_counter()
-    ev = evaluate_task(run.cfg, quantized, adapter, run.store, engine)
+    run: Run, quantized: Manifest, adapter: Manifest | None, engine: LazyEngine, step: int,
+    validation: list[Any] | None = None,
+) -> Manifest:  # fmt: skip
+    """Evaluate ``adapter`` (None: the base alone), and ``validation`` beside the benchmark; add its
+    entry to the run record."""
+    t0, engine_s = time.perf_counter(), _engine_startup(engine)
+    ev = evaluate_task(run.cfg, quantized, adapter, run.store, engine, validation, progress=_progress(run))
     entry = eval_entry(step, adapter, ev)
+    if "accuracy_validation" in ev.metrics:
+        entry["validation"] = {
+            "benchmark": ev.extra.get("validation"),
+            "accuracy": ev.metrics["accuracy_validation"],
+            "stderr": ev.metrics.get("stderr_validation"),
+        }
     run.record["evaluations"].append(entry)
     who = f"adapter after step {step}" if adapter else "base, no adapter"
-    run.ui.stage("evaluate", f"{who}: {eval_text(entry)}", time.perf_counter() - t0, run.cached(ev))
+    run.ui.stage("evaluate", f"{who}: {eval_text(entry)}", time.perf_counter() - t0, run.cached(ev),
+                 startup=_engine_startup(engine) - engine_s)  # fmt: skip
     return ev
+
+
+def _progress(run: Run) -> Callable[[int, int], None]:
+    """The evaluate stage's ``progress(done, total)``, shown by the run's console."""
+
+    def progress(done: int, total: int) -> None:
+        run.ui.progress("evaluate", done, total)
+
+    return progress
 
 
 def register_final(
@@ -266,8 +325,43 @@ def register_final(
         lineage.update(ablation_id=run.ablation["id"], arm=run.ablation["arm"])
     history = [{k: v for k, v in h.items() if k != "manifests"} for h in rec["steps"]]
     t0 = time.perf_counter()
-    reg = register_task(run.cfg, final, final_eval, lineage, history, run.work, run.store, run.ablation)
-    rec["registration"] = {**reg.extra, **reg.metrics}
+    # a run that registered before (a re-run) finds its registration in the store: the champion, maybe
+    # this very run's version by now, is not fetched or evaluated again
+    registered_before = bool((run.previous.get("registration") or {}).get("version"))
+    champion = (
+        None
+        if run.ablation is not None or registered_before
+        else _champion_evaluation(run, quantized, engine)
+    )
+    reg = register_task(
+        run.cfg, final, final_eval, lineage, history, run.work, run.store, run.ablation, champion
+    )
+    decision = json.loads(reg.file("registration.json").read_text())
+    rec["registration"] = {**reg.extra, **reg.metrics, "promotion": decision.get("promotion"),
+                           "decided_on": decision.get("decided_on")}  # fmt: skip
     promoted = "champion" if reg.metrics.get("promoted") else "not promoted"
     run.ui.stage("register", f"{reg.extra.get('model_name')} v{reg.metrics.get('version')}, {promoted}",
                  time.perf_counter() - t0, run.cached(reg))  # fmt: skip
+    if decision.get("promotion"):
+        run.logger.info("promotion: %s", decision["promotion"])
+
+
+def _champion_evaluation(
+    run: Run, quantized: Manifest, engine: LazyEngine
+) -> tuple[str, Manifest] | str | None:
+    """(champion version, its evaluation under this run's protocol and validation items); a reason
+    when the champion cannot be evaluated here (another base or LoRA shape); None: no champion."""
+    try:
+        champ = warm_start_task(run.cfg, run.work, run.store, _base_digest(quantized), None)
+    except RunPlanError as err:
+        return f"it cannot be evaluated under this run's protocol ({err})"
+    if champ is None:
+        return None
+    registered = champ.inputs.get("registered_adapter")
+    digest = registered if registered not in (None, "unknown") else champ.digest
+    t0 = time.perf_counter()
+    ev = evaluate_task(run.cfg, quantized, champ, run.store, engine, run.validation or None, digest)
+    version = str(champ.extra["version"])
+    run.ui.stage("evaluate", f"champion v{version} under this run's protocol", time.perf_counter() - t0,
+                 run.cached(ev))  # fmt: skip
+    return version, ev

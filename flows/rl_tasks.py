@@ -10,6 +10,7 @@ a misconfigured engine or bad data fails the run at once. ``train`` takes no ret
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,21 +104,37 @@ def train_task(
 
 @task(name="evaluate", **RETRY_OPTS)
 def evaluate_task(
-    cfg: RunConfig, base: Manifest, adapter: Manifest | None, store: ArtifactStore, engine: RolloutEngine
-) -> Manifest:
-    adapter_dir, digest = (adapter.dir / "adapter", adapter.digest) if adapter else (None, None)
-    return evaluate.run(cfg.eval, base, adapter_dir, digest, store, engine, cfg.reward)
+    cfg: RunConfig, base: Manifest, adapter: Manifest | None, store: ArtifactStore, engine: RolloutEngine,
+    validation: list[Any] | None = None, adapter_digest: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Manifest:  # fmt: skip
+    """``validation``: the run's held-out training problems, evaluated beside the benchmark;
+    ``adapter_digest``: the adapter's identity when it is not ``adapter``'s own digest (a registered
+    champion fetched through the warm-start stage is known by its train digest); ``progress(done,
+    total)``: the items generated so far (the console's progress line)."""
+    adapter_dir, digest = (
+        (adapter.dir / "adapter", adapter_digest or adapter.digest) if adapter else (None, None)
+    )
+    held_out = (
+        (cfg.data.model_copy(update={"template": cfg.rollout.template}), validation) if validation else None
+    )
+    return evaluate.run(
+        cfg.eval, base, adapter_dir, digest, store, engine, cfg.reward, held_out, progress,
+        max_model_len=cfg.rollout.max_model_len,  # items that leave no room for the completion are dropped
+    )  # fmt: skip
 
 
 @task(name="register", **RETRY_OPTS)
 def register_task(
     cfg: RunConfig, final: Manifest, evaluation: Manifest, lineage: dict[str, Any], history: list[dict[str, Any]],
     work: Path, store: ArtifactStore, ablation: dict[str, Any] | None = None,
+    champion_eval: tuple[str, Manifest] | str | None = None,
 ) -> Manifest:  # fmt: skip
     if ablation is None:
         return register.run(
-            cfg.registry, final, evaluation, lineage, history, work, complete=True, store=store
-        )
+            cfg.registry, final, evaluation, lineage, history, work, complete=True, store=store,
+            champion_eval=champion_eval,
+        )  # fmt: skip
     parent = {"mlflow.parentRunId": ablation["parent_run_id"]} if ablation.get("parent_run_id") else {}
     return register.run(
         cfg.registry, final, evaluation, lineage, history, work, complete=True, store=store, promote=False,

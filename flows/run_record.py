@@ -2,9 +2,15 @@
 one-line, markdown and table forms of its evaluations.
 
 The record holds the config, night, data slice, warm start, status, per-step manifests, history,
-evaluations and registration; the console's log is ``run.log`` beside it. A plain run's id is
-``<loop.name>-<config hash>`` (the retention policy, ``store``, is not part of it); a nightly run's
-id adds the night (``-YYYYMMDD``). Each evaluation names its benchmark (``gsm8k/test@<digest>``:
+evaluations and registration; the console's log is ``run.log`` beside it. Each attempt at a run
+rewrites the record from its first save on, and that first save already carries what the earlier
+attempts decided once for the run (``carried_over``: the plan, i.e. the data slice and the warm
+start), so an attempt that dies before it restores its plan (while the base is fetched or quantized,
+or the data loaded) leaves the plan where the next attempt finds it. A plain run's id is
+``<loop.name>-<config hash>``, the hash of the settings that change results (resource settings, the
+retention policy ``store`` among them, are not part of it: ``qerl.pipeline.config.resource_field``);
+a nightly run's id adds the night (``-YYYYMMDD``). ``with_resources`` applies ``qerl resume RUN --set``:
+resource settings only, since any other setting would make another run. Each evaluation names its benchmark (``gsm8k/test@<digest>``:
 name, split and the digest of the exact items), its accuracy (avg@k) with the standard error over
 items, the item count and k, and the same for each ``eval.also`` benchmark (``also``), so two runs'
 numbers can be compared knowing what they measured and how precisely.
@@ -19,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from qerl.pipeline.config import config_hash
+from qerl.pipeline.config import ConfigError, apply_overrides, config_hash
 from qerl.pipeline.evaluation import statistics
 from qerl.pipeline.planning.prompt_stream import night_label
 from qerl.pipeline.planning.run_config import RunConfig
@@ -32,10 +38,27 @@ log = logging.getLogger("qerl.flow")
 
 
 def run_id_for(cfg: RunConfig, night: _dt.date | None = None) -> str:
-    """``<loop.name>-<config hash>``, plus ``-YYYYMMDD`` for a nightly run."""
-    # the retention policy (``store``) says what to delete, not what to compute: not part of the identity
-    base = f"{cfg.loop.name}-{config_hash(cfg.model_dump(mode='json', exclude={'store'}))[:10]}"
+    """``<loop.name>-<config hash>``, plus ``-YYYYMMDD`` for a nightly run.
+
+    The hash leaves out resource fields (``qerl.pipeline.config.resource_field``: engine sizing, reward
+    workers and deadlines, the retention policy ``store``...): a run resumed with other resources is the
+    same run, and its record keeps the whole config."""
+    base = f"{cfg.loop.name}-{config_hash(cfg)[:10]}"
     return f"{base}-{night_label(night)}" if night else base
+
+
+def with_resources(cfg: RunConfig, night: _dt.date | None, overrides: list[str]) -> RunConfig:
+    """A recorded run's config with ``--set`` overrides of resource settings (``qerl resume --set``);
+    an override that changes results (the run id) is a ConfigError naming it."""
+    run_id = run_id_for(cfg, night)
+    for pair in overrides:
+        if run_id_for(apply_overrides(cfg, [pair]), night) != run_id:
+            raise ConfigError(
+                f"--set {pair} changes results (the setting is in cache keys and the run id): that is "
+                f"another run than {run_id}; start it with qerl run. resume --set takes resource settings "
+                'only ("in keys: no" in the configuration reference)'
+            )
+    return apply_overrides(cfg, overrides)
 
 
 def run_dir(work: Path, run_id: str) -> Path:
@@ -50,6 +73,14 @@ def load_run_record(work: Path, run_id: str) -> dict[str, Any]:
         known = sorted(p.name for p in (work / RUNS_DIR).glob("*")) if (work / RUNS_DIR).is_dir() else []
         raise FileNotFoundError(f"no run '{run_id}' under {work / RUNS_DIR} (known runs: {known or 'none'})")
     return json.loads(path.read_text())
+
+
+CARRIED_FIELDS = ("plan",)  # decided by a run's first attempt; every later attempt must keep them
+
+
+def carried_over(previous: dict[str, Any]) -> dict[str, Any]:
+    """What a new attempt's record starts with from the previous attempt's (``CARRIED_FIELDS``)."""
+    return {k: previous[k] for k in CARRIED_FIELDS if previous.get(k)}
 
 
 def save_record(work: Path, record: dict[str, Any]) -> None:
@@ -92,6 +123,8 @@ def eval_entry(step: int, adapter: Manifest | None, ev: Manifest) -> dict[str, A
         "stderr": None if stderr is None else float(stderr),
         "n_items": ev.metrics.get("n_items", summary.get("n_items")),
         "k": ev.metrics.get("k", summary.get("k")),
+        # items left out because their prompt leaves no room for eval.max_new_tokens in the context
+        "dropped_too_long": (summary.get("prompts") or {}).get("dropped_too_long", 0),
         "also": [
             {
                 "benchmark": o.get("benchmark"),
@@ -115,7 +148,10 @@ def eval_text(entry: dict[str, Any]) -> str:
     ``accuracy 0.302 ± 0.041 (arithmetic/test@..., 100 items); gsm8k_test 0.040 ± 0.028``."""
     text = f"accuracy {_pm(entry['accuracy'], entry.get('stderr'))}"
     if entry.get("benchmark"):
-        text += f" ({entry['benchmark']}, {entry.get('n_items')} items)"
+        dropped = (
+            f", {entry['dropped_too_long']} dropped: prompt too long" if entry.get("dropped_too_long") else ""
+        )
+        text += f" ({entry['benchmark']}, {entry.get('n_items')} items{dropped})"
     others = [f"{o['name']} {_pm(o['accuracy'], o.get('stderr'))}" for o in entry.get("also") or []]
     return "; ".join([text, *others])
 

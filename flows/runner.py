@@ -2,7 +2,9 @@
 
 Prefect keeps its state under ``<work>/prefect`` (PREFECT_HOME), so one work directory holds the
 artifact store, the run records, the MLflow database and Prefect's own database. With no
-PREFECT_API_URL the flow runs in Prefect's ephemeral mode (no server). The flow heartbeat is off
+PREFECT_API_URL the flow runs in Prefect's ephemeral mode (no server). Before a run starts, the MLflow
+registry and a configured Prefect API are asked once (bounded), so a server that is down fails the
+run in seconds, naming its URI, instead of after training. The flow heartbeat is off
 for ephemeral runs: it only serves crash detection by a server, and costs a second per flow.
 
 Without PREFECT_API_URL, Prefect's clients start a temporary server (a uvicorn child) the first time
@@ -15,7 +17,9 @@ it, and on Linux the parent-death signal stops it when qerl is killed outright (
 killer), which no atexit can.
 
 Scheduling needs a real server (cron schedules are evaluated by its scheduler): ``qerl schedule``
-refuses to run without PREFECT_API_URL and says how to start one on loopback. The deployment has
+serves on the server at ``--api-url``, else PREFECT_API_URL, else the loopback one that
+``prefect server start --host 127.0.0.1 --port 4200`` starts (``LOOPBACK_API_URL``); it checks that
+the server answers before it serves, and refuses with the URL and how to start one. The deployment has
 a concurrency limit of one, so a nightly run that overruns delays the next instead of overlapping.
 Its flow runs are nightly runs (``nightly=True``): each takes its night from the flow run's
 scheduled start, so every night is a new run (see ``qerl.flows.rl``); ``run(cfg, work, night)`` runs a
@@ -38,6 +42,7 @@ from typing import Any
 from qerl.pipeline.planning.run_config import RunConfig
 
 DEPLOYMENT_NAME = "nightly"
+LOOPBACK_API_URL = "http://127.0.0.1:4200/api"
 
 
 def prepare_environment(work: Path) -> None:
@@ -109,9 +114,16 @@ def run(cfg: RunConfig, work: Path, night: dt.date | None = None) -> dict[str, A
     ``night``: run that night's nightly run (warm start, the data cursor's next slice) instead of
     the plain run of ``cfg``."""
     prepare_environment(work)
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from qerl.flows.rl import rl_flow
+    from qerl.pipeline.registry import tracking
 
+    # before anything starts: a dead registry or Prefect server fails now, naming its URI
+    tracking.check_reachable(cfg.registry, work)
+    if PREFECT_API_URL.value():
+        check_api(
+            PREFECT_API_URL.value(), needed_for="qerl run reports to the Prefect server of PREFECT_API_URL"
+        )
     start_temporary_server()
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         return rl_flow(
@@ -134,23 +146,41 @@ def resume(run_id: str, work: Path) -> dict[str, Any]:
     return run(cfg, work, night)
 
 
-def schedule(cfg: RunConfig, work: Path, cron: str) -> None:
-    """Serve the nightly deployment on a Prefect server (blocks, like ``prefect ... serve``)."""
-    if not os.environ.get("PREFECT_API_URL"):
-        raise RuntimeError(
-            "qerl schedule needs a Prefect server (cron schedules run in its scheduler). Start one on "
-            "loopback with `prefect server start --host 127.0.0.1 --port 4200` and set "
-            "PREFECT_API_URL=http://127.0.0.1:4200/api"
-        )
+def schedule(cfg: RunConfig, work: Path, cron: str, api_url: str | None = None) -> None:
+    """Serve the nightly deployment on the Prefect server at ``api_url`` (default: PREFECT_API_URL,
+    else ``LOOPBACK_API_URL``); blocks, like ``prefect ... serve``."""
+    url = api_url or os.environ.get("PREFECT_API_URL") or LOOPBACK_API_URL
+    os.environ["PREFECT_API_URL"] = url  # before Prefect is imported: it reads its settings once
     prepare_environment(work)
-    from croniter import croniter
+    from prefect.client.schemas.schedules import CronSchedule
 
-    if not croniter.is_valid(cron):
-        raise ValueError(f"invalid cron expression '{cron}' (five fields, e.g. '0 2 * * *')")
+    try:
+        CronSchedule(cron=cron)  # Prefect's own cron rules (its scheduler evaluates the schedule)
+    except ValueError:
+        raise ValueError(f"invalid cron expression '{cron}' (five fields, e.g. '0 2 * * *')") from None
+    check_api(url)
     deployment = nightly_deployment(cfg, work, cron)
     from prefect import serve
 
     serve(deployment, limit=1)
+
+
+def check_api(
+    url: str,
+    timeout_s: float = 5.0,
+    needed_for: str = "qerl schedule needs a Prefect server (cron schedules run in its scheduler)",
+) -> None:
+    """A RuntimeError naming ``url`` and how to start a server, unless a Prefect API answers there."""
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
+    except httpx.HTTPError as err:
+        raise RuntimeError(
+            f"{needed_for}; none answers at "
+            f"{url} ({err}). Start one on loopback with `prefect server start --host 127.0.0.1 --port 4200`, "
+            f"or pass --api-url (or set PREFECT_API_URL) for another"
+        ) from None
 
 
 def nightly_deployment(cfg: RunConfig, work: Path, cron: str) -> Any:

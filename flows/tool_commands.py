@@ -134,12 +134,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
     base = fetch_model.resolve_base(args.base, store)  # a catalogue name becomes its directory
     quantized, twin = evaluate.base_artifacts(base, store, needs_twin(args.engine))
-    adapter = None if args.adapter.lower() == "none" else check_adapter_fits(Path(args.adapter), quantized.dir)
+    adapter = (
+        None if args.adapter.lower() == "none" else check_adapter_fits(Path(args.adapter), quantized.dir)
+    )
     digest = None if adapter is None else store.source_digest(adapter)
     rollout_cfg = eval_rollout_config(cfg, args.engine, quantized.dir, adapter, engine_sets)
     engine = build_engine(rollout_cfg, quantized, twin)
     try:
-        manifest = evaluate.run(cfg, quantized, adapter, digest, store, engine, RewardConfig())
+        context = rollout_cfg.max_model_len  # items that leave no room for the completion are dropped
+        manifest = evaluate.run(
+            cfg, quantized, adapter, digest, store, engine, RewardConfig(), max_model_len=context
+        )
     finally:
         engine.close()
     s = evaluate.load_summary(manifest)

@@ -8,6 +8,13 @@ level, which pydantic's own message does not give.
 The per-stage models (QuantizeConfig, RolloutConfig, ...) live in the modules that own them and are
 assembled into ``RunConfig`` by ``qerl.pipeline.planning.run_config``; this module holds only the machinery, so
 that adding a stage never means editing a central file.
+
+Results and resources: a field declared with ``resource_field`` changes only what a stage uses to get
+its result (memory, batching, processes, deadlines), never which result it computes. Cache keys and
+the run id hash ``key_payload``: the config without those fields (recursively, also inside dicts and
+lists of configs), plus what a model's ``key_extra`` says its resource fields add up to (the train
+update size). Manifests and run records keep the whole config (``config_record``), so a resumed run
+may change its resources and still reuse every artifact it built.
 """
 
 from __future__ import annotations
@@ -18,15 +25,21 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 __all__ = [
     "ConfigError",
     "StrictModel",
     "apply_overrides",
     "config_hash",
+    "config_record",
+    "is_resource",
+    "key_payload",
     "load_config",
     "parse_overrides",
+    "resource_field",
 ]
 
 M = TypeVar("M", bound="StrictModel")
@@ -41,6 +54,64 @@ class StrictModel(BaseModel):
     ``inf`` learning rate or a ``nan`` sigma is a typo, never a setting)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), allow_inf_nan=False)
+
+    def key_extra(self) -> dict[str, Any]:
+        """What this config's resource fields add up to where it changes the result (see the module
+        docstring); merged into ``key_payload``. Nothing by default."""
+        return {}
+
+
+_RESOURCE = "resource"
+
+
+def resource_field(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
+    """``pydantic.Field`` for a setting that changes only the resources a stage uses, never its
+    result: manifests record it, cache keys and the run id leave it out."""
+    extra = dict(kwargs.pop("json_schema_extra", None) or {})
+    return Field(default, json_schema_extra={**extra, _RESOURCE: True}, **kwargs)
+
+
+def is_resource(field: FieldInfo) -> bool:
+    """Whether ``field`` was declared with ``resource_field``."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get(_RESOURCE))
+
+
+def _strip(value: Any, dumped: Any) -> Any:
+    """``dumped`` (the JSON dump of ``value``) without the resource fields of the models in it."""
+    if isinstance(value, BaseModel) and isinstance(dumped, dict):
+        out = dict(dumped)
+        for name, field in type(value).model_fields.items():
+            if is_resource(field):
+                out.pop(name, None)
+            elif name in out:
+                out[name] = _strip(getattr(value, name), out[name])
+        if isinstance(value, StrictModel):
+            out.update(value.key_extra())
+        return out
+    if isinstance(value, list | tuple) and isinstance(dumped, list) and len(value) == len(dumped):
+        return [_strip(v, d) for v, d in zip(value, dumped, strict=True)]
+    if isinstance(value, dict) and isinstance(dumped, dict):
+        return {k: _strip(value[k], d) if k in value else d for k, d in dumped.items()}
+    return dumped
+
+
+def key_payload(cfg: Any) -> Any:
+    """The JSON of ``cfg`` (a config, or a dict/list holding configs) that a cache key or the run id
+    hashes: without resource fields, with each model's ``key_extra``."""
+    return _strip(cfg, config_record(cfg))
+
+
+def config_record(cfg: Any) -> Any:
+    """The whole JSON of ``cfg`` (configs dumped in full, resource fields included): what manifests
+    and run records keep."""
+    if isinstance(cfg, BaseModel):
+        return cfg.model_dump(mode="json")
+    if isinstance(cfg, dict):
+        return {k: config_record(v) for k, v in cfg.items()}
+    if isinstance(cfg, list | tuple):
+        return [config_record(v) for v in cfg]
+    return cfg
 
 
 def _valid_keys(model: type[BaseModel]) -> list[str]:
@@ -118,7 +189,9 @@ def _validate(model: type[M], data: dict[str, Any], source: str, overrides: list
         for e in err.errors():
             where = _blame(e["loc"], overrides or [])
             key = ".".join(str(p) for p in e["loc"]) or "<root>"
-            problems.append(f"{key}: {e['msg']}" + (f" (from --set {where})" if where else f" (from {source})"))
+            problems.append(
+                f"{key}: {e['msg']}" + (f" (from --set {where})" if where else f" (from {source})")
+            )
         raise ConfigError("invalid config: " + "; ".join(problems)) from None
 
 
@@ -142,6 +215,7 @@ def load_config(model: type[M], path: str | Path | None = None, overrides: list[
 
 
 def config_hash(cfg: BaseModel | dict[str, Any]) -> str:
-    """sha256 of the canonical JSON of a config (sorted keys), the config part of a cache key."""
-    payload = cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else cfg
+    """sha256 of the canonical JSON of a config's ``key_payload`` (sorted keys, resource fields left
+    out): the config part of a cache key and of the run id."""
+    payload = key_payload(cfg)
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

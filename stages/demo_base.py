@@ -1,8 +1,8 @@
 """Stage ``demo-base``: build (once, cached) the embedded demo's warmed-up tiny base model.
 
 The output directory is an ordinary Hugging Face model directory, so the quantize stage treats it
-like any downloaded checkpoint. Keyed by the demo config and this stage's code (plus the data and
-tokenizer code it depends on), so it is built once per machine and reused by every demo run.
+like any downloaded checkpoint. Keyed by the demo config and the code of this stage's import closure
+(the demo model, its data and tokenizer), so it is built once per machine and reused by every demo run.
 """
 
 from __future__ import annotations
@@ -10,10 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qerl.pipeline.data import arithmetic
-from qerl.pipeline.data import datasets as data
 from qerl.pipeline.demo import base_model as demo
-from qerl.pipeline.demo import tiny_model as tiny
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
 from qerl.pipeline.store.manifest import BuildResult, Manifest
@@ -28,6 +25,6 @@ def run(cfg: demo.DemoBaseConfig, store: ArtifactStore) -> Manifest:
         metrics = demo.build_demo_base(tmp, cfg)
         return BuildResult(mode="demo", metrics=metrics, extra={"architecture": "Qwen2ForCausalLM"})
 
-    code = code_version(sys.modules[__name__], demo, data, arithmetic, tiny)
+    code = code_version(sys.modules[__name__])
     manifest, _ = store.produce(STAGE, cfg, inputs={}, code=code, build=build)
     return manifest

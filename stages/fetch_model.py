@@ -52,7 +52,7 @@ def run(
     entry = catalogue.lookup(entry) if isinstance(entry, str) else entry
     wheels = Path(wheel_dir) if wheel_dir is not None else wheel_dir_for(store)
     config = {**entry.model_dump(mode="json"), "dtype": DTYPE}
-    code = code_version(sys.modules[__name__], catalogue)
+    code = code_version(sys.modules[__name__])
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()

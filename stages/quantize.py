@@ -38,12 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import qerl.kernels.nvfp4_dispatch as nvfp4_dispatch
-import qerl.kernels.nvfp4_numba as nvfp4_numba
 import qerl.kernels.nvfp4_reference as nvfp4_reference
-import qerl.pipeline.nvfp4.grouping as nvfp4_grouping
-import qerl.pipeline.nvfp4.recipe as nvfp4_recipe
-import qerl.pipeline.nvfp4.safetensors_io as nvfp4_io
 import torch
+from qerl.pipeline.config import key_payload
 from qerl.pipeline.nvfp4.grouping import Group, plan_quantization
 from qerl.pipeline.nvfp4.recipe import (
     QUANT_SUFFIXES,
@@ -75,10 +72,6 @@ __all__ = ["QuantizeConfig", "export", "resolve_source", "run", "run_twin", "run
 
 log = logging.getLogger("qerl.stages.quantize")
 
-# The modules whose code defines the artifacts' bytes (code_version): the checkpoint format and the
-# NVFP4 kernels; editing one invalidates the caches that list it.
-_FORMAT_MODULES = (nvfp4_recipe, nvfp4_io, nvfp4_grouping)
-_KERNEL_MODULES = (nvfp4_reference, nvfp4_dispatch)
 
 STAGE = "quantize"
 TWIN_STAGE = "dequantize"
@@ -167,7 +160,7 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
     specs = safetensors_index(src_dir)
     plan = plan_quantization(specs, cfg)  # every rejection happens here, before any write
     base_digest = store.source_digest(src_dir)
-    code = code_version(sys.modules[__name__], *_FORMAT_MODULES, *_KERNEL_MODULES, nvfp4_numba)
+    code = code_version(sys.modules[__name__])  # the import closure: format, grouping, the kernels
     device = _device()
     backend = nvfp4_dispatch.quantize_backend(device)
 
@@ -206,6 +199,7 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
                 "copied_tensors": sum(1 for g in plan if not g.quantize),
                 "fused_groups": sum(1 for g in plan if g.quantize and len(g.sources) > 1),
                 "aux_files": aux,
+                "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
                 "backend": backend,
             },
         )
@@ -216,8 +210,9 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
 def _recipe_key(cfg: QuantizeConfig) -> dict:
     """The quantize stage's config key: the recipe without the twin's dtype (a dequantize setting).
 
-    ``scheme`` is left out for nvfp4 (the recipe it always was); ``_run_unquantized`` has its own key."""
-    return cfg.model_dump(mode="json", exclude={"twin_dtype", "scheme"})
+    ``scheme`` is left out for nvfp4 (the recipe it always was); ``_run_unquantized`` has its own key.
+    Resource fields (the shard size) are left out too (``key_payload``); the manifest's extra records it."""
+    return {k: v for k, v in key_payload(cfg).items() if k not in ("twin_dtype", "scheme")}
 
 
 def _run_unquantized(
@@ -229,7 +224,7 @@ def _run_unquantized(
     base_digest = store.source_digest(src_dir)
     dtype_name = twin_dtype(cfg)
     dtype = getattr(torch, dtype_name)
-    code = code_version(sys.modules[__name__], *_FORMAT_MODULES)
+    code = code_version(sys.modules[__name__])
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
@@ -257,11 +252,12 @@ def _run_unquantized(
                 "recipe": {"scheme": "none", "dtype": dtype_name},
                 "dtype": dtype_name,
                 "aux_files": aux,
+                "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
                 "note": "quantize.scheme none: the base model unquantized, floating tensors cast to dtype",
             },
         )
 
-    key = {"scheme": "none", "dtype": dtype_name, "max_shard_mb": cfg.max_shard_mb}
+    key = {"scheme": "none", "dtype": dtype_name}
     return store.produce(STAGE, key, {"base": base_digest}, code, build)
 
 
@@ -283,7 +279,7 @@ def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> 
         )
     dtype_name = twin_dtype(cfg)
     dtype = getattr(torch, dtype_name)
-    code = code_version(sys.modules[__name__], *_FORMAT_MODULES, *_KERNEL_MODULES)
+    code = code_version(sys.modules[__name__])
     src = quantized.dir
 
     def build(tmp: Path) -> BuildResult:
@@ -322,11 +318,12 @@ def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> 
                 "dtype": dtype_name,
                 "dequantized_linears": sum(1 for n in specs if n.endswith(".weight_packed")),
                 "aux_files": aux,
+                "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
                 "note": "derived artifact: Linear weights are qerl.kernels.nvfp4_reference.dequantize_nvfp4 of the NVFP4 checkpoint",
             },
         )
 
-    key = {**cfg.model_dump(mode="json"), "twin_dtype": dtype_name}
+    key = {**key_payload(cfg), "twin_dtype": dtype_name}
     return store.produce(TWIN_STAGE, key, {"quantized": quantized.digest}, code, build)[0]
 
 

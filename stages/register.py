@@ -5,7 +5,12 @@ clip fractions, sigma, tokens/s, stage times: every numeric key the flow recorde
 the train config as params, the adapter, its manifest and the evaluation table. The adapter becomes
 a version of ``cfg.model_name`` with lineage tags; a complete run's version becomes ``challenger``
 (unless a newer one already is) and ``champion`` when it beats the current champion (see
-``qerl.pipeline.registry.promotion`` for the rule and its lock). A failed or partial run is still
+``qerl.pipeline.registry.promotion`` for the rule and its lock). The comparison is paired: the flow
+passes the champion's evaluation under this run's protocol (``champion_eval``), and the per-item rates
+of both on the run's validation split (the main benchmark when the run has none) give the mean
+difference and its standard error (``PairedEvidence``). The test benchmark's accuracy is logged and
+tagged (``eval_accuracy``), never decisive; the decision's split and accuracy are tagged
+``promotion_benchmark``/``promotion_accuracy``. A failed or partial run is still
 registered (its lineage is worth keeping, tagged ``complete=false``) but gets no alias. The adapter
 is copied into the MLflow run's artifacts (uploaded through the tracking server when the URI is
 ``http[s]://``), so a registered version never depends on the store's copy; ``qerl gc`` keeps that
@@ -15,8 +20,9 @@ input is its digest.
 Idempotence has two layers. The artifact store caches this stage by (registry config, train and
 evaluation digests, lineage, history, completeness), so an identical re-run does nothing. Because
 the flow run id in the lineage changes when a crashed run is resumed, the registry is also asked
-first whether a version with this adapter digest exists; if so it is reused (its promotion is
-re-decided, which is a no-op when it already happened) and no second version or MLflow run is made.
+first whether a version with this adapter digest, or of this run with the same adapter weights
+(a rebuilt step), exists; if so it is reused (its promotion is re-decided, which is a no-op when it
+already happened) and no second version or MLflow run is made.
 
 ``promote=False`` (the runs of an ablation, ``qerl ablate``): the version is registered with its
 lineage but takes no alias at all, neither challenger nor champion: an ablation never moves them.
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qerl.pipeline.evaluation.statistics import paired_difference
 from qerl.pipeline.registry import promotion, tracking
 from qerl.pipeline.registry.lock import backend_kind
 from qerl.pipeline.store.artifact_store import ArtifactStore
@@ -40,6 +47,7 @@ from qerl.pipeline.store.code_version import code_version
 from qerl.pipeline.store.files import sha256_json
 from qerl.pipeline.store.layout import MANIFEST, REGISTER_STAGE, TRAIN_STAGE
 from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
+from qerl.pipeline.store.retention_inputs import require_adapter
 
 log = logging.getLogger("qerl.stages.register")
 
@@ -78,6 +86,12 @@ def eval_metrics(summary: Mapping[str, Any]) -> dict[str, Any]:
         "eval_n_items": summary.get("n_items"),
         "eval_k": summary.get("k"),
     }
+    val = summary.get("validation") or {}
+    out.update(
+        eval_validation_accuracy=val.get("accuracy"),
+        eval_validation_accuracy_stderr=val.get("stderr"),
+        eval_validation_n_items=val.get("n_items"),
+    )
     for other in summary.get("also") or []:
         tag = f"eval_{other.get('benchmark_name')}_{other.get('split')}"
         out.update(
@@ -100,6 +114,7 @@ class _Candidate:
     history: Sequence[Mapping[str, Any]]
     complete: bool
     run_tags: Mapping[str, Any] | None = None
+    champion_eval: tuple[str, Manifest] | str | None = None
 
 
 def _log_run(cfg: tracking.RegistryConfig, c: _Candidate, summary: Mapping[str, Any]) -> str:
@@ -124,6 +139,7 @@ def _checked_lineage(train: Manifest, lineage: Mapping[str, Any]) -> dict[str, A
     """``lineage`` with the adapter digest set to ``train``'s; raises unless ``train`` holds an
     adapter and the lineage names every key the registry requires."""
     adapter_dir = train.dir / "adapter"
+    require_adapter(adapter_dir, "register")  # pruned: say which step and file
     if not (adapter_dir / "adapter_config.json").is_file():
         raise ArtifactError(f"train artifact {train.stage}/{train.key} has no adapter at {adapter_dir}")
     if lineage.get("adapter_digest") not in (None, train.digest):
@@ -148,22 +164,59 @@ def _cache_key(
         "lineage": sha256_json({k: v for k, v in c.lineage.items() if k != "flow_run_id"}),
         "history": sha256_json(list(c.history)),
     }
-    # the lock timeout does not change what gets registered: keep it out of the key
+    # the lock timeout (a resource field) does not change what gets registered: out of the key
     key_cfg = {
-        "registry": resolved.model_dump(mode="json", exclude={"lock_timeout_s"}),
+        "registry": resolved,
         "complete": c.complete,
     }
     if not promote or c.run_tags:  # only then: ordinary runs keep their cache keys
         key_cfg.update(promote=promote, run_tags=dict(c.run_tags or {}))
+    # the champion compared with is not in the key either: a finished registration is not redone
+    # when the champion moves (a resumed night keeps its decision), as with the recorded accuracies
     return key_cfg, inputs
+
+
+def _item_rates(evaluation: Manifest, validation: bool) -> dict[str, float]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(evaluation.file("validation/items.parquet" if validation else "items.parquet"))
+    return dict(
+        zip(table.column("id").to_pylist(), map(float, table.column("rate").to_pylist()), strict=True)
+    )
+
+
+def decision_summary(summary: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The part of an evaluation summary promotion decides on: the validation split, when the run
+    held one out, else the main benchmark."""
+    return summary.get("validation") or summary
+
+
+def _evidence(c: _Candidate, summary: Mapping[str, Any]) -> promotion.PairedEvidence | str | None:
+    """The paired comparison with the champion (see the module docstring); a string says why there
+    is none, None that the caller gave no champion evaluation."""
+    if not isinstance(c.champion_eval, tuple):
+        return c.champion_eval
+    version, champ = c.champion_eval
+    mine, theirs = decision_summary(summary), decision_summary(_eval_summary(champ))
+    if theirs.get("benchmark") != mine["benchmark"]:
+        return f"its evaluation is on {theirs.get('benchmark')}, this run's on {mine['benchmark']}"
+    use_val = "validation" in summary
+    paired = paired_difference(_item_rates(c.evaluation, use_val), _item_rates(champ, use_val))
+    return promotion.PairedEvidence(
+        benchmark=str(mine["benchmark"]), champion_version=str(version), diff=paired.diff, se=paired.se,
+        n_items=paired.n_items, challenger_accuracy=float(mine["accuracy"]),
+        champion_accuracy=float(theirs["accuracy"]),
+    )  # fmt: skip
 
 
 def _version(
     cfg: tracking.RegistryConfig, c: _Candidate, summary: Mapping[str, Any]
 ) -> tuple[str, str, bool]:
-    """(version, MLflow run id, created): the version already registered for this adapter digest,
-    else a new MLflow run and version (the run ends FINISHED, or FAILED for an incomplete run)."""
-    existing = promotion.find_version(cfg, c.train.digest)
+    """(version, MLflow run id, created): the version already registered for this adapter digest
+    or for this run's adapter weights (``promotion.find_version``), else a new MLflow run and version
+    (the run ends FINISHED, or FAILED for an incomplete run)."""
+    weights = promotion.weights_digest(c.train.dir / "adapter")
+    existing = promotion.find_version(cfg, c.train.digest, c.lineage.get("run_id"), weights)
     if existing is not None:
         return str(existing.version), existing.run_id, False
     run_id = _log_run(cfg, c, summary)
@@ -175,7 +228,7 @@ def _version(
 
 
 def _aliases(
-    cfg: tracking.RegistryConfig, version: str, summary: Mapping[str, Any], complete: bool, promote: bool
+    cfg: tracking.RegistryConfig, version: str, c: _Candidate, summary: Mapping[str, Any], promote: bool
 ) -> tuple[bool, bool]:
     """(challenger set, promoted); with ``promote=False`` no alias moves and the version says why."""
     if not promote:
@@ -183,9 +236,13 @@ def _aliases(
             cfg.model_name, version, "promotion", "not a candidate: an ablation run never moves aliases"
         )
         return False, False
+    complete, decided = c.complete, decision_summary(summary)
+    client = tracking.MlflowClient()
+    client.set_model_version_tag(cfg.model_name, version, "promotion_benchmark", str(decided["benchmark"]))
+    client.set_model_version_tag(cfg.model_name, version, "promotion_accuracy", str(decided.get("accuracy")))
     challenger = promotion.set_challenger(cfg, version) if complete else False
     promoted = promotion.maybe_promote(
-        cfg, version, str(summary["benchmark"]), summary.get("accuracy"), complete
+        cfg, version, str(decided["benchmark"]), decided.get("accuracy"), complete, _evidence(c, summary)
     )
     return challenger, promoted
 
@@ -201,11 +258,16 @@ def run(
     store: ArtifactStore,
     promote: bool = True,
     run_tags: Mapping[str, Any] | None = None,
+    champion_eval: tuple[str, Manifest] | str | None = None,
 ) -> Manifest:
     """Log, register and (maybe) promote the adapter of ``train``; writes ``registration.json``.
 
-    ``promote=False``: no alias is touched (see the module docstring)."""
-    c = _Candidate(train, evaluation, _checked_lineage(train, lineage), history, complete, run_tags)
+    ``promote=False``: no alias is touched (see the module docstring). ``champion_eval``: (champion
+    version, its ``evaluate`` manifest under this run's protocol), or why there is none (no
+    promotion over a champion then); None: the recorded accuracies decide (a direct call)."""
+    c = _Candidate(
+        train, evaluation, _checked_lineage(train, lineage), history, complete, run_tags, champion_eval
+    )
     resolved = tracking.resolve_config(cfg, work_dir)
     kind = backend_kind(str(resolved.tracking_uri))
     key_cfg, inputs = _cache_key(resolved, c, promote)
@@ -214,7 +276,7 @@ def run(
         tracking.open_tracking(resolved, work_dir)
         summary = _eval_summary(evaluation)
         version, run_id, created = _version(resolved, c, summary)
-        challenger, promoted = _aliases(resolved, version, summary, complete, promote)
+        challenger, promoted = _aliases(resolved, version, c, summary, promote)
         info = promotion.version_info(resolved, version)
         record = {
             "model_name": resolved.model_name,
@@ -229,6 +291,8 @@ def run(
             "complete": complete,
             "benchmark": summary["benchmark"],
             "accuracy": summary.get("accuracy"),
+            "decided_on": decision_summary(summary)["benchmark"],
+            "decision_accuracy": decision_summary(summary).get("accuracy"),
             "tracking_backend": kind,
         }
         (tmp / "registration.json").write_text(
@@ -240,7 +304,7 @@ def run(
             extra={"run_id": run_id, "model_name": resolved.model_name},
         )
 
-    code = code_version(sys.modules[__name__], tracking, promotion)
+    code = code_version(sys.modules[__name__])
     manifest, cached = store.produce(STAGE, key_cfg, inputs, code, build)
     log.info(
         "register: %s v%s (%s)%s",

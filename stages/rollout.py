@@ -27,12 +27,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import qerl.pipeline.rollout.aqn
-import qerl.pipeline.rollout.config
-import qerl.pipeline.rollout.factory
-import qerl.pipeline.rollout.lazy
-import qerl.pipeline.rollout.prompt_encoding
-import qerl.pipeline.rollout.protocol
 from qerl.pipeline.data.prompts import render_prompt
 from qerl.pipeline.rollout.config import RolloutConfig
 from qerl.pipeline.rollout.protocol import Completion, RolloutEngine
@@ -41,6 +35,7 @@ from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
 from qerl.pipeline.store.files import sha256_json
 from qerl.pipeline.store.manifest import BuildResult, Manifest
+from qerl.pipeline.store.retention_inputs import require_adapter
 
 STAGE = "rollout"
 TABLE = "rollouts.parquet"
@@ -96,17 +91,6 @@ def _check_problems(problems: Sequence[Any]) -> list[dict[str, Any]]:
 def _engine_module(engine: RolloutEngine) -> Any:
     name = getattr(engine, "implementation_module", None) or type(engine).__module__
     return importlib.import_module(name)
-
-
-# the engine-independent modules of qerl.pipeline.rollout (with aqn and the engine's own implementation
-# module, the code a rollout table depends on): editing any of them invalidates the rollout caches
-_ENGINE_MODULES = (
-    qerl.pipeline.rollout.config,
-    qerl.pipeline.rollout.protocol,
-    qerl.pipeline.rollout.prompt_encoding,
-    qerl.pipeline.rollout.factory,
-    qerl.pipeline.rollout.lazy,
-)
 
 
 def _columns(
@@ -170,17 +154,17 @@ def run(
         raise ValueError(f"rollout: sigma must be >= 0, got {sigma}")
     inputs = {"base": base.digest, "problems": sha256_json(rows), "adapter": adapter_digest or "none"}
     config = {
-        "rollout": cfg.model_dump(mode="json"),
+        "rollout": cfg,  # the key leaves out its resource fields (engine sizing); the manifest keeps them
         "sigma": float(sigma),
         "step": int(step),
         "engine_mode": engine.mode,
     }
-    code = code_version(
-        sys.modules[__name__], *_ENGINE_MODULES, qerl.pipeline.rollout.aqn, _engine_module(engine)
-    )
+    # this module's import closure, and the engine implementation's (chosen at run time by name)
+    code = code_version(sys.modules[__name__], _engine_module(engine))
     sample_seed, noise_seed = step_seed(cfg.seed, step, "sample"), step_seed(cfg.seed, step, "aqn")
 
     def build(tmp: Path) -> BuildResult:
+        require_adapter(adapter_dir, f"rollout step {step}")  # pruned: say which step and file
         engine.set_adapter(adapter_dir, adapter_digest)
         engine.set_noise(float(sigma), noise_seed)
         prompts = [render_prompt(engine.tokenizer, r["question"], cfg.template) for r in rows]

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qerl.pipeline.data import answers, rewards
 from qerl.pipeline.data.jsonl import read_jsonl
 from qerl.pipeline.data.rewards import STATUSES, RewardConfig, ScoreRecord, score_batch
 from qerl.pipeline.store.artifact_store import ArtifactStore
@@ -124,13 +123,13 @@ def _score_table(cfg: RewardConfig, source: Path, out: Path) -> BuildResult:
 
 def run(cfg: RewardConfig, rollouts: Manifest, store: ArtifactStore) -> Manifest:
     """Score ``rollouts`` (a rollout stage manifest with ``rollouts.parquet``) into ``scored.parquet``."""
-    source = rollouts.file("rollouts.parquet")
     manifest, _ = store.produce(
         STAGE,
         cfg,
         inputs={"rollouts": rollouts.digest},
-        code=code_version(sys.modules[__name__], rewards, answers),
-        build=lambda tmp: _score_table(cfg, source, tmp / "scored.parquet"),
+        code=code_version(sys.modules[__name__]),  # the import closure: rewards, answers
+        # the table is read on a miss only: a cache hit needs none (retention may have pruned it)
+        build=lambda tmp: _score_table(cfg, rollouts.file("rollouts.parquet"), tmp / "scored.parquet"),
     )
     return manifest
 

@@ -50,17 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import qerl.kernels.nvfp4_dispatch
-import qerl.kernels.nvfp4_reference
-import qerl.pipeline.nvfp4.linear
-import qerl.pipeline.nvfp4.loading
-import qerl.pipeline.rl.batch
-import qerl.pipeline.rl.checkpoint
-import qerl.pipeline.rl.logprobs
-import qerl.pipeline.rl.objective
-import qerl.pipeline.rl.policy
-import qerl.pipeline.rl.step
-import qerl.pipeline.rl.train_config
 import torch
 from qerl.pipeline.rl.batch import load_rollout_batch
 from qerl.pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
@@ -157,20 +146,7 @@ def _key_parts(
     init_adapter: tuple[Path, str] | None,
 ) -> tuple[dict[str, Any], dict[str, str], str]:  # fmt: skip
     """(config, inputs, code) of a train step's store key."""
-    code = code_version(
-        sys.modules[__name__],
-        qerl.pipeline.rl.train_config,
-        qerl.pipeline.rl.batch,
-        qerl.pipeline.rl.policy,
-        qerl.pipeline.rl.step,
-        qerl.pipeline.rl.checkpoint,
-        qerl.pipeline.rl.logprobs,
-        qerl.pipeline.rl.objective,
-        qerl.pipeline.nvfp4.linear,
-        qerl.pipeline.nvfp4.loading,
-        qerl.kernels.nvfp4_reference,
-        qerl.kernels.nvfp4_dispatch,
-    )
+    code = code_version(sys.modules[__name__])  # the import closure: rl, nvfp4 and the kernels
     inputs = {
         "base": base.digest,
         "scored": scored.digest,
@@ -178,7 +154,7 @@ def _key_parts(
     }
     if init_adapter is not None:  # only then: plain runs keep their cache keys
         inputs["init_adapter"] = init_adapter[1]
-    return {"train": cfg.model_dump(mode="json"), "step": step}, inputs, code
+    return {"train": cfg, "step": step}, inputs, code  # keyed without resource fields (key_payload)
 
 
 def cached(
@@ -261,7 +237,6 @@ def run(
     ``init_adapter`` (adapter folder, its digest): step 0 starts from these LoRA weights instead of a
     fresh LoRA (a nightly run's warm start); the digest joins the cache key."""
     _check_chain(prev, step, init_adapter)
-    scored_path = scored.file(SCORED_FILE)
     device = default_device()
     config, inputs, code = _key_parts(cfg, base, scored, prev, step, init_adapter)
     resident_key = {"base": base.digest, "train": config["train"], "device": device}
@@ -276,7 +251,8 @@ def run(
 
     def _build(tmp: Path) -> BuildResult:
         state, reused, t_load = _policy(cfg, base, prev, step, device, resident_key, init_adapter)
-        batch = load_rollout_batch(scored_path, temperature=cfg.temperature)
+        # read on a miss only: a cache hit needs no table (retention may have pruned it)
+        batch = load_rollout_batch(scored.file(SCORED_FILE), temperature=cfg.temperature)
         metrics = train_step(state, batch, cfg, pad_id=_pad_id(base.dir))
         save_checkpoint(state, tmp)
         built.update(state=state, rng=_rng_state())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import time
@@ -80,8 +81,41 @@ def test_full_verify_catches_same_mtime_tamper(tmp_path):
     stat = path.stat()
     path.write_text("jello")
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert store.get("demo", m.key) is not None  # the fast check cannot see it
+    assert store.get("demo", m.key, verify="fast") is not None  # the stat-only check cannot see it
     assert store.get("demo", m.key, verify="full") is None
+
+
+def test_a_same_size_same_mtime_change_is_caught_by_default_and_rebuilt(tmp_path, monkeypatch):
+    """A flipped byte that keeps size and mtime used to be served as cached unless QERL_VERIFY=full:
+    the next run's store hashes what it looks up once, finds it, moves it aside and rebuilds it."""
+    from qerl.pipeline.store import integrity
+
+    monkeypatch.delenv("QERL_VERIFY", raising=False)
+    calls: list[str] = []
+    m, _ = ArtifactStore(tmp_path).produce("train", {}, {}, "v1", _writer("hello", calls))
+    path = m.dir / "sub" / "b.bin"
+    stat = path.stat()
+    with open(path, "r+b") as fh:  # flip one byte in place: same size, same inode
+        fh.seek(7)
+        byte = fh.read(1)
+        fh.seek(7)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    night = ArtifactStore(tmp_path)  # the next night: a new process, a new store object
+    hashed: list[str] = []
+    monkeypatch.setattr(integrity, "sha256_file", lambda p: hashed.append(Path(p).name) or sha256_file(p))
+    m2, cached = night.produce("train", {}, {}, "v1", _writer("hello", calls))
+    assert not cached and calls == ["hello", "hello"]  # detected, moved aside, rebuilt: healed
+    assert sha256_file(m2.dir / "sub" / "b.bin") == m2.files["sub/b.bin"].sha256
+    assert any(p.name.startswith(m.key) for p in (tmp_path / "trash").iterdir())  # the corrupt copy
+    # a file is hashed once per store object: later lookups compare its stat with what was hashed
+    hashed.clear()
+    assert night.get("train", m2.key) is not None and night.get("train", m2.key) is not None
+    assert sorted(hashed) == ["a.txt", "b.bin"]
+    assert night.get("train", m2.key, verify="full") is not None and len(hashed) == 4
+    with pytest.raises(ValueError, match="QERL_VERIFY='sometimes'"):
+        night.get("train", m2.key, verify="sometimes")
 
 
 def _race(root: str, marker: str) -> None:
@@ -130,3 +164,56 @@ def test_source_digest_memo(tmp_path):
     assert store.source_digest(src) == d1
     (src / "w.bin").write_bytes(b"abd")
     assert store.source_digest(src) != d1
+
+
+def _no_space(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_disk_full_write_names_the_path_and_keeps_the_old_file(tmp_path, monkeypatch):
+    from qerl.pipeline.store import files
+
+    target = tmp_path / "run.json"
+    atomic_write_text(target, "old")
+    monkeypatch.setattr(files.os, "fsync", _no_space)
+    with pytest.raises(files.DiskFullError) as err:
+        atomic_write_text(target, "x" * 5000)
+    text = str(err.value)
+    assert "\n" not in text and str(target) in text and "needs 5.0 KB" in text and "free there" in text
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_disk_full_build_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    from qerl.flows import cli
+    from qerl.pipeline.store.files import DiskFullError
+
+    store = ArtifactStore(tmp_path)
+
+    def build(out: Path) -> BuildResult:
+        (out / "adapter_model.safetensors").write_bytes(b"\x00" * 3000)
+        _no_space()  # the next write finds the disk full (a library may wrap it: the cause counts)
+
+    with pytest.raises(DiskFullError) as err:
+        store.produce("train", {"a": 1}, {}, "v1", build)
+    text = str(err.value)
+    assert "the train artifact" in text and str(tmp_path / "tmp") in text and "more than 3.0 KB" in text
+    assert not any((tmp_path / "tmp").iterdir()) and not (tmp_path / "objects" / "train").exists()
+    m, cached = store.produce("train", {"a": 1}, {}, "v1", _writer("fine"))  # space freed: it builds
+    assert not cached and m.file("a.txt").read_text() == "fine"
+
+    def wrapped(out: Path) -> BuildResult:  # torch's writer quotes the errno in a RuntimeError
+        try:
+            _no_space()
+        except OSError as cause:
+            raise RuntimeError("[enforce fail] file write failed") from cause
+
+    with pytest.raises(DiskFullError):
+        store.produce("train", {"a": 2}, {}, "v1", wrapped)
+
+    # the CLI prints it in one line (exit 2), no traceback
+    monkeypatch.setattr(
+        cli.tool_commands, "cmd_gc", lambda a: store.produce("train", {"a": 3}, {}, "v1", build)
+    )
+    assert cli.main(["gc", "--work-dir", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert out.err.count("\n") == 1 and "no space left on device writing the train artifact" in out.err

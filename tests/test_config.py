@@ -124,6 +124,17 @@ def test_a_schedule_shorter_than_the_loop_is_rejected_with_the_numbers():
         load_run_config(None, [*over, "train.warmup_steps=40"])
 
 
+def test_an_evaluation_longer_than_the_engines_context_is_refused_at_load():
+    """The paper's 4,096-token evaluation on the 7B preset (context 2,048) failed after the last step."""
+    from qerl.pipeline.planning.run_config import load_run_config
+
+    with pytest.raises(
+        ConfigError, match=r"eval\.max_new_tokens \(4096\) leaves no room.*max_model_len 2048"
+    ):
+        load_run_config("qwen2.5-7b-gsm8k", ["eval.max_new_tokens=4096"])
+    assert load_run_config("qwen2.5-7b-gsm8k", ["rollout.max_model_len=8192", "eval.max_new_tokens=4096"])
+
+
 def test_the_twin_is_stored_in_the_trainers_dtype():
     """The demo served a bf16 twin beside an fp32 trainer: every nonzero weight differed."""
     from qerl.pipeline.planning.run_config import load_run_config
@@ -237,7 +248,9 @@ def test_eval_benchmarks_read_the_runs_data_root(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
 def test_non_finite_floats_are_rejected(value):
-    with pytest.raises(ConfigError, match=r"inner\.lr: Input should be a finite number \(from --set inner\.lr="):
+    with pytest.raises(
+        ConfigError, match=r"inner\.lr: Input should be a finite number \(from --set inner\.lr="
+    ):
         load_config(Outer, None, [f"inner.lr={value}"])
 
 

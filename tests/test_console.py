@@ -96,18 +96,66 @@ def test_console_filter_passes_own_warnings_and_anyones_errors():
     assert not keep.filter(rec("httpx", logging.INFO))
 
 
-def test_eta_counts_built_steps_and_pending_evaluations():
+def test_eta_counts_built_steps_and_pending_evaluations_without_start_up():
     ui = console.RunConsole()
     ui.steps_start(10, 2)
     assert ui.eta() is None  # nothing measured yet
     ui.step(0, {}, 0.01, cached=True)  # cached steps do not count towards the rate
-    ui.step(1, {}, 40.0, cached=False)  # the first built step: engine start-up included
-    assert ui.eta() == 8 * 40.0 + 2 * 40.0
-    ui.step(2, {}, 4.0, cached=False)
-    assert ui.eta() == 7 * 4.0 + 2 * 4.0  # from then on the first is left out
-    ui.stage("evaluate", "adapter", 10.0)
-    assert ui.eta() == 7 * 4.0 + 1 * 10.0
+    ui.step(1, {}, 40.0, cached=False, startup=36.0)  # the first built step started the engine
+    assert ui.eta() == 8 * 4.0 + 2 * 4.0  # right after the first step: its 4 s of work, not 40 s
+    ui.step(2, {}, 6.0, cached=False)
+    assert ui.eta() == 7 * 5.0 + 2 * 5.0
+    ui.stage("evaluate", "adapter", 12.0, startup=2.0)
+    assert ui.eta() == 7 * 5.0 + 1 * 10.0
     assert console.fmt_duration(3725) == "1h02m" and console.fmt_duration(75) == "1m15s"
+
+
+class _Lines(console.RunConsole):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_evaluation_progress_is_a_line_per_quarter_or_a_bar_on_a_terminal():
+    import io
+
+    ui = _Lines()
+    for done in (256, 512, 768, 1024, 1280, 1319):
+        ui.progress("evaluate", done, 1319)
+    assert [t.split()[:3] for t in ui.lines] == [["evaluate", "512/1319", "items"], ["evaluate", "768/1319", "items"],
+                                                  ["evaluate", "1024/1319", "items"]]  # fmt: skip
+    assert all("ETA" in t for t in ui.lines)
+    ui.stage("evaluate", "adapter after step 3: accuracy 0.5", 60.0)  # the stage's own line ends it
+    ui.progress("evaluate", 700, 1319)  # the next evaluation starts afresh
+    assert ui.lines[-1].startswith("evaluate    700/1319 items")
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = console.TerminalConsole(Tty())
+    term.progress("evaluate", 100, 400)
+    term.line("WARNING qerl.x: something")  # printed above the bar
+    term.stage("evaluate", "done", 3.0)
+    shown = term.stream.getvalue()
+    assert "100/400 items" in shown and "WARNING qerl.x: something" in shown and "evaluate    done" in shown
+    assert term._progress is None
+
+
+def test_a_run_without_a_session_logs_to_its_run_log(tmp_path):
+    """What a deployment run (``qerl schedule``, no console session) gets: ``run.log`` all the same."""
+    detach = console.attach_run_log(tmp_path / "runs" / "r1")
+    try:
+        console.current().stage("quantize", "NVFP4 checkpoint", 1.0)
+        logging.getLogger("qerl.flow").info("a qerl info line")
+    finally:
+        detach()
+    logging.getLogger("qerl.flow").info("after the run")
+    text = (tmp_path / "runs" / "r1" / console.LOG_NAME).read_text()
+    assert "qerl.console: quantize" in text and "a qerl info line" in text and "after the run" not in text
 
 
 @pytest.mark.slow
@@ -140,6 +188,8 @@ def test_runs_send_no_usage_data_and_print_no_telemetry_notice(tmp_path):
         "print(is_telemetry_enabled(), get_current_settings().server.analytics_enabled)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DO_NOT_TRACK", "CI"))}
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "False"]

@@ -109,10 +109,13 @@ def stale_mentions(text: str, *, check_links: bool = False) -> list[str]:
 
 
 def test_configuration_reference_is_current():
+    from qerl.pipeline.planning import config_reference
     from qerl.pipeline.planning.config_reference import DOCS_PAGE, REGENERATE, reference_page
 
-    assert DOCS_PAGE == DOCS / "reference" / "configuration.md"
-    assert DOCS_PAGE.exists() and DOCS_PAGE.read_text() == reference_page(), (
+    page = DOCS / "reference" / "configuration.md"
+    if Path(config_reference.__file__).resolve().is_relative_to(ROOT):  # a checkout: the command's default
+        assert DOCS_PAGE == page
+    assert page.exists() and page.read_text() == reference_page(), (
         f"docs/reference/configuration.md is not what the config classes generate; run: {REGENERATE}"
     )
 

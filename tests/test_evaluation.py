@@ -256,6 +256,47 @@ def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
     assert f"{entry['accuracy']:.3f} ± {entry['stderr']:.3f}" in markdown and "gsm8k_test" in markdown
 
 
+def test_evaluate_drops_items_longer_than_the_context_and_counts_them(base, tmp_path):
+    """An item whose prompt leaves less than eval.max_new_tokens of the engine's context is dropped and
+    counted, as a training prompt is; the benchmark id names the items evaluated."""
+    from qerl.stages import evaluate
+
+    store, base_manifest, tokenizer = base
+    (tmp_path / "gsm8k").mkdir()
+    rows = [{"question": f"Ann has {i} pens. How many?", "answer": f"#### {i}"} for i in range(3)]
+    rows.append(
+        {"question": "Ann has 7 pens. " + "Bob has more pens. " * 60 + "How many?", "answer": "#### 7"}
+    )
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = apply_overrides(
+        eval_config.EvalConfig(),
+        {
+            "benchmark": {"dataset": "gsm8k", "root": str(tmp_path)},
+            "k": 1,
+            "greedy": True,
+            "max_new_tokens": 64,
+        },  # fmt: skip
+    )
+    problems = load_problems(cfg.benchmark)
+    engine = FakeEngine({p["question"]: p["answer"] for p in problems}, tokenizer)
+    manifest = evaluate.run(
+        cfg, base_manifest, None, None, store, engine, RewardConfig(workers=1), max_model_len=256
+    )
+    summary = json.loads(manifest.file("summary.json").read_text())
+    assert summary["n_items"] == 3 and [c[1] for c in engine.calls if c[0] == "generate"] == [3]
+    prompts = summary["prompts"]
+    assert (prompts["loaded"], prompts["kept"], prompts["dropped_too_long"]) == (4, 3, 1)
+    assert prompts["prompt_token_limit"] == 256 - 64 and prompts["dropped_examples"][0]["tokens"] > 192
+    from qerl.flows import run_record
+
+    assert run_record.eval_entry(1, None, manifest)["dropped_too_long"] == 1
+    # a context that holds every item evaluates all four
+    whole = evaluate.run(
+        cfg, base_manifest, None, None, store, engine, RewardConfig(workers=1), max_model_len=2048
+    )
+    assert whole.metrics["n_items"] == 4 and whole.extra["benchmark"] != manifest.extra["benchmark"]
+
+
 def test_evaluate_rejects_short_engine_output(base):
     from qerl.stages import evaluate
 
@@ -277,6 +318,37 @@ def test_evaluate_rejects_short_engine_output(base):
             Short({p["question"]: p["answer"] for p in problems}, tokenizer),
             RewardConfig(),
         )
+
+
+def test_evaluate_reports_progress_over_chunks(base, monkeypatch):
+    """A long evaluation generates in chunks and reports the items done after each (the console's
+    progress line); each chunk after the first samples with a seed of its own."""
+    from qerl.stages import evaluate
+
+    monkeypatch.setattr(evaluate, "MIN_CHUNK_SEQUENCES", 8)  # 20 items x k=2: chunks of 4 items
+    store, base_manifest, tokenizer = base
+    cfg = apply_overrides(eval_config.EvalConfig(), ["benchmark.limit=20", "k=2"])
+    problems = load_problems(cfg.benchmark)
+    engine = FakeEngine({p["question"]: p["answer"] for p in problems}, tokenizer)
+    seen: list[tuple[int, int]] = []
+
+    def evaluate_it():
+        reward = RewardConfig(workers=1)
+        return evaluate.run(
+            cfg, base_manifest, None, None, store, engine, reward, progress=lambda *a: seen.append(a)
+        )
+
+    manifest = evaluate_it()
+    assert seen == [(4, 20), (8, 20), (12, 20), (16, 20), (20, 20)]
+    gens = [c for c in engine.calls if c[0] == "generate"]
+    assert [g[1] for g in gens] == [4] * 5 and gens[0][4] == cfg.seed
+    assert len({g[4] for g in gens}) == 5  # no two chunks share a sample seed
+    rows = pq.read_table(manifest.file("results.parquet")).to_pylist()
+    assert [r["id"] for r in rows[::2]] == [p["id"] for p in problems] and len(rows) == 40
+
+    seen.clear()  # a cached evaluation generates nothing and reports nothing
+    evaluate_it()
+    assert seen == []
 
 
 @pytest.mark.slow

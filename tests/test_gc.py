@@ -31,8 +31,9 @@ def fake_step(store: ArtifactStore, run: str, step: int, prev: Manifest | None) 
 
 
 def fake_run(
-    work: Path, run: str, steps: int, status: str = "completed", age_h: float = 0.0, **extra
+    work: Path, run: str, steps: int, status: str = "failed", age_h: float = 0.0, **extra
 ) -> list[Manifest]:
+    """A run record over fake steps; a failed run by default (it keeps what its resume needs)."""
     store = ArtifactStore(work / "store")
     out: list[Manifest] = []
     for step in range(steps):
@@ -119,8 +120,9 @@ def test_gc_protects_live_registered_evaluated_and_unreferenced(tmp_path):
     assert all(pruned_names(m) == set() for m in live) and pruned_names(orphan) == set()
     # a crashed run (running, but silent for 48 h) keeps only what its resume needs
     assert [pruned_names(m) for m in stale] == [{"optimizer.safetensors"}] * 2 + [set()] * 2
-    # adapters: steps 2 and 5 (every 3rd), 0 (evaluated), 1 (registered), 5 and 6 (last 2) stay
-    expect = {0: {"optimizer.safetensors"}, 1: {"optimizer.safetensors"}, 2: {"optimizer.safetensors"},
+    # adapters: steps 2 and 5 (every 3rd), 1 (registered), 5 and 6 (last 2) stay; step 0 was evaluated,
+    # but an explicit keep_adapters_every decides (by default it is the evaluation interval)
+    expect = {0: {"optimizer.safetensors", *ADAPTER}, 1: {"optimizer.safetensors"}, 2: {"optimizer.safetensors"},
               3: {"optimizer.safetensors", *ADAPTER}, 4: {"optimizer.safetensors", *ADAPTER},
               5: set(), 6: set()}  # fmt: skip
     assert {i: pruned_names(m) for i, m in enumerate(sparse)} == expect
@@ -174,7 +176,7 @@ def test_gc_keeps_what_an_ablation_compares_and_leaves_its_files_alone(tmp_path,
     from qerl.pipeline.store.layout import ABLATION_DIR
 
     config = {"loop": {"steps": 4}, "store": {"keep_adapters_every": 3}}
-    arm = fake_run(tmp_path, "abl-arm-s0", 4, config=config)
+    arm = fake_run(tmp_path, "abl-arm-s0", 4, config=config, status="completed")
     record = json.loads((tmp_path / "runs" / "abl-arm-s0" / "run.json").read_text())
     record["evaluations"] = [{"step": 4, "adapter": arm[3].key, "accuracy": 0.5, "manifest": "x"}]
     atomic_write_json(tmp_path / "runs" / "abl-arm-s0" / "run.json", record)
@@ -194,12 +196,18 @@ def test_gc_keeps_what_an_ablation_compares_and_leaves_its_files_alone(tmp_path,
     (broken / "ablation.json").write_text("{torn")
     files_before = sorted(p for p in (tmp_path / ABLATION_DIR).rglob("*"))
 
-    gc_plan = retention.plan(tmp_path, now=_dt.datetime.now(_dt.UTC) + _dt.timedelta(hours=1))
+    later = _dt.datetime.now(_dt.UTC) + _dt.timedelta(hours=1)
+    gc_plan = retention.plan(tmp_path, now=later)
     assert any("final adapters of ablation abl-1234: 1 of its 2 runs" in n for n in gc_plan.notes)
+    assert any("1 of its 2 runs have not completed" in n for n in gc_plan.notes)
     assert any("skipped ablation record" in n and "abl-torn" in n for n in gc_plan.notes)
-    retention.apply(tmp_path, gc_plan)
-    # the run's policy applies (last 2 optimizer states, every 3rd adapter); the compared one stays
-    assert [pruned_names(m) for m in arm] == [{"optimizer.safetensors", *ADAPTER}] * 2 + [set()] * 2
+    assert gc_plan.deletions == []  # the run not started yet may continue from any of them
+    fake_run(tmp_path, "not-yet", 1, status="completed")
+    retention.apply(tmp_path, retention.plan(tmp_path, now=later))
+    # now the run's policy applies (a completed run: no optimizer state; every 3rd adapter and the
+    # final one); the compared one stays
+    expect = [{"optimizer.safetensors", *ADAPTER}] * 2 + [{"optimizer.safetensors"}] * 2
+    assert [pruned_names(m) for m in arm] == expect
     assert sorted(p for p in (tmp_path / ABLATION_DIR).rglob("*")) == files_before
     assert (out / "report.md").read_text() == "# report\n"
     with caplog.at_level("WARNING", logger="qerl.retention"):  # the flow's own pruning is not stopped
@@ -365,7 +373,10 @@ def test_gc_between_real_runs(tiny_model_factory, tmp_path, capsys):
     (record_path,) = (work / "runs").glob("*/run.json")
     keys = [s["manifests"]["train"] for s in json.loads(record_path.read_text())["steps"]]
     pruned = [set(Manifest.load(work / "store" / "objects" / "train" / k).pruned) for k in keys]
-    assert pruned == [{"optimizer.safetensors"}] * (len(keys) - 1) + [set()]  # pruned by the flow
+    # pruned by the flow: a completed run keeps no optimizer state, and (no interim evaluations) only
+    # its final adapter
+    assert all({"optimizer.safetensors", *ADAPTER} <= p for p in pruned[:-1])  # (peft's README too)
+    assert pruned[-1] == {"optimizer.safetensors"}
 
     from qerl.flows.cli import main
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from qerl.pipeline.store.artifact_store import ArtifactStore
-from qerl.pipeline.store.manifest import ArtifactError, BuildResult
+from qerl.pipeline.store.manifest import BuildResult
 
 
 def _produce(store: ArtifactStore, payload: bytes, heal: bool = False):
@@ -30,15 +30,34 @@ def test_a_pruned_artifact_is_rebuilt_and_put_back_only_with_the_same_bytes(tmp_
     store.prune("train", made.key, ["state/opt.bin"], "older than its last step")
     hit, cached = _produce(store, b"moments")
     assert cached and "state/opt.bin" in hit.pruned  # without heal a lookup serves it as it is
-    with pytest.raises(ArtifactError, match="not reproducible here"):
-        _produce(store, b"other bytes", heal=True)
-    assert "state/opt.bin" in store.get("train", made.key).pruned  # nothing changed
     healed, cached = _produce(store, b"moments", heal=True)
     assert not cached and healed.pruned == {}
     assert (healed.dir / "state" / "opt.bin").read_bytes() == b"moments"
     assert healed.digest == made.digest  # downstream keys stay valid
     events = [json.loads(line) for line in (tmp_path / "store" / "gc.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["pruned", "healed"]
+
+
+def test_a_rebuild_with_other_bytes_is_rekeyed_not_a_failure(tmp_path):
+    """A GPU rebuild does not reproduce the bytes: the heal stores a new artifact under a new key
+    (its digest differs, so whatever is built on it gets new keys) instead of failing every time."""
+    store = ArtifactStore(tmp_path / "store")
+    made, _ = _produce(store, b"moments")
+    store.prune("train", made.key, ["state/opt.bin"], "the run completed")
+    new, cached = _produce(store, b"nondeterministic", heal=True)
+    assert not cached and new.key != made.key and new.digest != made.digest and new.pruned == {}
+    assert (new.dir / "state" / "opt.bin").read_bytes() == b"nondeterministic"
+    assert new.extra["rekeyed_from"] == made.key and "state/opt.bin" in new.extra["rekey_reason"]
+    assert new.config == made.config and new.inputs == made.inputs
+    old = store.get("train", made.key)
+    assert old.extra["rekeyed_to"] == new.key and "state/opt.bin" in old.pruned  # the old one stays
+    again, _ = _produce(store, b"other again", heal=True)  # found, not rebuilt a second time
+    assert again.key == new.key and (again.dir / "state" / "opt.bin").read_bytes() == b"nondeterministic"
+    store.prune("train", new.key, ["state/opt.bin"], "the run completed")
+    third, _ = _produce(store, b"third bytes", heal=True)  # the re-keyed one pruned too: re-keyed on
+    assert third.extra["rekeyed_from"] == new.key and third.key not in (made.key, new.key)
+    events = [json.loads(line) for line in (tmp_path / "store" / "gc.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["pruned", "rekeyed", "pruned", "rekeyed"]
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +97,155 @@ def test_a_run_continues_from_a_checkpoint_another_run_pruned(flow_model, tmp_pa
     assert (
         max(__import__("collections").Counter((e["stage"], e["key"]) for e in _journal(work)).values()) == 1
     )
+
+
+from test_evaluation import FakeEngine, base  # noqa: E402,F401 (base: a fixture)
+
+PRUNED_ADAPTER = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
+
+
+def test_every_consumer_of_a_pruned_adapter_names_the_step_and_file(base, tmp_path):  # noqa: F811
+    """Rollout, evaluate and register fail on a pruned adapter with the retention error (which
+    step, which file, why) before touching the engine or MLflow; a cache hit needs no adapter."""
+    from qerl.pipeline.data.datasets import load_problems
+    from qerl.pipeline.data.rewards import RewardConfig
+    from qerl.pipeline.evaluation import eval_config
+    from qerl.pipeline.registry import tracking
+    from qerl.pipeline.rollout.config import RolloutConfig
+    from qerl.pipeline.store.retention_inputs import PrunedInputError
+    from qerl.stages import evaluate, register, rollout
+    from test_gc import fake_step
+    from test_register import LINEAGE, fake_eval
+
+    store, base_manifest, tokenizer = base
+    step0 = fake_step(store, "r", 0, None)
+    step1 = fake_step(store, "r", 1, step0)
+    problems = [{"id": "p1", "question": "What is 2 + 2?", "answer": "4"}]
+    ecfg = eval_config.EvalConfig.model_validate({"benchmark": {"limit": 2}, "k": 1})
+    answers = {p["question"]: p["answer"] for p in [*problems, *load_problems(ecfg.benchmark)]}
+    engine = FakeEngine(answers, tokenizer)
+
+    def consume(train):
+        adapter = train.dir / "adapter"
+        yield lambda: rollout.run(
+            cfg=RolloutConfig(n_samples=1), problems=problems, base=base_manifest, adapter_dir=adapter,
+            adapter_digest=train.digest, sigma=0.0, step=2, store=store, engine=engine,
+        )  # fmt: skip
+        yield lambda: evaluate.run(
+            ecfg, base_manifest, adapter, train.digest, store, engine, RewardConfig(workers=1)
+        )
+        yield lambda: register.run(
+            tracking.RegistryConfig(model_name="m"),
+            train,
+            fake_eval(store, 0.5),
+            LINEAGE,
+            [],
+            tmp_path,
+            True,
+            store,
+        )
+
+    made = [c() for c in list(consume(step1))[:2]]  # built while the adapter is whole
+    store.prune("train", step1.key, PRUNED_ADAPTER, "run r step 1: not a multiple of 5 steps")
+    pruned = store.get("train", step1.key)
+    expect = (
+        r"needs the adapter of train step 1 .*'adapter/adapter_config.json' was deleted by retention "
+        r"\(pruned .*not a multiple of 5 steps\)"
+    )
+    for call, was in zip(consume(pruned), [*made, None], strict=True):
+        if was is not None:
+            assert call().key == was.key  # a cache hit: the adapter is not read
+            store._discard(was.dir)  # now a miss: the consumer must build
+        calls = len(engine.calls)
+        with pytest.raises(PrunedInputError, match=expect) as err:
+            call()
+        assert (err.value.stage, err.value.key) == ("train", step1.key)
+        assert len(engine.calls) == calls  # failed before the engine was touched
+
+
+def test_the_flow_rebuilds_a_pruned_adapter_its_consumer_needs(monkeypatch):
+    """``healing``: the consumer's PrunedInputError for ``prev`` rebuilds the chain (possibly
+    re-keyed) and calls the consumer again with the rebuilt checkpoint; another artifact's error
+    is not ours to heal."""
+    import logging
+    from types import SimpleNamespace
+
+    from qerl.flows import rl_heal
+    from qerl.pipeline.store.retention_inputs import PrunedInputError
+
+    prev, healed = SimpleNamespace(stage="train", key="k1"), SimpleNamespace(stage="train", key="k2")
+    monkeypatch.setattr(rl_heal, "heal_chain", lambda run, q, history, warm: healed)
+    run = SimpleNamespace(logger=logging.getLogger("test"))
+    seen = []
+
+    def consumer(p):
+        seen.append(p)
+        if p is prev:
+            raise PrunedInputError("rollout step 2 needs the adapter of train step 1", "train", "k1")
+        return "rollouts"
+
+    assert rl_heal.healing(run, None, [], None, prev, consumer) == ("rollouts", healed)
+    assert seen == [prev, healed]
+    other = SimpleNamespace(stage="train", key="other")
+    with pytest.raises(PrunedInputError):
+        rl_heal.healing(run, None, [], None, other, lambda p: consumer(prev))
+
+
+def test_a_chain_rebuilt_on_nondeterministic_hardware_is_rekeyed_and_recorded(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The real train stage, as on a GPU: every rebuild's optimizer state differs in its last bit.
+    ``heal_chain`` re-keys the rebuilt checkpoint, builds the next on it, names both in the run
+    record, and the run goes on from them (before: the heal failed, every time)."""
+    import logging
+    from types import SimpleNamespace
+
+    from qerl.flows import rl_heal
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.train_config import TrainConfig
+    from qerl.stages import quantize, train
+
+    from tests.test_train import PROMPTS, TINY, _scored_manifest, sample_batch
+
+    cfg = TrainConfig(**TINY, lr=1e-2)
+    store = ArtifactStore(tmp_path / "store")
+    qbase = quantize.run(QuantizeConfig(), str(tiny_model_dir), store)
+    sampler = init_state(qbase.dir, cfg)
+    scored = [
+        _scored_manifest(
+            store, sample_batch(sampler.model, PROMPTS, 3, 3, 10 + s, lambda c: c[0] % 2), f"s{s}"
+        )
+        for s in range(3)
+    ]
+    chain: list = []
+    for s in range(2):
+        prev = chain[-1] if chain else None
+        chain.append(train.run(cfg=cfg, base=qbase, scored=scored[s], prev=prev, step=s, store=store))
+    for m in chain:  # the other run completed: its optimizer states went
+        store.prune("train", m.key, ["optimizer.safetensors"], "the run completed")
+    train.drop_resident_policy()
+    real_save = train.save_checkpoint
+
+    def noisy_save(state, out):  # the last bit of the AdamW moments differs, as GPU kernels do
+        real_save(state, out)
+        path = Path(out) / "optimizer.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+
+    monkeypatch.setattr(train, "save_checkpoint", noisy_save)
+    record = {"steps": [{"step": s, "manifests": {"train": m.key}} for s, m in enumerate(chain)]}
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(train=cfg), store=store, run_id="b", record=record, logger=logging.getLogger("t")
+    )
+    history = [(scored[s], store.get("train", m.key)) for s, m in enumerate(chain)]
+    last = rl_heal.heal_chain(run, qbase, history, None)
+    new = [record["steps"][s]["manifests"]["train"] for s in range(2)]
+    assert new[0] != chain[0].key and new[1] != chain[1].key and last.key == new[1] and last.pruned == {}
+    assert record["steps"][0]["rekeyed"]["from"] == chain[0].key
+    assert "optimizer.safetensors" in record["steps"][0]["rekeyed"]["why"]
+    assert "re-keyed checkpoint" in record["steps"][1]["rekeyed"]["why"]
+    assert store.get("train", chain[0].key).extra["rekeyed_to"] == new[0]
+    step2 = train.run(cfg=cfg, base=qbase, scored=scored[2], prev=last, step=2, store=store)
+    assert step2.extra["steps_done"] == 3  # the run goes on from the re-keyed chain

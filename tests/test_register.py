@@ -137,3 +137,41 @@ def test_register_rejects_bad_inputs(work):
         )
     with pytest.raises(Exception, match="no adapter"):
         register.run(cfg, evaluation, evaluation, LINEAGE, HISTORY, work, True, store)
+
+
+def test_register_is_idempotent_per_run_and_weights(work):
+    """A rebuilt train step whose adapter_config.json differs (a new train digest) but whose weights are
+    the same bytes is the same registration for the same run: no second version, no alias moves. Another
+    run with the same weights is a version of its own."""
+    store = ArtifactStore(work / "store-weights")
+    cfg = reg.RegistryConfig(model_name="weights-adapter")
+
+    def train_with(config: dict) -> Manifest:
+        def build(tmp: Path) -> BuildResult:
+            (tmp / "adapter").mkdir()
+            (tmp / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+            (tmp / "adapter" / "adapter_model.safetensors").write_bytes(b"same weights" * 8)
+            return BuildResult(mode="test")
+
+        return store.produce("train", {"config": config}, {}, "code", build)[0]
+
+    lineage = {**LINEAGE, "run_id": "night-abc-20260101"}
+    first = train_with({"r": 8, "target_modules": ["q_proj", "v_proj"]})
+    rebuilt = train_with({"r": 8, "target_modules": ["v_proj", "q_proj"]})
+    assert first.digest != rebuilt.digest
+    m1 = register.run(cfg, first, fake_eval(store, 0.5), lineage, HISTORY, work, True, store)
+    m2 = register.run(cfg, rebuilt, fake_eval(store, 0.5), lineage, HISTORY, work, True, store)
+    rec = json.loads(m2.file("registration.json").read_text())
+    assert (rec["version"], rec["created"]) == ("1", False) and m1.metrics["version"] == 1
+    client = reg.MlflowClient()
+    assert len(client.search_model_versions("name = 'weights-adapter'")) == 1
+    assert str(promotion.alias_version(cfg, "challenger").version) == "1"
+    tags = promotion.version_info(cfg, "1")["tags"]
+    assert tags["adapter_weights_digest"] == promotion.weights_digest(first.dir / "adapter")
+    # the same weights from another run: its own version
+    other = register.run(
+        cfg, rebuilt, fake_eval(store, 0.5), {**lineage, "run_id": "night-abc-20260102"}, HISTORY, work,
+        True, store,
+    )  # fmt: skip
+    assert json.loads(other.file("registration.json").read_text())["created"] is True
+    assert len(client.search_model_versions("name = 'weights-adapter'")) == 2

@@ -507,3 +507,66 @@ def test_server_lock_lease(mlflow_server, tmp_path):
         release.set()
         thread.join(30)
     assert client.search_model_versions(f"name = '{model}'") == []
+
+
+def test_a_dead_registry_fails_a_run_in_seconds_before_any_stage(tiny_model_dir, tmp_path):
+    """registry.tracking_uri on a port nothing listens on: one line naming the URI, nothing built (the
+    run used to train and evaluate, then hang 7.5+ minutes in registration)."""
+    import yaml
+    from test_flow import _qerl, tiny_run_config
+
+    uri = f"http://127.0.0.1:{_free_port()}"
+    cfg = tiny_run_config(tiny_model_dir)
+    cfg["registry"] = {"tracking_uri": uri}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    work = tmp_path / "work"
+    t0 = time.monotonic()
+    proc = _qerl(["run", "--config", str(tmp_path / "run.yaml")], work)
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    *starting, line = proc.stderr.strip().splitlines()  # the console's "starting" line, then the error
+    assert len(starting) <= 1 and "Traceback" not in proc.stderr
+    assert line.startswith("qerl run: error: the MLflow registry at " + uri) and "does not answer" in line
+    objects = work / "store" / "objects"
+    assert not objects.is_dir() or not any(objects.iterdir())
+
+
+def test_registry_health_check_and_bounded_http_retries(tmp_path, monkeypatch, caplog):
+    from qerl.pipeline.registry import health
+
+    dead = f"http://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(reg.RegistryError, match=f"registry at {dead} does not answer"):
+        reg.check_reachable(reg.RegistryConfig(tracking_uri=dead), tmp_path)
+    pg = f"postgresql+psycopg://qerl:secret@127.0.0.1:{_free_port()}/mlflow"
+    with pytest.raises(reg.RegistryError, match=r"qerl:\*\*\*@127\.0\.0\.1") as err:
+        health.check_reachable(pg)
+    assert "secret" not in str(err.value) and time.monotonic() - t0 < 10
+    reg.check_reachable(reg.RegistryConfig(), tmp_path / "new")  # a sqlite file: its folder is made
+
+    # MLflow's own retries against a dead server: bounded (seconds, not minutes) and shown as warnings
+    for name in health.HTTP_RETRY_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a user's setting wins
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="qerl.registry"), pytest.raises(Exception) as failed:  # noqa: B017
+        reg.open_tracking(reg.RegistryConfig(tracking_uri=dead, lock_timeout_s=5), tmp_path)
+    assert time.monotonic() - t0 < 30 and "Max retries exceeded" in str(failed.value), failed.value
+    assert os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] == "1"
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "2"
+    assert any("does not answer, retrying" in r.getMessage() for r in caplog.records)
+    reg.open_tracking(reg.RegistryConfig(), tmp_path)  # back to the sqlite default for later tests
+
+
+def test_a_dead_prefect_api_fails_a_run_in_seconds_naming_it(tiny_model_dir, tmp_path, monkeypatch):
+    import yaml
+    from test_flow import _qerl, tiny_run_config
+
+    api = f"http://127.0.0.1:{_free_port()}/api"
+    monkeypatch.setenv("PREFECT_API_URL", api)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tiny_run_config(tiny_model_dir)))
+    t0 = time.monotonic()
+    proc = _qerl(["run", "--config", str(tmp_path / "run.yaml")], tmp_path / "work")
+    assert time.monotonic() - t0 < 60 and proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("qerl run: error: qerl run reports to the Prefect server") and api in line

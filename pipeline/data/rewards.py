@@ -29,6 +29,13 @@ Caveat of a wall-clock deadline: on a heavily overloaded machine an ordinary ans
 then scores 0 with status ``timeout``, counted in the stage metrics, never silently; raise
 ``timeout_s`` on such machines.
 
+Results and resources (``qerl.pipeline.config``): the pool's size, chunking, memory limit, start-up
+deadline and the fast path change how fast verdicts come, not which; the per-answer deadline is a
+resource field too, although a missed deadline is a verdict (``timeout``, reward 0): which answers
+miss it depends on the machine's load as much as on ``timeout_s``, which no key can hold, and the
+advice above (raise it on a loaded machine) must not cost a resumed run its finished steps. Every
+``timeout`` is counted in the stage's metrics and the manifest records the deadline.
+
 Gold answers are parsed as LaTeX (wrapped in ``$...$``, ``LatexExtractionConfig`` only); predictions
 as LaTeX or plain expressions. Model output is never evaluated as Python.
 """
@@ -48,7 +55,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any, Literal
 
 from pydantic import Field
-from qerl.pipeline.config import StrictModel
+from qerl.pipeline.config import StrictModel, resource_field
 from qerl.pipeline.data.answers import AnswerFormat, extract_with_format, fast_verdict, normalize_answer
 
 log = logging.getLogger("qerl.rewards")
@@ -63,14 +70,16 @@ class RewardConfig(StrictModel):
     answer_format: AnswerFormat = "auto"
     correct_reward: float = 1.0
     format_reward: float = Field(0.0, description="added when the answer is in the requested format")
-    timeout_s: float = Field(5.0, gt=0, description="wall-clock deadline per answer")
-    workers: int = Field(
+    timeout_s: float = resource_field(5.0, gt=0, description="wall-clock deadline per answer")
+    workers: int = resource_field(
         4, ge=1, description="verifier processes; deadline waits need no CPU, so more than cores"
     )
-    chunk_size: int = Field(8, ge=1, description="answers sent to a worker at a time")
-    worker_memory_mb: int = Field(3072, ge=256, description="address-space limit of a worker")
-    startup_timeout_s: float = Field(120.0, gt=0)
-    fast_path: bool = True
+    chunk_size: int = resource_field(8, ge=1, description="answers sent to a worker at a time")
+    worker_memory_mb: int = resource_field(3072, ge=256, description="address-space limit of a worker")
+    startup_timeout_s: float = resource_field(120.0, gt=0)
+    fast_path: bool = resource_field(
+        True, description="integer pairs decided without a worker (same verdict)"
+    )
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ Across runs. An arm's final held-out accuracy gets a Student-t 95% interval acro
 (``t_interval``); two arms are compared on the same items (``paired_bootstrap``): each item's
 accuracy averaged over the seeds of an arm (``mean_items``), the per-item difference, and a seeded
 percentile bootstrap over items. The verdict says "no significant difference" whenever the interval
-holds 0. Departure from a full hierarchical bootstrap (items x seeds): with the 2-5 seeds an
+holds 0. The promotion gate uses the analytic form of the same pairing (``paired_difference``): the
+mean per-item difference and its standard error sd(diff)/sqrt(n), which a margin in standard errors
+is compared with. Departure from a full hierarchical bootstrap (items x seeds): with the 2-5 seeds an
 ablation affords, resampling seeds adds little but noise; seed spread is shown by the t interval.
 """
 
@@ -186,6 +188,26 @@ def paired_bootstrap(
     lo = means[max(0, math.floor(tail * n_boot))]
     hi = means[min(n_boot - 1, math.ceil((1 - tail) * n_boot) - 1)]
     return Paired(names[0], names[1], sum(diffs) / n, lo, hi, n, n_boot)
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """Mean of ``a[i] - b[i]`` over the shared items, its standard error (sd with n-1, over sqrt n)."""
+
+    diff: float
+    se: float
+    n_items: int
+
+
+def paired_difference(a: Mapping[str, float], b: Mapping[str, float]) -> PairedDifference:
+    """The paired comparison of two adapters on the same items (``a``/``b``: item id -> rate)."""
+    if set(a) != set(b):
+        only = sorted(set(a) ^ set(b))[:5]
+        raise ValueError(f"paired comparison needs the same items on both sides; differing ids e.g. {only}")
+    if not a:
+        raise ValueError("paired comparison over zero items")
+    diffs = [float(a[i]) - float(b[i]) for i in sorted(a)]
+    return PairedDifference(sum(diffs) / len(diffs), stderr(diffs), len(diffs))
 
 
 def mean_items(per_seed: Sequence[Mapping[str, float]]) -> dict[str, float]:

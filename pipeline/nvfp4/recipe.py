@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
-from qerl.pipeline.config import StrictModel
+from qerl.pipeline.config import StrictModel, resource_field
 
 __all__ = [
     "KNOWN_PROJECTIONS",
@@ -81,7 +81,9 @@ class QuantizeConfig(StrictModel):
         description="projections that share one global scale (vLLM fuses them)",
     )
     architectures: list[str] = Field(default=list(SUPPORTED_ARCHITECTURES))
-    max_shard_mb: float = Field(default=4096, gt=0, description="largest output shard, MiB")
+    max_shard_mb: float = resource_field(
+        default=4096, gt=0, description="largest output shard, MiB (the files' layout, not the weights)"
+    )
     twin_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         default=None,
         description="dtype of the dequantized twin (what vLLM serves on a CPU); null: train.dtype in a run, "

@@ -5,6 +5,11 @@ A prompt whose rendered token count (the model's tokenizer, the rollout template
 in the run record. Departure from "truncate": a cut math question is a different question with the
 same gold answer, so dropping is the honest choice; and a prompt that does not fit would otherwise
 fail its whole step mid-run.
+
+Evaluation items are fitted the same way against ``rollout.max_model_len - eval.max_new_tokens`` (the
+evaluate stage, on the items it loads): the dropped ones are counted in the evaluation's summary
+(``prompts``), and the benchmark id names the items actually evaluated. ``eval.max_new_tokens`` that
+alone fills the context is refused when the config is loaded (``run_checks``).
 """
 
 from __future__ import annotations
@@ -41,12 +46,19 @@ class PromptFit:
         }
 
 
+TRAIN_LIMIT = "rollout.max_model_len - rollout.max_new_tokens"
+EVAL_LIMIT = "rollout.max_model_len - eval.max_new_tokens"
+
+
 def prompt_token_limit(rollout: RolloutConfig) -> int:
     return rollout.max_model_len - rollout.max_new_tokens
 
 
-def fit_prompts(problems: Sequence[Any], tokenizer: Any, template: str, limit: int) -> PromptFit:
-    """Split ``problems`` by whether their rendered prompt has at most ``limit`` tokens."""
+def fit_prompts(
+    problems: Sequence[Any], tokenizer: Any, template: str, limit: int, setting: str = TRAIN_LIMIT
+) -> PromptFit:
+    """Split ``problems`` by whether their rendered prompt has at most ``limit`` tokens (``setting``:
+    where the limit comes from, for the messages)."""
     kept, dropped = [], []
     for problem in problems:
         n = len(encode_prompt(tokenizer, render_prompt(tokenizer, problem["question"], template)))
@@ -56,14 +68,13 @@ def fit_prompts(problems: Sequence[Any], tokenizer: Any, template: str, limit: i
             dropped.append((str(problem["id"]), n))
     if dropped:
         log.warning(
-            "%d of %d prompts are longer than %d tokens (rollout.max_model_len - rollout.max_new_tokens) "
-            "and were dropped, e.g. %s",
-            len(dropped), len(problems), limit, ", ".join(f"{i} ({n})" for i, n in dropped[:3]),
+            "%d of %d prompts are longer than %d tokens (%s) and were dropped, e.g. %s",
+            len(dropped), len(problems), limit, setting, ", ".join(f"{i} ({n})" for i, n in dropped[:3]),
         )  # fmt: skip
     if not kept:
         raise RunPlanError(
             f"no prompt fits: all {len(problems)} rendered prompts are longer than {limit} tokens "
-            "(rollout.max_model_len - rollout.max_new_tokens); raise rollout.max_model_len"
+            f"({setting}); raise rollout.max_model_len"
         )
     return PromptFit(kept, dropped, limit)
 

@@ -18,6 +18,9 @@ rather than after the first step:
   importance ratio would compare two different functions;
 - the adapter fits the engine: LoRA is on and ``train.lora_r <= rollout.max_lora_rank``, one of the
   ranks vLLM accepts;
+- the evaluation fits the engine: ``eval.max_new_tokens < rollout.max_model_len`` (the flow's one
+  engine evaluates too), else every evaluation would fail after the last step; evaluation items whose
+  prompt leaves too little room are dropped and counted when evaluated (``prompt_fit``);
 - one data directory: with ``data.root`` set, a named benchmark of ``eval.benchmark`` or ``eval.also``
   without a ``root`` of its own takes it (derived here, so the run record and the evaluation's cache key
   say where the items came from); one with its own root keeps it, and a procedural set or a file path
@@ -68,6 +71,13 @@ def check_consistent(cfg: RunConfig) -> None:
     _check_schedule(cfg)
     _check_dtypes(cfg)
     _check_lora(cfg)
+    if cfg.eval.max_new_tokens >= cfg.rollout.max_model_len:
+        raise ValueError(
+            f"eval.max_new_tokens ({cfg.eval.max_new_tokens}) leaves no room for a prompt in the engine's "
+            f"context (rollout.max_model_len {cfg.rollout.max_model_len}): every evaluation would fail after "
+            f"training. Lower eval.max_new_tokens below {cfg.rollout.max_model_len} (with room for the "
+            "prompts) or raise rollout.max_model_len"
+        )
 
 
 def _check_schedule(cfg: RunConfig) -> None:

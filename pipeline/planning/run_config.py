@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ModelWrapValidatorHandler, model_validator
-from qerl.pipeline.config import StrictModel, load_config
+from qerl.pipeline.config import StrictModel, load_config, resource_field
 from qerl.pipeline.data.datasets import DataConfig
 from qerl.pipeline.data.rewards import RewardConfig
 from qerl.pipeline.demo.base_model import DemoBaseConfig
@@ -71,7 +71,9 @@ class RunConfig(StrictModel):
     eval: EvalConfig = EvalConfig()
     registry: RegistryConfig = RegistryConfig()
     loop: LoopConfig = LoopConfig()
-    store: RetentionConfig = RetentionConfig()
+    store: RetentionConfig = resource_field(
+        RetentionConfig(), description="what retention may delete: never part of a key or the run id"
+    )
 
     @model_validator(mode="wrap")
     @classmethod

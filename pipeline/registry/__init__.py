@@ -3,8 +3,9 @@
 - ``lock``: one exclusive lock per registered model, whatever the backend (sqlite flock, PostgreSQL
   advisory lock, a ticket lock on a tracking server);
 - ``tracking``: ``RegistryConfig``, the connection (``connect``), each run's metrics, params, plots;
+- ``health``: the registry asked once before a run (``check_reachable``), MLflow's HTTP retries bounded;
 - ``promotion``: adapter versions with lineage, the challenger/champion aliases and the promotion rule.
 
-Imports ``qerl.pipeline.config`` and ``qerl.pipeline.store`` (layout names) from the project, never
+Imports ``qerl.pipeline.config`` and ``qerl.pipeline.store`` (layout names, file digests) from the project, never
 ``planning``, ``rl`` or ``rollout``; ``planning`` (the warm start) and the stages import it.
 """

@@ -4,12 +4,20 @@ What: a run's adapter becomes a registered model version carrying its lineage as
 digest, quantization recipe, dataset digest, code version, Prefect flow run id, the adapter's own
 digest and its evaluation). Aliases, not the deprecated stages, name the roles: ``challenger`` is
 the newest complete version, ``champion`` the one serving. Registration is idempotent by adapter
-digest: a version already carrying it is returned as is.
+digest, and by run and weights: a version already carrying the digest, or registered by the same run
+(``run_id`` tag) with the same ``adapter_model.safetensors`` bytes (``adapter_weights_digest`` tag), is
+returned as is (a rebuilt step whose other files differ is still the same adapter).
 
-Promotion rule: a version becomes champion only when its run is complete and its accuracy beats the
-current champion's *on the same benchmark* by more than ``promote_margin`` (absolute). A champion
-evaluated on another benchmark is not comparable, so the candidate is not promoted (``qerl promote``
-is the way to change benchmarks). The decision and its reason are written as a version tag.
+Promotion rule: a version becomes champion only when its run is complete and it beats the current
+champion in a *paired* comparison (``PairedEvidence``): both adapters evaluated on the same items
+under the same protocol (the benchmark id carries the items and the protocol), the mean per-item
+difference (challenger minus champion) above ``promote_margin_se`` standard errors of that difference
+and above ``promote_margin`` (absolute). The register stage builds the evidence: the champion is
+evaluated under the challenger's protocol (a store hit when it already was), on the run's validation
+split, never on the reported test set. Evidence that could not be built (the champion cannot be
+evaluated here) is a reason, and the candidate is not promoted (``qerl promote`` is the way to change
+protocols by hand). Without evidence (a direct call) the rule compares the recorded accuracies on the
+same benchmark id. The decision and its reason are written as a version tag.
 
 Race safety, and why a lock rather than compare-and-set: "read the champion, compare, set the
 alias" is a read-modify-write; two runs finishing together could both read the old champion and
@@ -34,6 +42,7 @@ import logging
 import math
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,24 +52,44 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from qerl.pipeline.registry.lock import RegistryError, registry_lock
 from qerl.pipeline.registry.tracking import RegistryConfig, tag_value
+from qerl.pipeline.store.files import sha256_file
 
 log = logging.getLogger("qerl.registry")
 
 LINEAGE_KEYS = ("base_digest", "quant_recipe", "dataset_digest", "code_version", "flow_run_id")
+WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def _uri() -> str:
     return mlflow.get_tracking_uri()
 
 
-def find_version(cfg: RegistryConfig, adapter_digest: str) -> ModelVersion | None:
-    """The existing version of ``cfg.model_name`` registered for ``adapter_digest``, if any."""
-    if not all(c.isalnum() or c in "-_:" for c in adapter_digest):
+def _filterable(value: str) -> bool:
+    return bool(value) and all(c.isalnum() or c in "-_:." for c in value)
+
+
+def weights_digest(adapter_dir: str | Path) -> str | None:
+    """sha256 of the adapter's weights file (``adapter_model.safetensors``), None without one."""
+    path = Path(adapter_dir) / WEIGHTS_FILE
+    return sha256_file(path) if path.is_file() else None
+
+
+def find_version(
+    cfg: RegistryConfig, adapter_digest: str, run_id: str | None = None, weights: str | None = None
+) -> ModelVersion | None:
+    """The existing version of ``cfg.model_name`` registered for ``adapter_digest``, else (given
+    both) one registered by the same run (``run_id`` tag) with the same adapter weights (``weights``,
+    the ``adapter_weights_digest`` tag): a rebuilt step whose other files differ is the same adapter."""
+    if not _filterable(adapter_digest):
         raise RegistryError(f"adapter digest '{adapter_digest}' has characters a registry filter cannot hold")
-    found = MlflowClient().search_model_versions(
-        f"name = '{cfg.model_name}' and tags.adapter_digest = '{adapter_digest}'"
-    )
-    return min(found, key=lambda v: int(v.version)) if found else None
+    queries = [f"tags.adapter_digest = '{adapter_digest}'"]
+    if run_id and weights and _filterable(run_id) and _filterable(weights):
+        queries.append(f"tags.run_id = '{run_id}' and tags.adapter_weights_digest = '{weights}'")
+    for query in queries:
+        found = MlflowClient().search_model_versions(f"name = '{cfg.model_name}' and {query}")
+        if found:
+            return min(found, key=lambda v: int(v.version))
+    return None
 
 
 def register_adapter(
@@ -74,7 +103,8 @@ def register_adapter(
 ) -> tuple[str, bool]:
     """Log the adapter (and its manifest) to ``run_id`` and register it; returns (version, created).
 
-    Idempotent: a version already carrying ``lineage['adapter_digest']`` is returned as is
+    Idempotent: a version already carrying ``lineage['adapter_digest']``, or registered by the same
+    run (``lineage['run_id']``) with the same weights (``find_version``), is returned as is
     (created=False) and nothing is logged again.
     """
     missing = [k for k in (*LINEAGE_KEYS, "adapter_digest") if k not in lineage]
@@ -84,8 +114,9 @@ def register_adapter(
     if not (adapter_dir / "adapter_config.json").is_file():
         raise RegistryError(f"{adapter_dir} is not a peft adapter folder (no adapter_config.json)")
     client = MlflowClient()
+    weights = weights_digest(adapter_dir)
     with registry_lock(_uri(), cfg.model_name, cfg.lock_timeout_s):
-        existing = find_version(cfg, str(lineage["adapter_digest"]))
+        existing = find_version(cfg, str(lineage["adapter_digest"]), lineage.get("run_id"), weights)
         if existing is not None:
             log.info(
                 "adapter %s is already %s v%s", lineage["adapter_digest"], cfg.model_name, existing.version
@@ -95,6 +126,8 @@ def register_adapter(
         if manifest_path is not None:
             client.log_artifact(run_id, str(manifest_path), artifact_path="adapter_manifest")
         tags = {k: tag_value(v) for k, v in lineage.items() if not isinstance(v, dict | list)}
+        if weights is not None:
+            tags["adapter_weights_digest"] = weights
         tags.update(
             eval_benchmark=tag_value(eval_summary.get("benchmark")),
             eval_accuracy=tag_value(eval_summary.get("accuracy")),
@@ -145,6 +178,38 @@ def _accuracy(version: ModelVersion) -> float | None:
     return value if math.isfinite(value) else None
 
 
+@dataclass(frozen=True)
+class PairedEvidence:
+    """The challenger against ``champion_version`` on the same items under the same protocol
+    (``benchmark``): the mean per-item difference (challenger minus champion) and its standard error."""
+
+    benchmark: str
+    champion_version: str
+    diff: float
+    se: float
+    n_items: int
+    challenger_accuracy: float
+    champion_accuracy: float
+
+
+def _paired_decision(cfg: RegistryConfig, champion: ModelVersion, ev: PairedEvidence) -> tuple[bool, str]:
+    """The paired rule: promote when the difference exceeds both margins (strictly)."""
+    if ev.champion_version != str(champion.version):
+        return False, (
+            f"the comparison was with v{ev.champion_version} but the champion is now v{champion.version}: "
+            "not promoted (register again to compare with the new champion)"
+        )
+    need = max(cfg.promote_margin, cfg.promote_margin_se * ev.se)
+    text = (
+        f"on {ev.benchmark} ({ev.n_items} items, paired): {ev.challenger_accuracy:.4f} vs champion "
+        f"v{champion.version} {ev.champion_accuracy:.4f}, difference {ev.diff:+.4f} (se {ev.se:.4f}); "
+        f"margin max({cfg.promote_margin_se} se, {cfg.promote_margin}) = {need:.4f}"
+    )
+    if math.isfinite(ev.diff) and ev.diff > need:
+        return True, f"beats the champion {text}"
+    return False, f"does not beat the champion {text}"
+
+
 def promotion_decision(
     cfg: RegistryConfig,
     champion: ModelVersion | None,
@@ -152,8 +217,10 @@ def promotion_decision(
     benchmark: str,
     accuracy: float | None,
     complete: bool,
+    evidence: PairedEvidence | str | None = None,
 ) -> tuple[bool, str]:
-    """(promote?, reason) — the pure rule, given the current champion (None if there is none)."""
+    """(promote?, reason) — the pure rule, given the current champion (None if there is none) and
+    the paired evidence against it (a string: why there is none, so no promotion)."""
     if not complete:
         return False, "run incomplete or failed: never promoted"
     if accuracy is None or not math.isfinite(accuracy):
@@ -162,6 +229,10 @@ def promotion_decision(
         return True, f"no champion yet; accuracy {accuracy:.4f} on {benchmark}"
     if str(champion.version) == str(version):
         return True, "already champion"
+    if isinstance(evidence, str):
+        return False, f"not compared with champion v{champion.version}: {evidence}"
+    if evidence is not None:
+        return _paired_decision(cfg, champion, evidence)
     champ_bench = champion.tags.get("eval_benchmark")
     champ_acc = _accuracy(champion)
     if champ_bench != benchmark:
@@ -183,13 +254,20 @@ def promotion_decision(
 
 
 def maybe_promote(
-    cfg: RegistryConfig, version: str, benchmark: str, accuracy: float | None, complete: bool
+    cfg: RegistryConfig,
+    version: str,
+    benchmark: str,
+    accuracy: float | None,
+    complete: bool,
+    evidence: PairedEvidence | str | None = None,
 ) -> bool:
     """Make ``version`` champion if the rule says so (see the module docstring); race-safe."""
     client = MlflowClient()
     with registry_lock(_uri(), cfg.model_name, cfg.lock_timeout_s):
         champion = alias_version(cfg, cfg.champion_alias)
-        promote_it, reason = promotion_decision(cfg, champion, version, benchmark, accuracy, complete)
+        promote_it, reason = promotion_decision(
+            cfg, champion, version, benchmark, accuracy, complete, evidence
+        )
         if promote_it and (champion is None or str(champion.version) != str(version)):
             _set_alias(cfg, cfg.champion_alias, version)
         client.set_model_version_tag(cfg.model_name, str(version), "promotion", reason[:5000])

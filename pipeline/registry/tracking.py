@@ -33,7 +33,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from pydantic import Field
-from qerl.pipeline.config import StrictModel
+from qerl.pipeline.config import StrictModel, resource_field
+from qerl.pipeline.registry import health
 from qerl.pipeline.registry.lock import RegistryError, backend_kind, registry_lock
 from qerl.pipeline.store.layout import MLFLOW_ARTIFACTS_DIR, MLFLOW_DB
 
@@ -60,9 +61,14 @@ class RegistryConfig(StrictModel):
     promote_margin: float = Field(
         default=0.0, ge=0.0, description="absolute accuracy the champion must be beaten by"
     )
+    promote_margin_se: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="standard errors of the paired per-item difference the champion must be beaten by",
+    )
     champion_alias: str = "champion"
     challenger_alias: str = "challenger"
-    lock_timeout_s: float = Field(default=120.0, gt=0)
+    lock_timeout_s: float = resource_field(default=120.0, gt=0, description="wait for the registry lock")
 
 
 # ---- connection ----------------------------------------------------------------------------------
@@ -92,6 +98,7 @@ def open_tracking(cfg: RegistryConfig, work_dir: str | Path) -> MlflowClient:
     """
     uri, artifacts = resolve_uris(cfg, work_dir)
     kind = backend_kind(uri)
+    health.bound_http_retries()  # a dead server costs seconds, not MLflow's 4 minutes of retries
     if kind == "sqlite":
         from sqlalchemy.engine import make_url
 
@@ -118,6 +125,12 @@ def open_tracking(cfg: RegistryConfig, work_dir: str | Path) -> MlflowClient:
             client.create_registered_model(cfg.model_name, description="QeRL LoRA adapters (NVFP4 base)")
     log.info("MLflow tracking at %s (%s backend), experiment '%s'", uri, kind, cfg.experiment)
     return client
+
+
+def check_reachable(cfg: RegistryConfig, work_dir: str | Path, timeout_s: float = 10.0) -> None:
+    """Before a run's first stage: the registry answers, in one bounded attempt, else a
+    ``RegistryError`` naming the URI (``qerl.pipeline.registry.health``)."""
+    health.check_reachable(resolve_uris(cfg, work_dir)[0], timeout_s)
 
 
 def resolve_config(cfg: RegistryConfig, work_dir: str | Path) -> RegistryConfig:

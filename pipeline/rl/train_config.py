@@ -4,6 +4,12 @@
 layers only (``ALL_PROJECTIONS`` by default): the fused logprob head applies ``lm_head`` as a plain
 linear layer, and the embedding is tied to it, so neither may carry an adapter. The GRPO settings are
 ``qerl.pipeline.rl.objective.GRPOConfig``.
+
+Results and resources (``qerl.pipeline.config``): ``gradient_checkpointing`` only trades compute for
+memory, and how an update is cut into minibatches only sets the memory of a forward/backward (the
+loss normalisers are the update's, ``qerl.pipeline.rl.step``): ``minibatch_size`` and ``grad_accum``
+are resource fields, and the key holds their product, the update size (``key_extra``). So ``qerl
+plan``'s advice (lower the minibatch, raise grad_accum) keeps every cached step.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, field_validator
-from qerl.pipeline.config import StrictModel
+from qerl.pipeline.config import StrictModel, resource_field
 from qerl.pipeline.rl.objective import GRPOConfig
 
 __all__ = ["ALL_PROJECTIONS", "TrainConfig"]
@@ -36,14 +42,18 @@ class TrainConfig(StrictModel):
     )
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     mu: int = Field(1, ge=1, description="passes over the step's samples")
-    minibatch_size: int = Field(8, ge=1, description="sequences per forward/backward")
-    grad_accum: int = Field(1, ge=1, description="minibatches per optimizer update")
+    minibatch_size: int = resource_field(8, ge=1, description="sequences per forward/backward")
+    grad_accum: int = resource_field(
+        1, ge=1, description="minibatches per optimizer update (keys hold minibatch_size x grad_accum)"
+    )
     max_grad_norm: float = Field(0.2, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = resource_field(
+        False, description="recompute activations in the backward (less memory, same gradient)"
+    )
     lora_autocast: bool = Field(
         True,
         description="LoRA matmuls in the base dtype (bf16), fp32 master weights/grads/AdamW; false: all fp32",
@@ -52,6 +62,10 @@ class TrainConfig(StrictModel):
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     temperature: float = Field(1.0, gt=0.0, description="must equal the rollout temperature")
     grpo: GRPOConfig = GRPOConfig()
+
+    def key_extra(self) -> dict[str, int]:
+        """The update size: what the minibatch split (two resource fields) changes in the result."""
+        return {"update_size": self.minibatch_size * self.grad_accum}
 
     @field_validator("target_modules")
     @classmethod

@@ -31,7 +31,9 @@ def adapter_mismatches(adapter_dir: str | Path, base_dir: str | Path) -> list[st
             problems.append(f"{module}: the base has no such linear")
             continue
         out_features = layer.shape[0]
-        in_features = layer.shape[1] * (2 if layer.name.endswith("weight_packed") else 1)  # 2 FP4 codes a byte
+        in_features = layer.shape[1] * (
+            2 if layer.name.endswith("weight_packed") else 1
+        )  # 2 FP4 codes a byte
         if ab == "A" and spec.shape[1] != in_features:
             problems.append(f"{module}.lora_A: {spec.shape[1]} inputs, the base's linear has {in_features}")
         if ab == "B" and spec.shape[0] != out_features:

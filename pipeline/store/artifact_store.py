@@ -4,17 +4,18 @@ The folders and files under the store root (objects/, tmp/, locks/, trash/, the 
 named, and drawn as a tree, in ``qerl.pipeline.store.layout``; the manifest is
 ``qerl.pipeline.store.manifest``.
 
-The key is sha256 over (stage, canonical config JSON, input digests, code version). A stage's output
-directory is built in tmp/, its files are hashed (streaming sha256), the manifest is written last and
-the whole directory is renamed into place, so a reader sees either nothing or a complete artifact.
+The key is sha256 over (stage, canonical config JSON, input digests, code version); the config part
+leaves out resource fields (``qerl.pipeline.config.key_payload``), which the manifest records. A
+stage's output directory is built in tmp/, its files are hashed (streaming sha256), the manifest is
+written last and the whole directory is renamed into place, so a reader sees either nothing or a
+complete artifact.
 Two processes producing the same key serialise on a lock file; the second finds the first's result.
 
-Integrity: a lookup checks every file's size and mtime against the manifest (a stat per file, so a
-cache hit costs the same for a tiny model and a 7B checkpoint) and ``verify="full"`` re-hashes the
-contents. A manifest whose files are missing or changed is reported, moved aside, and the stage
-recomputes. Departure from a pure content hash: size+mtime is the default check because re-hashing
-a multi-GB checkpoint on every cache hit costs far more than the lookup it guards;
-``QERL_VERIFY=full`` makes every lookup re-hash.
+Integrity: a lookup checks every file against the manifest in the mode of
+``qerl.pipeline.store.integrity`` (``QERL_VERIFY``): by default a store object hashes each file the
+first time it is looked up and compares its stat afterwards, so a run content-checks once what it
+uses; ``full`` re-hashes on every lookup, ``fast`` compares size and mtime only. A manifest whose
+files are missing or changed is reported, moved aside, and the stage recomputes.
 
 Retention (``qerl.pipeline.store.retention``, ``qerl gc``) deletes files on purpose with ``prune``: the
 manifest keeps their records (the digest, and every downstream key, is unchanged) and names them in
@@ -36,15 +37,19 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
-from qerl.pipeline.config import config_hash
+from qerl.pipeline.config import config_hash, config_record
 from qerl.pipeline.store.faults import fault_point
 from qerl.pipeline.store.files import (
     atomic_write_json,
     atomic_write_text,
+    disk_full,
     fsync_dir,
+    human_bytes,
+    is_disk_full,
     sha256_file,
     sha256_json,
 )
+from qerl.pipeline.store.integrity import FileChecks, verify_mode
 from qerl.pipeline.store.layout import (
     BUILDS_LOG,
     DIGESTS_MEMO,
@@ -59,6 +64,8 @@ from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest, f
 
 log = logging.getLogger("qerl.artifacts")
 
+REKEYED_TO = "rekeyed_to"  # a pruned artifact's manifest extra: the key its non-identical rebuild got
+
 
 class ArtifactStore:
     """A directory of content-addressed stage outputs (see the module docstring)."""
@@ -67,6 +74,7 @@ class ArtifactStore:
         self.root = Path(root).resolve()
         for sub in (OBJECTS_DIR, TMP_DIR, LOCKS_DIR, TRASH_DIR):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._checks = FileChecks()  # the files this store object has hashed (integrity's "once")
 
     # keys -------------------------------------------------------------------------------------
     @staticmethod
@@ -84,22 +92,10 @@ class ArtifactStore:
         return self.root / OBJECTS_DIR / stage / key
 
     # lookup -----------------------------------------------------------------------------------
-    def problems(self, manifest: Manifest, full: bool = False) -> list[str]:
-        """Files of ``manifest`` that are missing or no longer match their recorded digest."""
-        bad = []
-        for name, rec in manifest.files.items():
-            if name in manifest.pruned:  # deleted on purpose by retention: not a corruption
-                continue
-            path = manifest.dir / name
-            if not path.is_file():
-                bad.append(f"{name}: missing")
-                continue
-            stat = path.stat()
-            if stat.st_size != rec.size:
-                bad.append(f"{name}: size {stat.st_size} != {rec.size}")
-            elif (full or stat.st_mtime_ns != rec.mtime_ns) and sha256_file(path) != rec.sha256:
-                bad.append(f"{name}: sha256 mismatch")
-        return bad
+    def problems(self, manifest: Manifest, full: bool = False, verify: str | None = None) -> list[str]:
+        """Files of ``manifest`` that are missing or no longer match their recorded digest, checked
+        in the mode ``verify`` (``full``: re-hash all; default: ``QERL_VERIFY``, else ``once``)."""
+        return self._checks.problems(manifest, "full" if full else verify_mode(verify))
 
     def get(self, stage: str, key: str, verify: str | None = None, _locked: bool = False) -> Manifest | None:
         """The finished artifact for (stage, key), or None; a corrupt one is moved aside.
@@ -111,26 +107,26 @@ class ArtifactStore:
         directory = self.path_for(stage, key)
         if not (directory / MANIFEST).is_file():
             return None
-        full = (verify or os.environ.get("QERL_VERIFY", "fast")) == "full"
-        manifest, bad = self._check(directory, full)
+        mode = verify_mode(verify)
+        manifest, bad = self._check(directory, mode)
         if not bad:
             return manifest
         with contextlib.nullcontext() if _locked else self.lock(f"{stage}-{key}"):
             if not (directory / MANIFEST).is_file():
                 return None
-            manifest, bad = self._check(directory, full)
+            manifest, bad = self._check(directory, mode)
             if bad:
                 log.warning("artifact %s/%s is corrupt (%s): recomputing", stage, key, "; ".join(bad))
                 self._discard(directory)
                 return None
         return manifest
 
-    def _check(self, directory: Path, full: bool) -> tuple[Manifest | None, list[str]]:
+    def _check(self, directory: Path, mode: str) -> tuple[Manifest | None, list[str]]:
         try:
             manifest = Manifest.load(directory)
         except (ValueError, ArtifactError) as err:
             return None, [f"unreadable manifest ({err})"]
-        return manifest, self.problems(manifest, full=full)
+        return manifest, self.problems(manifest, verify=mode)
 
     def prune(self, stage: str, key: str, names: list[str], reason: str) -> int:
         """Delete files of a finished artifact on purpose (retention); returns the bytes freed.
@@ -225,7 +221,7 @@ class ArtifactStore:
             try:
                 result = build(tmp) or BuildResult()
                 files = {str(p.relative_to(tmp)): file_record(p) for p in tree_files(tmp)}
-                config_dump = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+                config_dump = config_record(config)  # the whole config: resources too
                 manifest = Manifest(
                     stage=stage,
                     key=key,
@@ -245,6 +241,11 @@ class ArtifactStore:
                 self._discard(final)  # a manifest-less leftover cannot exist, but a corrupt one can
                 os.replace(tmp, final)
                 fsync_dir(final.parent)
+            except Exception as err:
+                if not is_disk_full(err):
+                    raise
+                written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+                raise disk_full(tmp, f"the {stage} artifact", f"more than {human_bytes(written)}") from err
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -258,10 +259,12 @@ class ArtifactStore:
 
         Two runs can share a prefix of artifacts (same config and inputs up to a step: the AQN arm of
         an ablation equals the no-AQN arm while sigma is 0); retention of the run that made them may
-        prune a checkpoint the other run must continue from. The build is deterministic, so a rebuild
-        gives the same bytes: each pruned file is checked against the sha256 its manifest kept and
-        only then moved in, and ``pruned`` forgets it. A file that differs is an error naming it
-        (then the chain cannot continue from this artifact; nothing is changed).
+        prune a checkpoint the other run must continue from. Each rebuilt file is checked against the
+        sha256 its manifest kept and only then moved in, and ``pruned`` forgets it (the CPU trainer
+        is deterministic). A rebuild that gives other bytes (GPU kernels are not bit-reproducible)
+        is *re-keyed* instead (``_rekey``): a new artifact, whose digest differs, so everything built
+        on it gets new keys; the old manifest names it in ``extra["rekeyed_to"]`` and the next heal of
+        the old key returns it while it is whole.
         """
         with self.lock(f"{hit.stage}-{hit.key}"):
             directory = self.path_for(hit.stage, hit.key)
@@ -269,18 +272,19 @@ class ArtifactStore:
             if not manifest.pruned:  # healed meanwhile by another process
                 manifest.path = str(directory)
                 return manifest
+            if (to := manifest.extra.get(REKEYED_TO)) and (done := self.get(hit.stage, to)) is not None:
+                return self._heal(done, build) if done.pruned else done  # re-keyed before: that one
             tmp = self.root / TMP_DIR / f"heal-{hit.stage}-{hit.key}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
             try:
-                build(tmp)
-                for name in manifest.pruned:
-                    got = sha256_file(tmp / name) if (tmp / name).is_file() else "missing"
-                    if got != manifest.files[name].sha256:
-                        raise ArtifactError(
-                            f"cannot restore {hit.stage}/{hit.key} file '{name}': the rebuild gave "
-                            f"sha256 {got[:12]}, the manifest records {manifest.files[name].sha256[:12]} "
-                            "(not reproducible here); start the run again from a step that is intact"
-                        )
+                result = build(tmp) or BuildResult()
+                differ = {
+                    name: sha256_file(tmp / name) if (tmp / name).is_file() else "missing"
+                    for name in manifest.pruned
+                }
+                differ = {n: got for n, got in differ.items() if got != manifest.files[n].sha256}
+                if differ:
+                    return self._rekey(manifest, tmp, result, differ)
                 for name in manifest.pruned:
                     (directory / name).parent.mkdir(parents=True, exist_ok=True)
                     os.replace(tmp / name, directory / name)
@@ -294,6 +298,53 @@ class ArtifactStore:
         self._journal({"stage": hit.stage, "key": hit.key, "event": "healed", "files": healed}, GC_LOG)
         log.info("stage %s: rebuilt the pruned %s of %s", hit.stage, healed, directory)
         return manifest
+
+    def _rekey(self, old: Manifest, tmp: Path, result: BuildResult, differ: dict[str, str]) -> Manifest:
+        """Store a rebuild of ``old`` whose bytes differ as a new artifact (caller holds old's lock).
+
+        Its key is derived from the old one (a second heal of the old key finds it), its manifest
+        keeps the old config and inputs and says what it replaces (``extra["rekeyed_from"]``); the
+        old manifest gets ``extra["rekeyed_to"]``. Journaled as ``rekeyed`` in gc.jsonl."""
+        key = sha256_json({"stage": old.stage, "rekeyed_from": old.key})[:32]
+        what = ", ".join(
+            f"{n} (sha256 {got[:12]}, recorded {old.files[n].sha256[:12]})" for n, got in differ.items()
+        )
+        with self.lock(f"{old.stage}-{key}"):
+            final = self.path_for(old.stage, key)
+            if self.get(old.stage, key, _locked=True) is None:  # else a crash came before rekeyed_to
+                files = {str(p.relative_to(tmp)): file_record(p) for p in tree_files(tmp)}
+                extra = {
+                    **result.extra,
+                    "rekeyed_from": old.key,
+                    "rekey_reason": f"rebuild gave other bytes: {what}",
+                }
+                fresh = old.model_copy(
+                    update={
+                        "key": key, "files": files, "pruned": {}, "mode": result.mode or old.mode,
+                        "metrics": result.metrics or old.metrics, "extra": extra,
+                        "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                    }
+                )  # fmt: skip
+                atomic_write_text(tmp / MANIFEST, fresh.model_dump_json(indent=2))
+                self._discard(final)
+                os.replace(tmp, final)
+                fsync_dir(final.parent)
+            old.extra[REKEYED_TO] = key
+            atomic_write_text(old.dir / MANIFEST, old.model_dump_json(indent=2))
+        made = Manifest.load(final)
+        self._journal(
+            {"stage": old.stage, "key": old.key, "event": "rekeyed", "to": key, "files": sorted(differ)},
+            GC_LOG,
+        )
+        log.warning(
+            "stage %s: the rebuild of %s/%s gave other bytes (%s): re-keyed as %s",
+            old.stage,
+            old.stage,
+            old.key,
+            what,
+            key,
+        )
+        return made
 
     def _journal(self, entry: dict[str, Any], name: str = BUILDS_LOG) -> None:
         """Append to builds.jsonl: the audit trail that proves no finished stage ran twice (deletions

@@ -1,19 +1,44 @@
-"""Code versions: the hash of a stage's source files that goes into its cache keys.
+"""Code versions: the hash of the code that computes a stage's output, part of its cache keys.
 
-A stage passes its own module and the modules whose code defines its output, so editing one of them
-invalidates exactly the caches of the stages that list it; downstream stages follow through their
-input digests. The installed package version is hashed too, so a release invalidates everything.
+A stage's code version covers its import closure within its top-level package (``qerl``): the
+stage's module, every project module it imports (module-level and function-level ``import`` /
+``from ... import`` statements, found statically from the source), transitively, and the packages
+above each (their ``__init__`` runs on import). Imports under ``if TYPE_CHECKING:`` are skipped (they
+compute nothing), and so is ``qerl.flows`` (orchestration: stages never import it). A string
+constant that is a whole dotted project name (vLLM's worker extension, ``"qerl.pipeline.rollout.
+aqn_vllm.AQNWorkerExtension"``, loaded by name in the engine's worker) counts as an import. So editing
+any module a stage runs, its prompts, rewards or kernels, invalidates that stage's caches, and nothing
+has to keep a list of them; downstream stages follow through their input digests. A module chosen at
+run time from a value (the engine implementation of the configured engine) is passed by the stage as
+another root.
+
+Each file enters the hash as its path relative to the package root plus its bytes, in sorted order;
+the installed package version is hashed too, so a release invalidates everything. The walk parses
+each file once per process and re-parses it only when its size or mtime changes; a stage call then
+costs a stat and a read per file of its closure (``closure_cost`` measures it).
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.metadata
-import inspect
+import importlib.util
+import re
+import time
 from pathlib import Path
 from types import ModuleType
 
 from qerl.pipeline.store.manifest import ArtifactError
+
+ROOT_PACKAGE = "qerl"
+SKIP_PACKAGES = ("qerl.flows",)
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+# (root, module, path) -> (size, mtime_ns, the root's modules its import statements name)
+_IMPORTS: dict[tuple[str, str, str], tuple[int, int, tuple[str, ...]]] = {}
+# module name -> (source file, is a package)
+_FILES: dict[str, tuple[str, bool] | None] = {}
 
 
 def package_version() -> str:
@@ -23,21 +48,135 @@ def package_version() -> str:
         return "0+unknown"
 
 
-def code_version(*modules: ModuleType | str | Path) -> str:
-    """Hash of the given modules' source files plus the package version.
+def _module_file(name: str) -> tuple[str, bool] | None:
+    """(source file, is a package) of module ``name``; None if it is no module (an attribute).
 
-    A stage passes its own module (and the kernels whose numerics define its output), so editing a
-    stage invalidates exactly that stage's caches; downstream stages follow through input digests.
-    """
+    Only a name whose parent is a package is looked up, so no module is imported to find an attribute
+    (``find_spec`` imports the parent package, whose ``__init__`` is in the closure anyway)."""
+    if name not in _FILES:
+        parent = name.rpartition(".")[0]
+        above = _module_file(parent) if parent else None
+        if parent and (above is None or not above[1]):
+            _FILES[name] = None
+            return None
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        origin = spec.origin if spec is not None else None
+        ok = origin is not None and origin.endswith(".py")
+        _FILES[name] = (origin, spec.submodule_search_locations is not None) if ok else None
+    return _FILES[name]
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_names(tree: ast.AST, module: str, is_package: bool, root: str) -> set[str]:
+    """Every dotted name an import statement of ``module`` may load (``from a import b``: a and a.b)."""
+    names: set[str] = set()
+    here = module if is_package else module.rpartition(".")[0]
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join([*parent, base] if base else parent)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _DOTTED.fullmatch(node.value):
+            parts = node.value.split(".")  # a module loaded by name, maybe with an attribute after it
+            names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        stack.extend(ast.iter_child_nodes(node))
+    return {n for n in names if n == root or n.startswith(root + ".")}
+
+
+def _imports(name: str, path: str, is_package: bool, root: str) -> tuple[str, ...]:
+    stat = Path(path).stat()
+    hit = _IMPORTS.get((root, name, path))
+    if hit is not None and hit[:2] == (stat.st_size, stat.st_mtime_ns):
+        return hit[2]
+    tree = ast.parse(Path(path).read_bytes(), filename=path)
+    found = tuple(sorted(_import_names(tree, name, is_package, root)))
+    _IMPORTS[(root, name, path)] = (stat.st_size, stat.st_mtime_ns, found)
+    return found
+
+
+def module_closure(
+    *roots: str, root: str = ROOT_PACKAGE, skip: tuple[str, ...] = SKIP_PACKAGES
+) -> dict[str, tuple[str, bool]]:
+    """Module name -> (source file, is a package) for the modules ``roots`` import within ``root``,
+    transitively, with the packages above each; ``skip``'s packages (and below) are left out."""
+    out: dict[str, tuple[str, bool]] = {}
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in out or any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        found = _module_file(name)
+        if found is None:
+            continue
+        out[name] = found
+        parts = name.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
+        todo.extend(_imports(name, found[0], found[1], root))
+    return out
+
+
+def _relative_path(name: str, is_package: bool) -> str:
+    return name.replace(".", "/") + ("/__init__.py" if is_package else ".py")
+
+
+def _module_name(module: ModuleType | str) -> str:
+    name = module.__name__ if isinstance(module, ModuleType) else module
+    source = getattr(module, "__file__", None) or ""
+    if _module_file(name) is None and source.endswith(".py"):  # e.g. a test's module, run as __main__
+        _FILES[name] = (source, hasattr(module, "__path__"))
+    if _module_file(name) is None:
+        raise ArtifactError(f"module {name} has no Python source file to hash")
+    return name
+
+
+def code_version(*modules: ModuleType | str | Path, root: str = ROOT_PACKAGE) -> str:
+    """Hash of the import closure of ``modules`` (modules or dotted names; see the module docstring)
+    plus the package version. A ``Path`` is a single file, hashed alone."""
     digest = hashlib.sha256(package_version().encode())
-    for module in modules:
-        if isinstance(module, ModuleType):
-            source_file = inspect.getsourcefile(module)
-            if source_file is None:
-                raise ArtifactError(f"module {module.__name__} has no source file to hash")
-            path = Path(source_file)
-        else:
-            path = Path(module)
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+    names = [_module_name(m) for m in modules if not isinstance(m, Path)]
+    files = {_relative_path(n, pkg): path for n, (path, pkg) in module_closure(*names, root=root).items()}
+    files.update({m.name: str(m) for m in modules if isinstance(m, Path)})
+    for rel in sorted(files):
+        data = Path(files[rel]).read_bytes()
+        digest.update(f"{rel}\0{len(data)}\0".encode())
+        digest.update(data)
     return digest.hexdigest()[:16]
+
+
+def closure_cost(module: ModuleType | str, repeat: int = 5) -> dict[str, float]:
+    """How long ``code_version(module)`` takes: the first call in this process (parsing) and the
+    mean of ``repeat`` later calls (stat + read + hash), in seconds, and the closure's size."""
+    _IMPORTS.clear()
+    _FILES.clear()
+    t0 = time.perf_counter()
+    code_version(module)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        code_version(module)
+    files = module_closure(_module_name(module))
+    return {
+        "first_s": first,
+        "cached_s": (time.perf_counter() - t0) / repeat,
+        "modules": float(len(files)),
+        "bytes": float(sum(Path(p).stat().st_size for p, _ in files.values())),
+    }

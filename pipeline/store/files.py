@@ -4,19 +4,75 @@ A write goes to a temp file in the target's directory, is fsynced and renamed ov
 directory is fsynced, so a reader (or a machine after a power cut) sees the old file or the new one,
 never a torn one. Digests stream in 1 MiB chunks, so hashing a multi-GB checkpoint takes constant
 memory. This module imports nothing of the project.
+
+A full disk (``ENOSPC``) is a ``DiskFullError`` (a ``RuntimeError``: the CLI prints it in one line)
+naming the path, what was being written, the bytes it needed and the bytes free there; the temp file
+is removed, so the target keeps its old content.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
 _CHUNK = 1 << 20
+
+
+class DiskFullError(RuntimeError):
+    """No space left on the device where an artifact or record was being written (see module docstring)."""
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"  # unreachable
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Free bytes on the filesystem of ``path`` (its nearest existing ancestor), None if unknown."""
+    here = Path(path)
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    try:
+        return shutil.disk_usage(here).free
+    except OSError:
+        return None
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` or its cause chain is a full disk (an errno, or a library's wrapped message:
+    torch's writer raises a RuntimeError that only quotes it)."""
+    seen: set[int] = set()
+    exc: BaseException | None = err
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "no space left on device" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full(path: str | Path, what: str, needed: str) -> DiskFullError:
+    """The one-line error for a write to ``path`` that found the disk full; ``needed``: the space
+    it needed, in words (``"12.0 MB"``, ``"more than 1.2 GB"``)."""
+    free = free_bytes(path)
+    return DiskFullError(
+        f"no space left on device writing {what} to {path}: it needs {needed}, "
+        f"{'an unknown amount' if free is None else human_bytes(free)} free there; free space "
+        "(`qerl gc --dry-run` lists what the store can let go) and run again: finished stages are kept"
+    )
 
 
 def sha256_file(path: str | Path) -> str:
@@ -56,6 +112,10 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        if is_disk_full(err):
+            raise disk_full(path, path.name, human_bytes(len(data))) from err
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)

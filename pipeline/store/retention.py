@@ -8,10 +8,14 @@ are worth keeping.
 What is deleted (per run, from its record ``<work>/runs/<id>/run.json``; policy ``RetentionConfig``,
 the run config's ``store`` section, defaults here):
 
-- the optimizer state (``optimizer.safetensors``) of every train step but the run's last
-  ``keep_optimizer_last`` (the last one is what a resume continues from);
-- with ``keep_adapters_every = E > 0``, the adapters of steps that are not a multiple of E; the last
-  step's, every evaluated step's, every registered one's and every step whose optimizer is kept stay;
+- the optimizer state (``optimizer.safetensors``) of every train step of a completed run (a finished
+  run is never continued: a re-run finds every step), and of every step but the last
+  ``keep_optimizer_last`` of an unfinished one (the last one is what a resume continues from);
+- the adapters of steps that are not a multiple of ``keep_adapters_every`` (unset: the run's
+  ``loop.eval_every``, so the evaluated steps' stay; 0 keeps all); the final step's, every
+  registered one's and every step whose optimizer is kept stay;
+- with ``keep_step_tables: false``, a completed run's rollout and scored tables (its record and
+  MLflow keep every step's metrics; a chain through them can no longer be rebuilt);
 - everything in ``store/trash`` (corrupt artifacts moved aside) older than ten minutes (a younger
   entry may be a prune still moving files), and build folders in ``store/tmp`` whose producer is
   dead (its key's lock is free).
@@ -20,27 +24,33 @@ What is never deleted: anything of a *live* run (status ``running`` and updated 
 ``live_window_h``: gc cannot know which of its files the running process holds, so all of them stay),
 the adapter of every version registered from this store (its register manifest names the train
 digest; MLflow holds its own copy, but ``qerl eval`` and champion lookups read the store's), the
-final evaluated adapter of every run an ablation lists (below), any train artifact that no run record
-names (benchmarks, tests: not ours to judge), manifests, and anything outside the store: run records,
-logs, and ablations (``<work>/ablations/<id>/``: ``ablation.json``, ``report.md``, ``plots/``).
+final evaluated adapter of every run an ablation lists (below), every artifact of every run an
+unfinished ablation lists (below), any train artifact that no run record names (benchmarks, tests:
+not ours to judge), manifests, and anything outside the store: run records, logs, and ablations (``<work>/ablations/<id>/``: ``ablation.json``, ``report.md``, ``plots/``).
 
 Ablations (``qerl ablate``, ``qerl.flows.ablate``): each (arm, seed) is an ordinary run with its own run
-record, so its steps follow that run's policy like any other run's: its old optimizer states go (an
-ablation never trains a finished run again: re-running the ablation finds every stage in the store,
-and a lookup serves a pruned artifact), and its last steps' stay, so a killed ablation resumes. What
+record. Its runs share their steps up to where their configs part (the NVFP4 arms while sigma is 0),
+so while any run the ablation record lists has not completed, nothing of any listed run is pruned:
+the unfinished one may continue from any shared checkpoint, and a rebuild of a pruned one on a GPU
+does not give the same bytes. When the last listed run completes, its final prune
+(``prune_run``) applies every listed run's own policy (an ablation never trains a finished run
+again: re-running it finds every stage in the store, and a lookup serves a pruned artifact). What
 the comparison is about, each listed run's final evaluated adapter, is kept like a registered one,
 whatever the policy (``keep_adapters_every`` included). Its evaluation tables (``items.parquet``, read
 by the report) are evaluate artifacts, which gc never touches. An unreadable ``ablation.json`` is
 noted and skipped rather than stopping gc: every run it lists has its own record, read regardless, and
 that record already names the same adapters; the ablation record only makes the guarantee explicit.
 
-How: a train artifact is *pruned*, not removed (``ArtifactStore.prune``): the manifest keeps every
+How: an artifact is *pruned*, not removed (``ArtifactStore.prune``): the manifest keeps every
 file's record, so its digest and every downstream cache key stay valid and a re-run of a finished
 run is still all cache hits; the deleted files are listed in the manifest's ``pruned``. A lookup
-serves the artifact; a consumer of a pruned file gets an ArtifactError naming the step and why.
-Departure from "recompute on demand": an optimizer state cannot be recomputed without the previous
-one (recursively back to step 0), so a resume that needs a pruned one fails with that message
-instead; resuming a run never does, because its last checkpoint is always kept.
+serves the artifact; a consumer of a pruned file gets an ArtifactError naming the step, the file
+and why (``require_adapter`` for the rollout, evaluate and register stages). The RL flow recomputes
+on demand instead: a step that must build from a pruned checkpoint, or a rollout or evaluation
+that needs a pruned adapter, rebuilds the chain from its last whole checkpoint
+(``qerl.flows.rl_phases``; a rebuild that does not give the same bytes is re-keyed,
+``ArtifactStore._heal``). Resuming an unfinished run needs none of that: its last checkpoint is
+always kept.
 """
 
 from __future__ import annotations
@@ -77,6 +87,7 @@ from qerl.pipeline.store.retention_policy import (
     mark_run,
     policy_for,
     registered_train_digests,
+    unfinished_listed,
 )
 
 log = logging.getLogger("qerl.retention")
@@ -154,6 +165,29 @@ def _pruning(store: ArtifactStore, marks: Marks, registered: set[str], notes: li
     return out
 
 
+def _table_pruning(store: ArtifactStore, marks: Marks, notes: list[str]) -> list[Deletion]:
+    """Every file of the rollout and scored tables ``marks`` drops (``keep_step_tables: false``)."""
+    out = []
+    for stage, key in sorted(set(marks.drop_tables) - marks.keep_tables):
+        directory = store.path_for(stage, key)
+        if not (directory / MANIFEST).is_file():
+            continue
+        try:
+            manifest = Manifest.load(directory)
+        except (ValueError, ArtifactError) as err:
+            notes.append(f"kept {directory}: unreadable manifest ({err})")
+            continue
+        names = [n for n in manifest.files if n not in manifest.pruned]
+        leftovers = [n for n in manifest.pruned if (directory / n).is_file()]
+        if names or leftovers:
+            nbytes = sum(
+                (directory / n).stat().st_size for n in {*names, *leftovers} if (directory / n).is_file()
+            )
+            reason = marks.drop_tables[(stage, key)]
+            out.append(Deletion("prune", directory, nbytes, reason, stage, key, names))
+    return out
+
+
 def _tmp_lock_name(folder: Path) -> str | None:
     """``<stage>-<key>`` of a build folder ``tmp/<stage>-<key>-<nonce>`` (see ArtifactStore.produce)."""
     parts = folder.name.rsplit("-", 2)
@@ -215,6 +249,7 @@ def plan(
         mark_run(marks, record, policy, protect_only)
     mark_ablations(marks, load_ablations(work, result.notes), records, result.notes)
     result.deletions += _pruning(store, marks, registered_train_digests(store), result.notes)
+    result.deletions += _table_pruning(store, marks, result.notes)
     if only_run is None:
         result.deletions += _sweeps(store, result.notes, now or _dt.datetime.now(_dt.UTC))
     return result
@@ -253,11 +288,26 @@ def prune_run(work: str | Path, run_id: str, policy: RetentionConfig | None = No
 
     When gc cannot decide safely (another run's record or a register manifest is unreadable) this
     deletes nothing and logs a warning instead of failing the run: space is worth less than the run.
+    The last run of an ablation to complete also prunes the other runs it lists, which their own
+    final prunes left whole (see the module docstring), each by its own policy.
     """
-    overrides = policy.model_dump() if policy is not None else None
+    overrides = policy.model_dump(exclude_unset=True) if policy is not None else None
     try:
-        gc_plan = plan(work, overrides=overrides, only_run=run_id)
+        freed = apply(work, plan(work, overrides=overrides, only_run=run_id))
+        for sibling in released_siblings(Path(work), run_id):
+            freed += apply(work, plan(work, only_run=sibling))
     except RetentionError as err:
         log.warning("retention skipped for run %s: %s", run_id, err)
         return 0
-    return apply(work, gc_plan)
+    return freed
+
+
+def released_siblings(work: Path, run_id: str) -> list[str]:
+    """The other runs of every ablation listing ``run_id`` whose listed runs have all completed."""
+    runs = {r["run_id"]: r for r in load_runs(work)}
+    out: list[str] = []
+    for ablation in load_ablations(work, []):
+        listed = [str(e.get("run_id")) for e in ablation["runs"] if isinstance(e, dict)]
+        if run_id in listed and not unfinished_listed(ablation, runs):
+            out += [r for r in listed if r != run_id and r in runs and r not in out]
+    return out

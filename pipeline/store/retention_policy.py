@@ -1,12 +1,14 @@
 """What retention keeps: the policy (``RetentionConfig``) and the marks it sets on train artifacts.
 
-Each run record (``<work>/runs/<id>/run.json``) lists its steps' train keys; its policy (the run
-config's ``store`` section) marks which optimizer states and adapters of those steps may go and
-which stay. Protections add to the keep marks and always win: every step of a live run, a run's
-last ``keep_optimizer_last`` steps, its evaluated and final adapters, each ablation's final
-evaluated adapters, and (in ``qerl.pipeline.store.retention``) every registered adapter. The
-reasons are written in that module's docstring; ``qerl.pipeline.store.retention`` turns the marks
-into a plan of deletions and carries it out.
+Each run record (``<work>/runs/<id>/run.json``) lists its steps' rollout, score and train keys;
+its policy (the run config's ``store`` section) marks which optimizer states, adapters and step
+tables of those steps may go and which stay. Protections add to the keep marks and always win:
+every artifact of a live run, an unfinished run's last ``keep_optimizer_last`` steps, its final
+adapter, each ablation's final evaluated adapters, every artifact of every run an unfinished
+ablation lists (another of its runs may continue from them), and (in
+``qerl.pipeline.store.retention``) every registered adapter. The reasons are written in that
+module's docstring; ``qerl.pipeline.store.retention`` turns the marks into a plan of deletions and
+carries it out.
 """
 
 from __future__ import annotations
@@ -32,15 +34,34 @@ from qerl.pipeline.store.layout import (
 )
 from qerl.pipeline.store.manifest import ArtifactError, Manifest
 
+TABLE_STAGES = ("rollout", "score")  # a step's tables: what ``keep_step_tables`` is about
+
 
 class RetentionConfig(StrictModel):
-    """What ``qerl gc`` (and the flow, after each step) may delete from the store."""
+    """A run's ``store`` section: what ``qerl gc`` (and the flow, after each step and at the end) may
+    delete from the store, and whether the run checks its disk estimate first
+    (``qerl.pipeline.planning.disk_plan``)."""
 
     keep_optimizer_last: int = Field(
-        2, ge=1, description="optimizer states kept per run: those of its last K steps (resume needs 1)"
+        2,
+        ge=1,
+        description="optimizer states kept per unfinished run: those of its last K steps (resume needs 1); "
+        "a completed run keeps none",
     )
-    keep_adapters_every: int = Field(
-        0, ge=0, description="keep every E-th step's adapter (0: all); last/evaluated/registered always kept"
+    keep_adapters_every: int | None = Field(
+        None,
+        ge=0,
+        description="keep every E-th step's adapter (unset: the run's loop.eval_every; 0: all); "
+        "final and registered adapters always kept",
+    )
+    keep_step_tables: bool = Field(
+        True,
+        description="keep a completed run's rollout and scored tables (false: they go; the run record "
+        "and MLflow keep every step's metrics)",
+    )
+    check_disk: bool = Field(
+        True,
+        description="refuse to start a run whose estimated writes do not fit the work dir's free space",
     )
     live_window_h: float = Field(
         24.0, gt=0, description="a run 'running' and updated within this many hours is live: gc skips it"
@@ -92,14 +113,28 @@ def is_live(record: dict[str, Any], window_h: float, now: _dt.datetime | None = 
     return (now - when).total_seconds() < window_h * 3600
 
 
-def train_keys(record: dict[str, Any]) -> list[tuple[int, str]]:
-    """(step, train key) of every recorded step, in step order."""
+def train_keys(record: dict[str, Any], stage: str = TRAIN_STAGE) -> list[tuple[int, str]]:
+    """(step, key of ``stage``: train by default) of every recorded step, in step order."""
     out = []
     for i, entry in enumerate(record["steps"]):
-        key = ((entry or {}).get("manifests") or {}).get(TRAIN_STAGE)
+        key = ((entry or {}).get("manifests") or {}).get(stage)
         if key:
             out.append((int(entry.get("step", i)), str(key)))
     return sorted(out)
+
+
+def table_keys(record: dict[str, Any]) -> set[tuple[str, str]]:
+    """(stage, key) of the run's rollout and scored tables."""
+    return {(stage, key) for stage in TABLE_STAGES for _, key in train_keys(record, stage)}
+
+
+def adapter_interval(record: dict[str, Any], policy: RetentionConfig) -> int:
+    """``keep_adapters_every``, or when unset the run's evaluation interval (``loop.eval_every``)."""
+    if policy.keep_adapters_every is not None:
+        return policy.keep_adapters_every
+    loop = (record.get("config") or {}).get("loop") or {}
+    # no interim evaluations: the run's last step is the only one at the interval
+    return int(loop.get("eval_every") or loop.get("steps") or 1)
 
 
 def load_ablations(work: Path, notes: list[str]) -> list[dict[str, Any]]:
@@ -134,13 +169,33 @@ def ablation_adapters(record: dict[str, Any]) -> set[str]:
     return keys
 
 
+def unfinished_listed(ablation: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> list[str]:
+    """The runs ``ablation`` lists that have not completed (not started, running or failed)."""
+    listed = [str(e.get("run_id")) for e in ablation["runs"] if isinstance(e, dict)]
+    return [r for r in listed if (by_id.get(r) or {}).get("status") != "completed"]
+
+
 def mark_ablations(
     marks: Marks, ablations: list[dict[str, Any]], runs: list[dict[str, Any]], notes: list[str]
 ) -> None:
-    """Keep each listed run's final evaluated adapter (a run not started yet has nothing to keep)."""
+    """Keep each listed run's final evaluated adapter (a run not started yet has nothing to keep);
+    while any listed run is unfinished, keep every artifact of every listed run: runs of one
+    ablation share their steps up to where their configs part (the arms while sigma is 0), and the
+    unfinished one may still continue from any of them."""
     by_id = {r["run_id"]: r for r in runs}
     for ablation in ablations:
         listed = [str(e.get("run_id")) for e in ablation["runs"] if isinstance(e, dict)]
+        waiting = unfinished_listed(ablation, by_id)
+        if waiting:
+            for record in (by_id[r] for r in listed if r in by_id):
+                keys = [k for _, k in train_keys(record)]
+                marks.keep_opt.update(keys)
+                marks.keep_adapter.update(keys)
+                marks.keep_tables.update(table_keys(record))
+            notes.append(
+                f"kept every artifact of the runs of ablation {ablation['id']}: "
+                f"{len(waiting)} of its {len(listed)} runs have not completed"
+            )
         finals = [ablation_adapters(by_id[r]) for r in listed if r in by_id]
         marks.keep_adapter.update(*finals)
         if any(finals):
@@ -171,29 +226,37 @@ class Marks:
     keep_adapter: set[str] = field(default_factory=set)
     drop_opt: dict[str, str] = field(default_factory=dict)  # key -> reason
     drop_adapter: dict[str, str] = field(default_factory=dict)
+    keep_tables: set[tuple[str, str]] = field(default_factory=set)  # (rollout|score, key)
+    drop_tables: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 def mark_run(marks: Marks, record: dict[str, Any], policy: RetentionConfig, live: bool) -> None:
     steps = train_keys(record)
     keys = [k for _, k in steps]
     rid = record["run_id"]
+    finished = record.get("status") == "completed"
     if live or not keys:
         marks.keep_opt.update(keys)
         marks.keep_adapter.update(keys)
+        marks.keep_tables.update(table_keys(record))
         return
-    last_k = keys[-policy.keep_optimizer_last :]
+    # a completed run is never continued (a re-run finds every step): no optimizer state to keep
+    last_k = [] if finished else keys[-policy.keep_optimizer_last :]
     marks.keep_opt.update(last_k)
     marks.keep_adapter.update(last_k)  # a resume from a kept optimizer state needs its adapter too
-    marks.keep_adapter.update(e["adapter"] for e in record.get("evaluations") or [] if e.get("adapter"))
     if record.get("final_adapter"):
         marks.keep_adapter.add(Path(record["final_adapter"]).parent.name)
-    if not policy.keep_adapters_every:
+    every = adapter_interval(record, policy)
+    if not every:
         marks.keep_adapter.update(keys)
+    why = "the run completed" if finished else f"older than its last {policy.keep_optimizer_last} steps"
     for step, key in steps:
         if key not in last_k:
-            marks.drop_opt.setdefault(
-                key, f"run {rid} step {step}: older than its last {policy.keep_optimizer_last} steps"
-            )
-        every = policy.keep_adapters_every
+            marks.drop_opt.setdefault(key, f"run {rid} step {step}: {why}")
         if every and (step + 1) % every:
             marks.drop_adapter.setdefault(key, f"run {rid} step {step}: not a multiple of {every} steps")
+    if finished and not policy.keep_step_tables:
+        for stage, key in sorted(table_keys(record)):
+            marks.drop_tables.setdefault((stage, key), f"run {rid} completed (store.keep_step_tables: false)")
+    else:
+        marks.keep_tables.update(table_keys(record))

@@ -1,0 +1,212 @@
+"""The promotion gate: the evaluation protocol is part of a benchmark's identity, promotion is decided on
+a validation split held out of the training data, by a paired test over items with a margin in
+standard errors, and the test set is reported but never selects."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+from qerl.pipeline.config import apply_overrides
+from qerl.pipeline.data.datasets import DataConfig, load_problems
+from qerl.pipeline.data.rewards import RewardConfig
+from qerl.pipeline.evaluation import eval_config
+from qerl.pipeline.evaluation.eval_config import EvalConfig, ValidationConfig, validation_split
+from qerl.pipeline.planning.prompt_stream import slots_per_epoch, step_prompts
+from qerl.pipeline.registry import promotion
+from qerl.pipeline.registry import tracking as reg
+from qerl.pipeline.rollout.protocol import Completion
+
+
+def _id(cfg: EvalConfig, template: str = "terse", mode: str = "vllm", scorer: dict | None = None) -> str:
+    protocol = eval_config.eval_protocol(cfg, template, mode, scorer or {"workers": 1})
+    return eval_config.benchmark_id(DataConfig(dataset="gsm8k", split="test"), "ab" * 32, protocol)
+
+
+def test_benchmark_id_carries_the_evaluation_protocol():
+    base = EvalConfig()
+    ref = _id(base)
+    assert ref.startswith("gsm8k/test@" + "ab" * 6 + "~")
+    changed = [
+        _id(apply_overrides(base, ["k=8"])),
+        _id(apply_overrides(base, ["greedy=true"])),
+        _id(apply_overrides(base, ["temperature=1.0"])),
+        _id(apply_overrides(base, ["top_p=0.5"])),
+        _id(apply_overrides(base, ["max_new_tokens=1024"])),
+        _id(base, template="boxed"),
+        _id(base, mode="transformers"),
+        _id(base, scorer={"workers": 1, "format_reward": 0.5}),
+    ]
+    assert ref not in changed and len(set(changed)) == len(changed)
+    assert _id(apply_overrides(base, ["seed=7"])) == ref  # another draw of the same protocol
+
+
+def test_validation_split_is_disjoint_from_the_stream_and_the_test_set(tiny_model_dir):
+    from qerl.flows.rl_phases import load_data
+    from qerl.pipeline.planning.run_config import RunConfig
+
+    cfg = RunConfig.model_validate({"eval": {"validation": {"size": 40}}, "loop": {"prompts_per_step": 8}})
+    stages: list[str] = []
+    run = types.SimpleNamespace(
+        cfg=cfg, record={}, validation=[], ui=types.SimpleNamespace(stage=lambda *a, **k: stages.append(a[1]))
+    )
+    base = types.SimpleNamespace(dir=tiny_model_dir)
+    stream = load_data(run, base, None, load_problems(cfg.data, "train"))
+    held = {p["id"] for p in run.validation}
+    assert len(held) == 40 and run.record["data"]["validation"]["n_items"] == 40
+    assert "40 held out for validation" in stages[0]
+    # the stream: every slot of two epochs, none holds a validation problem
+    n_slots = 2 * slots_per_epoch(len(stream), 8)
+    used = {p["id"] for s in range(n_slots) for p in step_prompts(stream, s, 8, cfg.loop.seed)}
+    assert used and not used & held and len(stream) + 40 == run.record["data"]["kept"]
+    # the reported test set shares no problem with it
+    test = load_problems(cfg.eval.benchmark)
+    assert not {p["question"] for p in run.validation} & {p["question"] for p in test}
+    # chosen by id, not by position; at most a quarter of the data
+    problems = load_problems(cfg.data, "train")
+    _, again = validation_split(list(reversed(problems)), ValidationConfig(size=40))
+    _, first = validation_split(problems, ValidationConfig(size=40))
+    assert {p["id"] for p in again} == {p["id"] for p in first}
+    assert len(validation_split(problems[:20], ValidationConfig(size=40))[1]) == 5
+
+
+class _V:
+    def __init__(self, version: str):
+        self.version, self.tags = version, {"eval_benchmark": "b", "eval_accuracy": "0.5"}
+
+
+def _evidence(diff: float, se: float, champion: str = "1") -> promotion.PairedEvidence:
+    return promotion.PairedEvidence("v@x~p", champion, diff, se, 100, 0.5 + diff, 0.5)
+
+
+def test_paired_decision_needs_the_margin_in_standard_errors():
+    cfg = reg.RegistryConfig()
+    assert cfg.promote_margin_se == 1.0
+    champ = _V("1")
+    assert not promotion.promotion_decision(cfg, champ, "2", "v@x~p", 0.52, True, _evidence(0.02, 0.03))[0]
+    ok, reason = promotion.promotion_decision(cfg, champ, "2", "v@x~p", 0.6, True, _evidence(0.1, 0.03))
+    assert ok and "paired" in reason and "se 0.0300" in reason
+    strict = cfg.model_copy(update={"promote_margin_se": 2.0})
+    assert not promotion.promotion_decision(strict, champ, "2", "v@x~p", 0.55, True, _evidence(0.05, 0.03))[0]
+    # the champion moved while this run was compared with the old one: no promotion
+    assert not promotion.promotion_decision(cfg, _V("3"), "4", "v@x~p", 0.9, True, _evidence(0.4, 0.01))[0]
+    # no comparison possible: never promoted over a champion, whatever the accuracy
+    no, why = promotion.promotion_decision(cfg, champ, "2", "v@x~p", 0.99, True, "another base")
+    assert not no and "another base" in why
+
+
+class _Engine:
+    """A RolloutEngine double: item i is right when i % 4 < 1 (max_new_tokens < 512) or < 2 (a longer
+    budget: the same model scores higher under another protocol), on every item with ``perfect``."""
+
+    mode = "fake-test-double"
+
+    def __init__(self, answers: dict[str, str], tokenizer, perfect: bool = False):
+        self.tokenizer, self.answers, self.perfect = tokenizer, answers, perfect
+
+    def set_adapter(self, path, digest):
+        pass
+
+    def set_noise(self, sigma, seed):
+        pass
+
+    def generate(self, prompts, n, sampling, seed):
+        out = []
+        for i, prompt in enumerate(prompts):
+            gold = next(a for q, a in self.answers.items() if q in prompt)
+            ok = self.perfect or i % 4 < (1 if sampling.max_new_tokens < 512 else 2)
+            group = [
+                Completion([1], [2], f"<answer>{gold if ok else '-1'}</answer>", [-0.1], "stop")
+                for _ in range(n)
+            ]
+            out.append(group)
+        return out
+
+    def close(self):
+        pass
+
+
+def _setup(tmp_path: Path, tiny_model_dir: Path):
+    import shutil
+
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.pipeline.store.manifest import BuildResult
+    from transformers import AutoTokenizer
+
+    store = ArtifactStore(tmp_path / "store")
+
+    def build(tmp: Path) -> BuildResult:
+        for f in tiny_model_dir.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors"):
+                shutil.copy(f, tmp / f.name)
+        return BuildResult(mode="test-base")
+
+    base, _ = store.produce("quantize", {"test": 1}, {}, "code", build)
+    data = DataConfig(arithmetic_size=64)
+    _, val = validation_split(load_problems(data, "train"), ValidationConfig(size=12))
+    return store, base, AutoTokenizer.from_pretrained(base.dir), (data, val)
+
+
+@pytest.mark.slow
+def test_a_protocol_change_never_crowns_a_challenger(tiny_model_dir, tmp_path):
+    from qerl.stages import evaluate, register
+    from test_register import HISTORY, LINEAGE, fake_train
+
+    store, base, tok, validation = _setup(tmp_path, tiny_model_dir)
+    cfg_a = apply_overrides(EvalConfig(), ["benchmark.limit=12", "k=2"])
+    # a longer budget: this engine scores higher, the model is the same
+    cfg_b = apply_overrides(cfg_a, ["max_new_tokens=1024"])
+    questions = load_problems(cfg_a.benchmark) + validation[1]
+    same = _Engine({p["question"]: p["answer"] for p in questions}, tok)
+
+    def evaluated(cfg, adapter, engine=same):
+        return evaluate.run(
+            cfg, base, Path("adapter"), adapter, store, engine, RewardConfig(workers=1), validation
+        )
+
+    regcfg = reg.RegistryConfig(model_name="protocol-probe")
+    work = tmp_path / "work"
+    champ_train, chal_train = fake_train(store, "champ"), fake_train(store, "chal")
+    ev_a = evaluated(cfg_a, champ_train.digest)
+    m1 = register.run(regcfg, champ_train, ev_a, LINEAGE, HISTORY, work, True, store)
+    assert m1.metrics["promoted"]
+
+    ev_b = evaluated(cfg_b, chal_train.digest)
+    sa, sb = (json.loads(e.file("summary.json").read_text()) for e in (ev_a, ev_b))
+    assert sb["validation"]["accuracy"] > sa["validation"]["accuracy"] and sb["accuracy"] > sa["accuracy"]
+    # the protocol is in the id: the two numbers are not the same benchmark
+    assert (
+        sb["benchmark"] != sa["benchmark"] and sb["validation"]["benchmark"] != sa["validation"]["benchmark"]
+    )
+    # the champion's recorded number (old protocol) is no comparison for the new one
+    recorded = promotion.alias_version(regcfg, "champion")
+    assert not promotion.promotion_decision(regcfg, recorded, "9", sb["benchmark"], sb["accuracy"], True)[0]
+    # the champion re-evaluated under the new protocol scores the same: a tie, not a win
+    champ_b = evaluated(cfg_b, champ_train.digest)
+    m2 = register.run(
+        regcfg, chal_train, ev_b, LINEAGE, HISTORY, work, True, store, champion_eval=("1", champ_b)
+    )
+    rec = json.loads(m2.file("registration.json").read_text())
+    assert (
+        not rec["promoted"]
+        and "does not beat" in rec["promotion"]
+        and "difference +0.0000" in rec["promotion"]
+    )
+    assert rec["decided_on"] == sb["validation"]["benchmark"] and rec["decided_on"].split("/")[1].startswith(
+        "validation"
+    )
+
+    # a clearly better adapter, compared item by item on the validation split, is promoted
+    better = _Engine(same.answers, tok, perfect=True)
+    good_train = fake_train(store, "good")
+    ev_good = evaluated(cfg_b, good_train.digest, better)
+    m3 = register.run(
+        regcfg, good_train, ev_good, LINEAGE, HISTORY, work, True, store, champion_eval=("1", champ_b)
+    )
+    rec3 = json.loads(m3.file("registration.json").read_text())
+    assert rec3["promoted"] and "beats the champion" in rec3["promotion"], rec3["promotion"]
+    tags = promotion.version_info(regcfg, str(m3.metrics["version"]))["tags"]
+    assert tags["eval_benchmark"] == sb["benchmark"] and float(tags["eval_accuracy"]) == 1.0  # test: reported
+    assert tags["promotion_benchmark"] == sb["validation"]["benchmark"]
