@@ -4,12 +4,12 @@ What. ``derive_seed(namespace, *parts)`` hashes ``"namespace:part1:part2:..."`` 
 the low 63 bits of the first 8 bytes (little endian), so the result fits every generator's seed
 (torch, vLLM's per-request seed) and nearby inputs give unrelated seeds. The namespace keeps the
 streams of different purposes apart: ``qerl-sample`` (one request of the rollout engines),
-``qerl-rollout`` (an RL step's sampling and noise seeds), ``qerl-aqn`` (one layer's AQN draw).
+``qerl-rollout`` (an RL step's sampling and noise seeds), ``qerl-aqn`` (one layer's AQN draw),
+``qerl-eval-chunk`` (a large evaluation's chunks after the first).
 
-Why one helper. The three call sites used to carry their own copy of this construction; a drift in
-any of them would silently change sampled tokens and invalidate cached rollouts. The strings are
-exactly what the copies hashed (integers as ``str(int(x))``), so every derived value, and with it
-every cached artifact keyed on them, is unchanged (``tests/test_rollout.py`` pins known values).
+Why one helper: a drift in any copy of this construction would silently change sampled tokens and
+invalidate cached rollouts. The strings are fixed (integers as ``str(int(x))``); ``tests/test_rollout.py``
+pins known values.
 """
 
 from __future__ import annotations
