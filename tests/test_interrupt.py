@@ -69,7 +69,7 @@ def test_qerl_run_sets_prefects_environment_before_prefect_reads_it(tmp_path):
     probe = tmp_path / "settings.txt"
     code = (
         "import sys\n"
-        "from flows import cli, runner\n"
+        "from qerl.flows import cli, runner\n"
         "def fake_run(cfg, work, night=None):\n"
         "    from prefect.settings import PREFECT_HOME as H, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as T\n"
         "    open(sys.argv[2], 'w').write(f'{H.value()} {T.value()}')\n"

@@ -39,7 +39,11 @@ def test_every_package_folder_is_listed_in_pyproject():
 
 
 def test_nothing_imports_the_folders_by_their_own_names():
-    pattern = re.compile(r"^\s*(from|import) (pipeline|stages|kernels|flows)\b", re.M)
+    # statements, and the same inside strings (code that a test runs in a child process)
+    pattern = re.compile(
+        r"^\s*(from|import) (pipeline|stages|kernels|flows)\b|(?<![\w.])from (pipeline|stages|kernels|flows)(\.\w+)* import ",
+        re.M,
+    )
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True)
     offenders = [
         f for f in files.stdout.split() if (REPO / f).exists() and pattern.search((REPO / f).read_text())
