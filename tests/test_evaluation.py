@@ -134,9 +134,12 @@ class FakeEngine:
         pass
 
 
-@pytest.fixture
-def base(tiny_model_dir, tmp_path):
-    store = ArtifactStore(tmp_path / "store")
+def tokenizer_base(tiny_model_dir: Path, store_dir: Path):
+    """A store with a "quantize" artifact that holds the tiny model's tokenizer and config, no weights
+    (the fake engines generate without them); returns (store, manifest, tokenizer)."""
+    from transformers import AutoTokenizer
+
+    store = ArtifactStore(store_dir)
 
     def build(tmp: Path) -> BuildResult:
         for f in tiny_model_dir.iterdir():
@@ -145,9 +148,12 @@ def base(tiny_model_dir, tmp_path):
         return BuildResult(mode="test-base")
 
     manifest, _ = store.produce("quantize", {"test": 1}, {}, "code", build)
-    from transformers import AutoTokenizer
-
     return store, manifest, AutoTokenizer.from_pretrained(manifest.dir)
+
+
+@pytest.fixture
+def base(tiny_model_dir, tmp_path):
+    return tokenizer_base(tiny_model_dir, tmp_path / "store")
 
 
 def test_evaluate_stage(base, tmp_path):

@@ -129,24 +129,12 @@ class _Engine:
 
 
 def _setup(tmp_path: Path, tiny_model_dir: Path):
-    import shutil
+    from tests.test_evaluation import tokenizer_base
 
-    from qerl.pipeline.store.artifact_store import ArtifactStore
-    from qerl.pipeline.store.manifest import BuildResult
-    from transformers import AutoTokenizer
-
-    store = ArtifactStore(tmp_path / "store")
-
-    def build(tmp: Path) -> BuildResult:
-        for f in tiny_model_dir.iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors"):
-                shutil.copy(f, tmp / f.name)
-        return BuildResult(mode="test-base")
-
-    base, _ = store.produce("quantize", {"test": 1}, {}, "code", build)
+    store, base, tokenizer = tokenizer_base(tiny_model_dir, tmp_path / "store")
     data = DataConfig(arithmetic_size=64)
     _, val = validation_split(load_problems(data, "train"), ValidationConfig(size=12))
-    return store, base, AutoTokenizer.from_pretrained(base.dir), (data, val)
+    return store, base, tokenizer, (data, val)
 
 
 @pytest.mark.slow
