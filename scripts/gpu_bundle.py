@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Carry a trimmed vLLM to the GPU machine in pieces (issue 23). Standard library only: it runs here
+"""Carry a trimmed vLLM to the GPU machine in pieces. Standard library only: it runs here
 (Python 3.11, the project's venv) and on the GPU image (Python 3.12, nothing installed for it).
 
 Subcommands:
@@ -42,6 +42,7 @@ import tarfile
 import time
 import zipfile
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 MiB = 2**20
@@ -222,6 +223,43 @@ def _stdlib() -> set[str]:
     return names | {"__future__", "_typeshed"}
 
 
+def _classify_externals(
+    parent: dict[str, str | None],
+    core: dict,
+    edges: dict,
+    tree_tops: set[str],
+    stdlib: set[str],
+    chain: Callable[[str], list[str]],
+) -> dict[str, dict]:
+    """Each external top-level name the reached modules import, classed as ``scan`` says, with up to
+    five importers, three guards and the import chain of its first importer."""
+    rank = {"needed": 0, "conditional": 1, "optional": 2}
+    externals: dict[str, dict] = {}
+    for mod in parent:
+        for base, _names, guard in edges.get(mod, []):
+            top = base.split(".")[0]
+            if not top or top in tree_tops or top in stdlib:
+                continue
+            if guard == "try":
+                kind, why = "optional", ""
+            elif guard:
+                kind, why = "conditional", f"if {guard}"
+            elif mod in core:
+                kind, why = "needed", ""
+            else:
+                kind, why = "conditional", "in a module reached only through a guarded import"
+            entry = externals.setdefault(top, {"kind": kind, "importers": [], "guards": []})
+            if rank[kind] < rank[entry["kind"]]:
+                entry["kind"] = kind
+            if len(entry["importers"]) < 5 and mod not in entry["importers"]:
+                entry["importers"].append(mod)
+            if why and why not in entry["guards"] and len(entry["guards"]) < 3:
+                entry["guards"].append(why)
+    for entry in externals.values():
+        entry["chain"] = chain(entry["importers"][0])
+    return externals
+
+
 def scan(trees: list[Path], roots: list[str]) -> dict:
     """Import closure from the roots over the trees' modules, twice: following every import that runs
     at import time (`reached`), and following only unguarded ones (`core`: what is certainly imported).
@@ -287,30 +325,7 @@ def scan(trees: list[Path], roots: list[str]) -> dict:
             out.append(p)
         return out[::-1]
 
-    rank = {"needed": 0, "conditional": 1, "optional": 2}
-    externals: dict[str, dict] = {}
-    for mod in parent:
-        for base, _names, guard in edges.get(mod, []):
-            top = base.split(".")[0]
-            if not top or top in tree_tops or top in stdlib:
-                continue
-            if guard == "try":
-                kind, why = "optional", ""
-            elif guard:
-                kind, why = "conditional", f"if {guard}"
-            elif mod in core:
-                kind, why = "needed", ""
-            else:
-                kind, why = "conditional", "in a module reached only through a guarded import"
-            entry = externals.setdefault(top, {"kind": kind, "importers": [], "guards": []})
-            if rank[kind] < rank[entry["kind"]]:
-                entry["kind"] = kind
-            if len(entry["importers"]) < 5 and mod not in entry["importers"]:
-                entry["importers"].append(mod)
-            if why and why not in entry["guards"] and len(entry["guards"]) < 3:
-                entry["guards"].append(why)
-    for entry in externals.values():
-        entry["chain"] = chain(entry["importers"][0])
+    externals = _classify_externals(parent, core, edges, tree_tops, stdlib, chain)
     reached = sorted(parent)
     packages = {}
     for mod in reached:  # the tree's top-level packages, each with how it is first reached
