@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -155,6 +156,11 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
         help="local model directory, a catalogue model (smollm2-135m-instruct), or a hub id where the hub is reachable",
     )
     p.add_argument("--out", required=True, metavar="DST", help="directory to write the checkpoint to")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="also print the per-linear relative weight errors of the quality section, worst first",
+    )
     _config_options(p, "YAML file with quantize settings (QuantizeConfig)", SET_HELP)
     _common(p)
     COMMANDS["quantize"] = tool_commands.cmd_quantize
@@ -242,5 +248,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The ``qerl`` command: ``main``, then exit with its status. After a run that lost its Prefect
+    server, exit without Prefect's exit handlers, which would retry every queued event and log line
+    against the lost server for minutes (``qerl.flows.orchestrator``); qerl's own files are flushed
+    and closed by then."""
+    code = main()
+    from qerl.flows import orchestrator
+
+    if orchestrator.lost():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

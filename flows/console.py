@@ -3,10 +3,11 @@
 What the terminal shows: one line per stage outside the step loop (base, quantize, twin, data,
 warm start, each evaluation, registration), one progress bar over the RL steps whose postfix holds
 the last step's rollout tokens/s, reward, accuracy and step time plus an ETA for the whole run, then
-the summary, last. Warnings of qerl's own modules and errors of any library (tracebacks in full) are
-shown as well. Without a terminal (a pipe, CI, a test) the bar becomes a line every tenth of the run.
-A long stage that reports items done (an evaluation: ``progress``) gets a bar of its own, or without
-a terminal a line at each further quarter, with its own ETA.
+the summary, last. Warnings of qerl's own modules and errors of any library are shown as well, one
+line each (another library's message by its first line, a traceback as a pointer to ``run.log``).
+Without a terminal (a pipe, CI, a test) the bar becomes a line every tenth of the run. A long stage
+that reports items done (an evaluation: ``progress``) gets a bar of its own, or without a terminal a
+line at each further quarter, with its own ETA.
 
 The run's ETA counts what is left at the rate of the steps and evaluations built so far, each with
 its one-time start-up taken out (``startup``: the rollout engine's start, the trainer's first load
@@ -269,6 +270,8 @@ class _ConsoleFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == log.name:  # the console's own lines are printed directly
             return False
+        if record.name == "prefect.flow_runs" and record.getMessage().startswith("Encountered exception"):
+            return False  # the command's own last line names the error (a second copy is noise)
         own = record.name.split(".", 1)[0] == "qerl"
         return record.levelno >= (logging.WARNING if own else logging.ERROR)
 
@@ -279,6 +282,14 @@ class _ConsoleHandler(logging.Handler):
         self.console = console
         self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         self.addFilter(_ConsoleFilter())
+
+    def format(self, record: logging.LogRecord) -> str:
+        """One record for people: qerl's message in full, another library's first line; a traceback
+        never (it is in run.log), only a pointer to it."""
+        text = f"{record.levelname} {record.name}: {record.getMessage()}"
+        if record.name.split(".", 1)[0] != "qerl":
+            text = text.split("\n", 1)[0]
+        return text + ("  (traceback in run.log)" if record.exc_info or record.stack_info else "")
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

@@ -103,6 +103,8 @@ def _print_run(record: dict, work: str) -> None:
         say(f"  {eval_text(e)}  {who}")
     if reg:
         say(f"  registered {reg.get('model_name')} v{reg.get('version')}; champion: {reg.get('promoted')}")
+        if reg.get("promotion"):
+            say(f"  promotion: {reg['promotion']}")
     run_path = Path(work) / RUNS_DIR / record["run_id"]
     say(f"  run record: {run_path / RUN_RECORD}")
     say(f"  log:        {run_path / 'run.log'}")

@@ -51,14 +51,25 @@ def with_resources(cfg: RunConfig, night: _dt.date | None, overrides: list[str])
     """A recorded run's config with ``--set`` overrides of resource settings (``qerl resume --set``);
     an override that changes results (the run id) is a ConfigError naming it."""
     run_id = run_id_for(cfg, night)
-    for pair in overrides:
-        if run_id_for(apply_overrides(cfg, [pair]), night) != run_id:
-            raise ConfigError(
-                f"--set {pair} changes results (the setting is in cache keys and the run id): that is "
-                f"another run than {run_id}; start it with qerl run. resume --set takes resource settings "
-                'only ("in keys: no" in the configuration reference)'
-            )
-    return apply_overrides(cfg, overrides)
+    # validated together: settings that only fit as a pair (a smaller minibatch with a larger
+    # grad_accum keeps the update size) must not be checked one at a time
+    combined = apply_overrides(cfg, overrides)
+    if run_id_for(combined, night) == run_id:
+        return combined
+    blamed = [pair for pair in overrides if _changes_run(cfg, night, pair, run_id)] or overrides
+    raise ConfigError(
+        f"--set {', '.join(blamed)} changes results (the setting is in cache keys and the run id): that is "
+        f"another run than {run_id}; start it with qerl run. resume --set takes resource settings "
+        'only ("in keys: no" in the configuration reference)'
+    )
+
+
+def _changes_run(cfg: RunConfig, night: _dt.date | None, pair: str, run_id: str) -> bool:
+    """Whether ``--set pair`` alone gives another run id (False when it is invalid alone)."""
+    try:
+        return run_id_for(apply_overrides(cfg, [pair]), night) != run_id
+    except ConfigError:
+        return False
 
 
 def run_dir(work: Path, run_id: str) -> Path:
@@ -91,9 +102,21 @@ def save_record(work: Path, record: dict[str, Any]) -> None:
 
 def step_record(step: int, sigma: float, r: Manifest, s: Manifest, t: Manifest) -> dict[str, Any]:
     """One step's entry of the run record: the numeric metrics of its rollout, score and train
-    manifests (``rollout_*``, the headline names or ``score_*``, ``train_*``) and their keys."""
-    metrics: dict[str, Any] = {"step": step, "sigma": sigma}
-    metrics.update({f"rollout_{k}": v for k, v in r.metrics.items() if isinstance(v, int | float)})
+    manifests (``rollout_*``, the headline names or ``score_*``, ``train_*``) and their keys, with the
+    AQN sigma the engine realised (``aqn_sigma_realised``, measured from its norm weights; None for a
+    rollout manifest without it) beside the requested ``sigma``."""
+    metrics: dict[str, Any] = {
+        "step": step,
+        "sigma": sigma,
+        "aqn_sigma_realised": r.metrics.get("aqn_sigma_realised"),
+    }
+    metrics.update(
+        {
+            f"rollout_{k}": v
+            for k, v in r.metrics.items()
+            if isinstance(v, int | float) and not k.startswith("aqn_")
+        }
+    )
     keep = ("reward_mean", "reward_std", "accuracy")  # the headline names; the rest are score_*
     metrics.update(
         {k if k in keep else f"score_{k}": v for k, v in s.metrics.items() if isinstance(v, int | float)}
@@ -194,7 +217,15 @@ def publish(record: dict[str, Any]) -> None:
     """Prefect artifacts: a markdown summary and the evaluation table.
 
     Called from the flow's ``finally``: raising here would replace the run's own error, so a
-    failure to publish is logged as a warning (the run record on disk holds the same facts)."""
+    failure to publish is logged as a warning (the run record on disk holds the same facts); a lost
+    Prefect server is not asked (each call would retry against it)."""
+    from qerl.flows import orchestrator
+
+    if not orchestrator.answers():
+        log.warning(
+            "Prefect artifacts for %s not published: the server does not answer", record.get("run_id")
+        )
+        return
     try:
         key = record["run_id"].lower().replace("_", "-").replace(".", "-")
         create_markdown_artifact(summary_markdown(record), key=f"{key}-summary", description="qerl run")

@@ -54,6 +54,9 @@ def prepare_environment(work: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.5")
+    # Prefect's 5 retries with exponential back-off make each call to a lost server cost about a
+    # minute; 2 (about 6 s) still ride out a restart of the server (qerl.flows.orchestrator).
+    os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "2")
     # The temporary server's default 20 s start-up budget is too tight on a loaded 2-core box.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     # else the temporary server writes its memo under ~/.prefect, which need not exist (a warning each run)
@@ -115,6 +118,7 @@ def run(cfg: RunConfig, work: Path, night: dt.date | None = None) -> dict[str, A
     the plain run of ``cfg``."""
     prepare_environment(work)
     from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from qerl.flows import orchestrator
     from qerl.flows.rl import rl_flow
     from qerl.pipeline.registry import tracking
 
@@ -124,11 +128,43 @@ def run(cfg: RunConfig, work: Path, night: dt.date | None = None) -> dict[str, A
         check_api(
             PREFECT_API_URL.value(), needed_for="qerl run reports to the Prefect server of PREFECT_API_URL"
         )
-    start_temporary_server()
+    orchestrator.use(PREFECT_API_URL.value() or start_temporary_server())
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        return rl_flow(
-            config=cfg.model_dump(mode="json"), work_dir=str(work), night=night.isoformat() if night else None
-        )
+        try:
+            return rl_flow(
+                config=cfg.model_dump(mode="json"),
+                work_dir=str(work),
+                night=night.isoformat() if night else None,
+            )
+        except Exception as err:
+            record = _completed_without_orchestrator(cfg, work, night, err)
+            if record is None:
+                raise
+            return record
+
+
+def _completed_without_orchestrator(
+    cfg: RunConfig, work: Path, night: dt.date | None, err: Exception
+) -> dict[str, Any] | None:
+    """The run's record when ``err`` is only Prefect failing to reach a lost server about a run that
+    completed (its record says so); None otherwise. The outcome of a run is the run's, not its
+    orchestrator's (``qerl.flows.orchestrator``)."""
+    from qerl.flows import orchestrator
+    from qerl.flows.run_record import load_run_record, run_id_for
+
+    if not orchestrator.caused_by_connection(err) or orchestrator.answers():
+        return None
+    try:
+        record = load_run_record(work, run_id_for(cfg, night))
+    except (OSError, ValueError, KeyError):
+        return None
+    if record.get("status") != "completed":
+        return None
+    orchestrator.log.warning(
+        "run %s completed; the Prefect server at %s was lost, so Prefect's record of flow run %s is stale "
+        "(run.json and the registry hold the outcome)", record["run_id"], orchestrator.url(), record.get("flow_run_id"),
+    )  # fmt: skip
+    return record
 
 
 def recorded_run(run_id: str, work: Path) -> tuple[RunConfig, dt.date | None]:

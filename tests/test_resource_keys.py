@@ -222,6 +222,14 @@ def test_resume_set_takes_resource_settings_only(tmp_path):
     assert kept.rollout.gpu_memory_utilization == 0.7 and run_id_for(kept) == run_id_for(cfg)
     with pytest.raises(ValueError, match=r"--set train\.lr=0\.1 changes results"):
         with_resources(cfg, None, ["reward.workers=2", "train.lr=0.1"])
+    # plan's advice, a smaller minibatch with grad_accum raised to match, with an explicit
+    # total_steps: valid only as a pair (found refusing when the overrides were checked one by one)
+    fixed = cfg.model_copy(update={"train": cfg.train.model_copy(update={"total_steps": 240})})
+    mb = fixed.train.minibatch_size
+    halved = with_resources(
+        fixed, None, [f"train.minibatch_size={mb // 2}", f"train.grad_accum={2 * fixed.train.grad_accum}"]
+    )
+    assert halved.train.minibatch_size == mb // 2 and run_id_for(halved) == run_id_for(fixed)
 
     rid = run_id_for(cfg)
     record = {"run_id": rid, "config": cfg.model_dump(mode="json"), "night": None, "status": "failed"}
