@@ -55,11 +55,13 @@ from qerl.flows.run_record import (
 from qerl.pipeline.config import config_hash
 from qerl.pipeline.data.datasets import load_problems, problems_digest
 from qerl.pipeline.evaluation.eval_config import validation_split
+from qerl.pipeline.nvfp4.quality import quality_line, quality_metrics
 from qerl.pipeline.planning.engine_setup import needs_twin
 from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_fit import fit_prompts, load_tokenizer, prompt_token_limit
 from qerl.pipeline.planning.prompt_stream import DataCursor, data_slice, step_prompts, stream_key
 from qerl.pipeline.planning.run_config import RunConfig
+from qerl.pipeline.registry import tracking
 from qerl.pipeline.rollout.aqn import sigma_schedule
 from qerl.pipeline.rollout.lazy import LazyEngine
 from qerl.pipeline.store import retention
@@ -146,6 +148,8 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     quantized = quantize_task(cfg, src, store)
     what = "unquantized base" if cfg.quantize.scheme == "none" else "NVFP4 checkpoint"
     ui.stage("quantize", f"{what} ({quantized.mode})", time.perf_counter() - t0, run.cached(quantized))
+    if "quality" in quantized.extra:  # what quantization cost (quantize.quality), in the run's log
+        run.logger.info(quality_line(quantized.extra["quality"]))
     twin = None
     if needs_twin(cfg.rollout.engine, cfg.quantize.scheme):
         t0 = time.perf_counter()
@@ -336,6 +340,8 @@ def register_final(
     reg = register_task(
         run.cfg, final, final_eval, lineage, history, run.work, run.store, run.ablation, champion
     )
+    if reg.metrics.get("created") and not run.cached(reg):
+        _log_quantize_quality(run, str(reg.extra["run_id"]), quantized)
     decision = json.loads(reg.file("registration.json").read_text())
     rec["registration"] = {**reg.extra, **reg.metrics, "promotion": decision.get("promotion"),
                            "decided_on": decision.get("decided_on")}  # fmt: skip
@@ -344,6 +350,16 @@ def register_final(
                  time.perf_counter() - t0, run.cached(reg))  # fmt: skip
     if decision.get("promotion"):
         run.logger.info("promotion: %s", decision["promotion"])
+
+
+def _log_quantize_quality(run: Run, mlflow_run_id: str, quantized: Manifest) -> None:
+    """The quantize manifest's quality metrics (``quantize_kl``, ``quantize_top1``, ``quantize_ppl_base``,
+    ``quantize_ppl_quant``, the weight errors) on the MLflow run the registration just created, at step
+    0: once, since a cached or reused registration logged them already."""
+    metrics = quality_metrics(quantized.extra.get("quality"))
+    if metrics:
+        tracking.connect(run.cfg.registry, run.work)
+        tracking.log_step_metrics(mlflow_run_id, 0, metrics)
 
 
 def _champion_evaluation(

@@ -52,7 +52,7 @@ def base_task(cfg: RunConfig, store: ArtifactStore) -> str:
 
 @task(name="quantize", **RETRY_OPTS)
 def quantize_task(cfg: RunConfig, src: str, store: ArtifactStore) -> Manifest:
-    return quantize.run(cfg.quantize, src, store)
+    return quantize.run(cfg.quantize, src, store, cfg.data)  # gptq calibrates on the run's data config
 
 
 @task(name="dequantize-twin", **RETRY_OPTS)

@@ -57,7 +57,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from qerl.pipeline.config import load_config
-    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.nvfp4.quality import quality_line, quality_table
+    from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE, QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.pipeline.store.layout import STORE_DIR
     from qerl.stages.fetch_model import resolve_base
@@ -73,6 +74,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     print(
         f"{status}: {dst} ({manifest.extra.get('quantized_tensors')} linears) in {time.perf_counter() - t0:.2f}s"
     )
+    if manifest.mode != UNQUANTIZED_MODE:  # what quantization cost (quantize.quality)
+        section = manifest.extra.get("quality")
+        print(quality_line(section))
+        if args.report and section:
+            print(quality_table(section), end="")
     return 0
 
 

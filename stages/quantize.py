@@ -23,6 +23,19 @@ module, the checkpoint-format modules (recipe, safetensors_io, grouping) and the
 is a lookup.
 The manifest's ``mode`` records which quantizer ran (``nvfp4/numba``, ``nvfp4/torch`` or
 ``nvfp4/triton``); all three are bit-identical to the reference.
+
+``quantize.method`` (``qerl.pipeline.nvfp4.recipe``): ``rtn`` runs that dispatch and keys its cache
+exactly as before the methods existed; ``mse`` runs the plain-PyTorch scale search per tensor group
+on the CPU (mode ``nvfp4/torch``); ``gptq`` tokenizes the calibration text first (its digest joins
+the cache key, so a missing data file fails before any write), then the producers pull each layer's
+tensors from the sequential GPTQ generator (``qerl.pipeline.nvfp4.calibration.gptq_layers``) as
+``write_sharded`` reaches them in name order, so one layer's work is alive at a time. The manifest
+records ``method`` and, for gptq, the calibration source, sequence and token counts and digest.
+
+``quantize.quality`` (``qerl.pipeline.nvfp4.quality``): once the checkpoint is written, its cost is
+measured (per-linear weight error; KL, top-1 and perplexities on held-out texts, test splits only)
+into ``extra["quality"]``, its time into ``metrics["quality_seconds"]``. The settings and the texts'
+digest join the cache key as the ``quality`` input (the files do not depend on them, the manifest does).
 """
 
 from __future__ import annotations
@@ -34,14 +47,19 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import qerl.kernels.nvfp4_dispatch as nvfp4_dispatch
 import qerl.kernels.nvfp4_reference as nvfp4_reference
 import torch
 from qerl.pipeline.config import key_payload
+from qerl.pipeline.data.calibration_text import calibration_pairs, calibration_token_ids, token_digest
+from qerl.pipeline.data.datasets import DataConfig
+from qerl.pipeline.data.heldout import held_out_texts
+from qerl.pipeline.nvfp4.calibration import gptq_layers, layer_index
 from qerl.pipeline.nvfp4.grouping import Group, plan_quantization
+from qerl.pipeline.nvfp4.quality import quality_key, quality_section
 from qerl.pipeline.nvfp4.recipe import (
     QUANT_SUFFIXES,
     TWIN_MODE,
@@ -61,6 +79,7 @@ from qerl.pipeline.nvfp4.safetensors_io import (
     safetensors_index,
     write_sharded,
 )
+from qerl.pipeline.nvfp4.scale_search import quantize_mse
 from qerl.pipeline.runtime.device import default_device
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
@@ -122,7 +141,9 @@ def _device() -> torch.device:
     return torch.device(default_device())
 
 
-def _quant_producer(group: Group, device: torch.device) -> Callable[[], dict[str, torch.Tensor]]:
+def _quant_producer(
+    group: Group, device: torch.device, cfg: QuantizeConfig
+) -> Callable[[], dict[str, torch.Tensor]]:
     def produce() -> dict[str, torch.Tensor]:
         weights = {s.name: read_tensor(s).to(device) for s in group.sources}
         gs = None
@@ -131,7 +152,10 @@ def _quant_producer(group: Group, device: torch.device) -> Callable[[], dict[str
             gs = nvfp4_reference.global_scale(amax)
         out: dict[str, torch.Tensor] = {}
         for name, w in weights.items():
-            packed, scale, g = nvfp4_dispatch.quantize(w, gs, name=name)
+            if cfg.method == "mse":
+                packed, scale, g = quantize_mse(w, gs, name=name, sweep=cfg.scale_sweep)
+            else:
+                packed, scale, g = nvfp4_dispatch.quantize(w, gs, name=name)
             base = name[: -len(".weight")]
             out[f"{base}.weight_packed"] = packed.cpu()
             out[f"{base}.weight_scale"] = scale.cpu()
@@ -145,12 +169,58 @@ def _copy_producer(spec: TensorSpec) -> Callable[[], dict[str, RawSlice]]:
     return lambda: {spec.name: RawSlice(spec.path, spec.offset, spec.nbytes)}
 
 
-def run(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) -> Manifest:
-    """Quantize SRC to an NVFP4A16 checkpoint artifact (cached by base digest + recipe + code)."""
-    return run_with_status(cfg, src, store)[0]
+def _gptq_producers(layers: Iterator[tuple[int, dict[str, torch.Tensor]]]) -> Callable[[Group], Callable]:
+    """Producers that pull a group's tensors from the sequential GPTQ generator, layer by layer:
+    ``write_sharded`` asks in name order, so layer i's results are complete before layer i+1 runs."""
+    current: dict = {"index": -1, "tensors": {}}
+
+    def for_group(group: Group) -> Callable[[], dict[str, torch.Tensor]]:
+        def produce() -> dict[str, torch.Tensor]:
+            i = layer_index(group.sources[0].name)
+            if i < current["index"]:
+                raise RuntimeError(f"GPTQ results of layer {i} asked for after layer {current['index']}")
+            while current["index"] < i:
+                current["index"], current["tensors"] = next(layers)
+            return {s.name: current["tensors"].pop(s.name) for s in group.outputs}
+
+        return produce
+
+    return for_group
 
 
-def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) -> tuple[Manifest, bool]:
+def calibration_tokens(
+    cfg: QuantizeConfig, src_dir: Path, data: DataConfig | None
+) -> tuple[list[list[int]], dict]:
+    """The GPTQ calibration token ids and what the key and manifest record of them (source, count, digest)."""
+    from transformers import AutoTokenizer
+
+    data = data or DataConfig()
+    cal = cfg.calibration
+    pairs, label = calibration_pairs(cal.source, cal.count, cal.seed, data)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir)
+    ids = calibration_token_ids(tokenizer, pairs, data.template, cal.max_tokens)
+    info = {
+        "source": label,
+        "sequences": len(ids),
+        "tokens": sum(len(x) for x in ids),
+        "template": data.template,
+        "digest": token_digest(ids),
+    }
+    return ids, info
+
+
+def run(
+    cfg: QuantizeConfig, src: str | Path, store: ArtifactStore, data: DataConfig | None = None
+) -> Manifest:
+    """Quantize SRC to an NVFP4A16 checkpoint artifact (cached by base digest + recipe + code).
+
+    ``data`` (the run's data config) is where ``method: gptq`` finds its calibration text."""
+    return run_with_status(cfg, src, store, data)[0]
+
+
+def run_with_status(
+    cfg: QuantizeConfig, src: str | Path, store: ArtifactStore, data: DataConfig | None = None
+) -> tuple[Manifest, bool]:
     """``run`` that also says whether the artifact came from the cache."""
     src_dir = resolve_source(src)
     if cfg.scheme == "none":
@@ -161,8 +231,19 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
     plan = plan_quantization(specs, cfg)  # every rejection happens here, before any write
     base_digest = store.source_digest(src_dir)
     code = code_version(sys.modules[__name__])  # the import closure: format, grouping, the kernels
-    device = _device()
-    backend = nvfp4_dispatch.quantize_backend(device)
+    calib_ids, calib = calibration_tokens(cfg, src_dir, data) if cfg.method == "gptq" else (None, None)
+    device = _device() if cfg.method == "rtn" else torch.device("cpu")  # mse, gptq: plain torch on CPU
+    backend = nvfp4_dispatch.quantize_backend(device) if cfg.method == "rtn" else "torch"
+    # --- quality section (qerl.pipeline.nvfp4.quality; NAME=quality) --------------------------------
+    # the held-out texts are read before the build: their digest and quantize.quality key the artifact
+    q_cfg = cfg.quality
+    held_out = (
+        held_out_texts(q_cfg.source, q_cfg.texts, q_cfg.data_root or (data.root if data else None))
+        if q_cfg.enabled and q_cfg.texts
+        else None
+    )  # a run's data.root is where GSM8K is found when quantize.quality.data_root is unset
+    quality_inputs = quality_key(q_cfg, held_out)
+    # --- end quality section ------------------------------------------------------------------------
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
@@ -170,10 +251,11 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
         config = dict(model_config)
         config["quantization_config"] = quantization_config(cfg)
         atomic_write_json(tmp / "config.json", config)
-        groups = [
-            (g.outputs, _quant_producer(g, device) if g.quantize else _copy_producer(g.sources[0]))
-            for g in plan
-        ]
+        if cfg.method == "gptq":
+            quant = _gptq_producers(gptq_layers(src_dir, specs, plan, cfg, calib_ids))
+        else:
+            quant = lambda g: _quant_producer(g, device, cfg)  # noqa: E731
+        groups = [(g.outputs, quant(g) if g.quantize else _copy_producer(g.sources[0])) for g in plan]
         n_tensors = sum(len(g.sources) for g in plan)
         with tqdm(total=n_tensors, desc=f"quantize {src_dir.name}", unit="tensor", disable=None) as bar:
             sizes = iter([len(g.sources) for g in plan])
@@ -185,11 +267,21 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
         bytes_in = sum(s.nbytes for s in specs.values())
         bytes_out = sum(s.nbytes for g in plan for s in g.outputs)
         log.info(
-            "quantized %d linears of %s with the %s backend in %.1fs", n_quant, src_dir, backend, seconds
+            "quantized %d linears of %s (method %s) with the %s backend in %.1fs",
+            n_quant,
+            src_dir,
+            cfg.method,
+            backend,
+            seconds,
         )
+        # --- quality section (NAME=quality): measured on the checkpoint just written ------------------
+        tq = time.perf_counter()
+        quality = {"quality": quality_section(q_cfg, src_dir, tmp, held_out)} if q_cfg.enabled else {}
+        quality_s = {"quality_seconds": time.perf_counter() - tq} if quality else {}
+        # --- end quality section ----------------------------------------------------------------------
         return BuildResult(
             mode=f"nvfp4/{backend}",
-            metrics={"seconds": seconds, "bytes_in": bytes_in, "bytes_out": bytes_out},
+            metrics={"seconds": seconds, "bytes_in": bytes_in, "bytes_out": bytes_out, **quality_s},
             extra={
                 "base_digest": base_digest,
                 "source": str(src),
@@ -201,18 +293,35 @@ def run_with_status(cfg: QuantizeConfig, src: str | Path, store: ArtifactStore) 
                 "aux_files": aux,
                 "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
                 "backend": backend,
+                "method": cfg.method,
+                **({"calibration": calib} if calib else {}),
+                **quality,  # quality section (NAME=quality)
             },
         )
 
-    return store.produce(STAGE, _recipe_key(cfg), {"base": base_digest}, code, build)
+    inputs = {"base": base_digest, **quality_inputs}  # quality section (NAME=quality)
+    return store.produce(STAGE, _recipe_key(cfg, calib), inputs, code, build)
 
 
-def _recipe_key(cfg: QuantizeConfig) -> dict:
+def _recipe_key(cfg: QuantizeConfig, calibration: dict | None = None) -> dict:
     """The quantize stage's config key: the recipe without the twin's dtype (a dequantize setting).
 
     ``scheme`` is left out for nvfp4 (the recipe it always was); ``_run_unquantized`` has its own key.
-    Resource fields (the shard size) are left out too (``key_payload``); the manifest's extra records it."""
-    return {k: v for k, v in key_payload(cfg).items() if k not in ("twin_dtype", "scheme")}
+    Resource fields (the shard size) are left out too (``key_payload``); the manifest's extra records it.
+    ``method: rtn`` keys exactly as before the method existed (its caches stay valid); ``mse`` adds the
+    method and its sweep; ``gptq`` also the calibration settings and the calibration text's digest."""
+    key = {k: v for k, v in key_payload(cfg).items() if k not in ("twin_dtype", "scheme")}
+    key.pop("quality", None)  # keyed through the inputs, with the held-out texts' digest (NAME=quality)
+    calib_settings = key.pop("calibration")
+    sweep = key.pop("scale_sweep")
+    if key.pop("method") == "rtn":
+        return key
+    key.update(method=cfg.method, scale_sweep=sweep)
+    if cfg.method == "gptq":
+        if calibration is None:
+            raise ValueError("quantize.method gptq: the cache key needs the calibration digest")
+        key["calibration"] = {**calib_settings, "digest": calibration["digest"]}
+    return key
 
 
 def _run_unquantized(

@@ -4,8 +4,10 @@ What: renders each problem with the configured template, sets the engine's adapt
 the step's AQN sigma, generates ``cfg.n_samples`` completions per prompt and writes one row per
 completion: ids and text of prompt and completion, the sampler's per-token logprobs
 (``log_softmax(logits / T)``, see ``qerl.pipeline.rollout.protocol``), finish reason, the problem's gold answer
-(so scoring needs only this table), and the provenance of the row (seed, sigma, step, adapter
-digest, engine mode, temperature).
+(so scoring needs only this table), and the provenance of the row (seed, sigma, AQN noise seed, step,
+adapter digest, engine mode, temperature). The manifest's metrics hold the requested AQN sigma and the one
+the engine realised (``aqn_sigma``, ``aqn_sigma_realised``: measured from the engine's norm
+weights, ``qerl.pipeline.rollout.aqn``).
 
 The engine is built once per run by the caller and passed in (a vLLM engine costs seconds to
 minutes to start, a rollout step should not). The cache key covers the rollout config, the base
@@ -55,6 +57,7 @@ SCHEMA = pa.schema(
         ("answer", pa.string()),
         ("seed", pa.int64()),
         ("sigma", pa.float64()),
+        ("noise_seed", pa.int64()),  # the AQN draw's seed: a trainer can apply the same noise
         ("step", pa.int64()),
         ("adapter_digest", pa.string()),
         ("engine_mode", pa.string()),
@@ -134,6 +137,21 @@ def _metrics(columns: dict[str, list[Any]], seconds: float) -> dict[str, Any]:
     }
 
 
+def _realised_sigma(engine: RolloutEngine, sigma: float) -> float:
+    """The AQN sigma the engine realised (``sigma_realised``, set by ``set_noise``).
+
+    A noisy step requires it; a noise-free one takes 0.0 from an engine that adds no noise at all
+    (test doubles), whose weights are clean by construction."""
+    if hasattr(engine, "sigma_realised"):
+        return float(engine.sigma_realised)  # type: ignore[attr-defined]
+    if sigma > 0:
+        raise RuntimeError(
+            f"rollout: engine {type(engine).__name__} ({engine.mode}) does not report sigma_realised "
+            f"after set_noise({sigma:g}); the realised AQN noise must be recorded"
+        )
+    return 0.0
+
+
 def run(
     *,
     cfg: RolloutConfig,
@@ -167,6 +185,7 @@ def run(
         require_adapter(adapter_dir, f"rollout step {step}")  # pruned: say which step and file
         engine.set_adapter(adapter_dir, adapter_digest)
         engine.set_noise(float(sigma), noise_seed)
+        realised = _realised_sigma(engine, float(sigma))
         prompts = [render_prompt(engine.tokenizer, r["question"], cfg.template) for r in rows]
         start = time.perf_counter()
         results = engine.generate(prompts, cfg.n_samples, cfg.sampling(), sample_seed)
@@ -179,6 +198,7 @@ def run(
         provenance = {
             "seed": sample_seed,
             "sigma": float(sigma),
+            "noise_seed": noise_seed,
             "step": int(step),
             "adapter_digest": adapter_digest or "",
             "engine_mode": engine.mode,
@@ -186,12 +206,13 @@ def run(
         }
         columns = _columns(rows, prompts, results, provenance)
         pq.write_table(pa.table(columns, schema=SCHEMA), tmp / TABLE)
-        metrics = _metrics(columns, seconds)
+        metrics = {**_metrics(columns, seconds), "aqn_sigma": float(sigma), "aqn_sigma_realised": realised}
         log.info(
-            "rollout step %d [%s] sigma=%g: %d completions, %d tokens, %.1f tok/s",
+            "rollout step %d [%s] sigma=%g (realised %.3g): %d completions, %d tokens, %.1f tok/s",
             step,
             engine.mode,
             sigma,
+            realised,
             metrics["rows"],
             metrics["tokens_generated"],
             metrics["tokens_per_s"] or 0.0,

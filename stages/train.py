@@ -17,6 +17,13 @@ deterministic kernels). The manifest's ``mode`` says how the base ran: "nvfp4-to
 (CPU: PyTorch dequantizer), "nvfp4-triton" (CUDA) or "hf-<dtype>" for an unquantized base (used by
 benchmarks and tests); a non-finite update is reported in the metrics (``skipped``), not hidden.
 
+AQN noise: the rollouts carry their step's sigma and noise seed (``sigma``/``noise_seed`` columns);
+``grpo.aqn_objective`` (on_policy, noisy_trainer) applies that noise inside the trainer through
+``qerl.pipeline.rollout.aqn.apply_to_hf_model`` (``qerl.pipeline.rl.objective`` says what each choice
+means), always removed again before the checkpoint is saved. The choice is part of the train config,
+so of the cache key; the manifest's ``extra["aqn"]`` records it with the sigma and seed the step saw
+and whether the trainer ran with the noise.
+
 Resident policy. Rebuilding the policy from disk every step (base load, peft wrap, optimizer) costs
 seconds per step for a 7B base, so the state a step leaves behind stays in this process, keyed by
 what determines it: base digest, train config, device, and the digest of the checkpoint it was
@@ -51,11 +58,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from qerl.pipeline.rl.batch import load_rollout_batch
+from qerl.pipeline.rl.batch import RolloutBatch, load_rollout_batch
 from qerl.pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
 from qerl.pipeline.rl.policy import TrainState, init_state
 from qerl.pipeline.rl.step import train_step
 from qerl.pipeline.rl.train_config import TrainConfig
+from qerl.pipeline.rollout.aqn import apply_to_hf_model
 from qerl.pipeline.runtime.device import cuda_available, default_device
 from qerl.pipeline.runtime.threads import trainer_threads
 from qerl.pipeline.store.artifact_store import ArtifactStore
@@ -199,6 +207,19 @@ def _policy(
     return state, reused, t_load
 
 
+def _aqn_record(cfg: TrainConfig, batch: RolloutBatch) -> dict[str, Any]:
+    """The objective's treatment of the rollout's AQN noise, and the noise itself (manifest extra)."""
+    choice = cfg.grpo.aqn_objective
+    # where the trainer applied the rollout's noise: nowhere, its TIS reference pass, or every forward
+    where = {"clean_is": "none", "on_policy": "tis-reference", "noisy_trainer": "forward"}[choice]
+    return {
+        "objective": choice,
+        "sigma": batch.sigma,
+        "noise_seed": batch.noise_seed,
+        "trainer_noise": where if batch.sigma > 0.0 else "none",
+    }
+
+
 def _log_step(step: int, mode: str, metrics: dict[str, Any]) -> None:
     if metrics["skipped"]:
         log.warning(
@@ -253,7 +274,7 @@ def run(
         state, reused, t_load = _policy(cfg, base, prev, step, device, resident_key, init_adapter)
         # read on a miss only: a cache hit needs no table (retention may have pruned it)
         batch = load_rollout_batch(scored.file(SCORED_FILE), temperature=cfg.temperature)
-        metrics = train_step(state, batch, cfg, pad_id=_pad_id(base.dir))
+        metrics = train_step(state, batch, cfg, pad_id=_pad_id(base.dir), noise_fn=apply_to_hf_model)
         save_checkpoint(state, tmp)
         built.update(state=state, rng=_rng_state())
         mode = _mode(state.base_format, cfg, device)
@@ -268,6 +289,7 @@ def run(
                 "adapter": "adapter",
                 "policy": "resident" if reused else "loaded",
                 "policy_load_s": round(t_load, 3),
+                "aqn": _aqn_record(cfg, batch),
             },
         )
 

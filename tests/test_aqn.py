@@ -88,28 +88,31 @@ def test_hf_model_noise_exact_restorable_and_not_accumulating(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # bf16: the case fp32 adding matters for
-    norms = {n: p for n, p in model.named_parameters() if n.endswith("layernorm.weight")}
-    assert len(norms) == 2 * model.config.num_hidden_layers
-    clean = {n: p.detach().clone() for n, p in norms.items()}
-    others = {n: p.detach().clone() for n, p in model.named_parameters() if n not in norms}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # bf16: the case fp32 weights matter for
+    modules = {n: m for n, m in model.named_modules() if n.endswith("layernorm")}
+    assert len(modules) == 2 * model.config.num_hidden_layers
+    originals = {n: m.weight for n, m in modules.items()}
+    clean = {n: p.detach().clone() for n, p in originals.items()}
+    others = {n: p.detach().clone() for n, p in model.named_parameters() if "layernorm" not in n}
 
     sigma, seed = 2e-3, 11
-    assert apply_to_hf_model(model, sigma, seed) == len(norms)
-    for name, param in norms.items():
+    assert apply_to_hf_model(model, sigma, seed) == len(modules)
+    for name, module in modules.items():
         layer = int(name.split(".layers.")[1].split(".")[0])
-        kind = name.split(".")[-2]
-        z = layer_noise(seed, layer, param.numel(), sigma)[kind]
-        assert torch.equal(param, (clean[name].float() + z).to(torch.bfloat16)), name
-    changed = sum(not torch.equal(norms[n], clean[n]) for n in norms)
-    assert changed == len(norms)  # sigma 2e-3 survives the bf16 cast because the add is in fp32
-    after_once = {n: p.detach().clone() for n, p in norms.items()}
+        kind = name.split(".")[-1]
+        z = layer_noise(seed, layer, module.weight.numel(), sigma)[kind]
+        # the module uses clean + z in fp32 (no bf16 rounding); the bf16 original is untouched
+        assert module.weight.dtype == torch.float32 and not module.weight.requires_grad
+        assert torch.equal(module.weight, clean[name].float() + z), name
+        assert torch.equal(originals[name], clean[name])
+    after_once = {n: m.weight.detach().clone() for n, m in modules.items()}
     apply_to_hf_model(model, sigma, seed)
-    assert all(torch.equal(norms[n], after_once[n]) for n in norms)  # no accumulation
+    assert all(torch.equal(modules[n].weight, after_once[n]) for n in modules)  # no accumulation
 
     # A peft wrapper renames the parameters; the clean copy must still be the original weights.
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
     apply_to_hf_model(peft_model, 0.0, 0)
-    assert all(torch.equal(norms[n], clean[n]) for n in norms)
+    assert all(modules[n].weight is originals[n] and torch.equal(originals[n], clean[n]) for n in modules)
+    assert all("forward" not in m.__dict__ for m in modules.values())  # the class forward again
     assert all(torch.equal(p, others[n]) for n, p in model.named_parameters() if n in others)
-    assert math.isfinite(sum(p.float().sum().item() for p in norms.values()))
+    assert math.isfinite(sum(p.float().sum().item() for p in originals.values()))

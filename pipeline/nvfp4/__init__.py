@@ -3,7 +3,10 @@
 ``recipe`` (what is quantized, supported models, the config.json ``quantization_config``),
 ``grouping`` (which linears are quantized together and share a global scale), ``safetensors_io``
 (streaming header/tensor reads and the sharded writer), ``linear`` (``NVFP4Linear``, the packed
-autograd layer) and ``loading`` (a checkpoint as a trainable HF model of such layers). The numerics
+autograd layer), ``loading`` (a checkpoint as a trainable HF model of such layers), how the codes are
+chosen beyond round-to-nearest (``scale_search``: per-block scale search; ``gptq`` and
+``calibration``: GPTQ, calibrated one decoder layer at a time) and ``quality`` (what quantization
+costs: weight errors, KL, top-1 agreement, perplexities). The numerics
 live in ``qerl.kernels`` (``nvfp4_reference`` is the specification). May import ``config``,
 ``runtime``, ``store`` and ``qerl.kernels``.
 """

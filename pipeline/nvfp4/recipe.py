@@ -10,9 +10,16 @@ checkpoint as their own. ``check_architecture`` refuses, from config.json alone,
 cannot handle (mixture-of-experts, an architecture outside ``SUPPORTED_ARCHITECTURES``, a model that
 is already quantized), before anything is read or written.
 
+``method`` says how codes and block scales are chosen; every method writes the same format, so the
+dequantizer and vLLM's FP4 Marlin kernel serve them all unchanged: ``rtn`` (round to nearest with the
+absmax block scale, the default, bit-identical to compressed-tensors' compressor), ``mse`` (per-block
+scale search, ``qerl.pipeline.nvfp4.scale_search``) and ``gptq`` (error compensation on calibration
+text, ``qerl.pipeline.nvfp4.gptq`` and ``qerl.pipeline.nvfp4.calibration``, configured by
+``CalibrationConfig``).
+
 Departure and why: a fused group (q/k/v, gate/up) is taken whole or not at all, and its members share
 one global scale (``qerl.pipeline.nvfp4.grouping``): vLLM runs each group as one layer with one scheme
-and one global scale.
+and one global scale. Every method keeps that RTN global scale.
 """
 
 from __future__ import annotations
@@ -24,13 +31,16 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 from qerl.pipeline.config import StrictModel, resource_field
+from qerl.pipeline.nvfp4.quality import QualityConfig
 
 __all__ = [
     "KNOWN_PROJECTIONS",
+    "QUANT_METHODS",
     "QUANT_SUFFIXES",
     "SUPPORTED_ARCHITECTURES",
     "TWIN_MODE",
     "UNQUANTIZED_MODE",
+    "CalibrationConfig",
     "QuantizeConfig",
     "UnsupportedModelError",
     "check_architecture",
@@ -58,6 +68,33 @@ _MOE_KEYS = (
 )
 
 
+QUANT_METHODS = ("rtn", "mse", "gptq")
+
+
+class CalibrationConfig(StrictModel):
+    """Calibration text and GPTQ settings of ``quantize.method: gptq`` (ignored by rtn and mse)."""
+
+    source: Literal["auto", "gsm8k", "train"] = Field(
+        default="auto",
+        description="gsm8k: GSM8K train questions with their worked solutions from the data directory "
+        "(data.root or $QERL_DATA_DIR); train: the run's own training problems with their reference "
+        "completions (arithmetic answers, GSM8K solutions); auto: gsm8k when the data directory has it, else train",
+    )
+    count: int = Field(default=128, ge=1, description="calibration sequences (prompt + completion)")
+    max_tokens: int = Field(default=512, ge=8, description="tokens kept per calibration sequence")
+    damp: float = Field(default=0.01, gt=0, description="Hessian damping, as a fraction of its mean diagonal")
+    act_order: bool = Field(
+        default=False,
+        description="process columns by decreasing Hessian diagonal (block scales then fixed up front)",
+    )
+    seed: int = Field(default=0, description="seed of the shuffle that picks the calibration problems")
+    scales: Literal["absmax", "mse", "hessian"] = Field(
+        default="hessian",
+        description="how GPTQ fixes a 16-column block's FP8 scale when it reaches the block: absmax (the RTN "
+        "rule), mse (weight error) or hessian (error weighted by GPTQ's per-column cost)",
+    )
+
+
 class QuantizeConfig(StrictModel):
     """Recipe of the quantize stage (part of its cache key).
 
@@ -81,6 +118,24 @@ class QuantizeConfig(StrictModel):
         description="projections that share one global scale (vLLM fuses them)",
     )
     architectures: list[str] = Field(default=list(SUPPORTED_ARCHITECTURES))
+    method: Literal["rtn", "mse", "gptq"] = Field(
+        default="rtn",
+        description="how codes and block scales are chosen (same NVFP4A16 checkpoint format): rtn: round to "
+        "nearest with the absmax block scale; mse: per-block scale search (absmax, 4-over-6 and neighbouring "
+        "E4M3 values, lowest weight error); gptq: GPTQ error compensation on calibration text (quantize.calibration)",
+    )
+    scale_sweep: int = Field(
+        default=2,
+        ge=0,
+        le=8,
+        description="mse and gptq scale search: E4M3 neighbours tried on each side of the absmax and 4-over-6 scales",
+    )
+    calibration: CalibrationConfig = Field(
+        default_factory=CalibrationConfig, description="calibration of quantize.method gptq"
+    )
+    quality: QualityConfig = Field(
+        default_factory=QualityConfig, description="quantize manifest's quality section"
+    )
     max_shard_mb: float = resource_field(
         default=4096, gt=0, description="largest output shard, MiB (the files' layout, not the weights)"
     )

@@ -223,6 +223,11 @@ def write_plots(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> li
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) < 30 else None)
+        if name == "sigma":  # what the rollout engine realised, beside the schedule's sigma
+            _, realised = curve(history, ("aqn_sigma_realised",))
+            if realised:
+                ax.plot([p[0] for p in realised], [p[1] for p in realised], "x--")
+                ax.legend([key, "realised"])
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.set_title(name)

@@ -2,7 +2,11 @@
 
 ``load_rollout_batch`` reads ``scored.parquet`` into a ``RolloutBatch`` (Python lists, one entry per
 sample), checking that every row has a prompt and one logprob per completion token and that the
-rollouts were sampled at the temperature training uses. ``collate`` pads a minibatch: prompts on the
+rollouts were sampled at the temperature training uses. The step's AQN noise (``sigma`` and
+``noise_seed`` columns, the rollout's provenance) comes along as one value per table: a trainer that
+applies the same noise (``grpo.aqn_objective``) needs exactly the draw the sampler used, so rows that
+disagree are an error; a table without the columns (written by hand, or before the noise seed was
+recorded) reads as sigma 0 / seed unknown. ``collate`` pads a minibatch: prompts on the
 left, completions on the right, so every completion starts at the same column and the logprob head
 reads one contiguous slab.
 """
@@ -30,6 +34,8 @@ class RolloutBatch:
     rewards: list[float]
     group_ids: list[Any]
     source: str = "<memory>"
+    sigma: float = 0.0  # the rollout's AQN sigma (one per RL step)
+    noise_seed: int | None = None  # the seed of its noise draw; None: not recorded
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -59,6 +65,7 @@ def load_rollout_batch(path: str | Path, temperature: float | None = None) -> Ro
             raise ValueError(f"{path}: row {i} has an empty prompt")
         if len(lp) != len(c):
             raise ValueError(f"{path}: row {i} has {len(c)} completion ids but {len(lp)} logprobs")
+    sigma, noise_seed = _step_noise(table, path)
     return RolloutBatch(
         prompt_ids=cols["prompt_ids"],
         completion_ids=cols["completion_ids"],
@@ -67,7 +74,23 @@ def load_rollout_batch(path: str | Path, temperature: float | None = None) -> Ro
         rewards=[float(r) for r in cols["reward"]],
         group_ids=cols["group_id"],
         source=str(path),
+        sigma=sigma,
+        noise_seed=noise_seed,
     )
+
+
+def _step_noise(table: Any, path: Path) -> tuple[float, int | None]:
+    """The table's one AQN (sigma, noise seed); (0.0, None) without the columns."""
+    found: list[Any] = []
+    for name in ("sigma", "noise_seed"):
+        values = set(table.column(name).to_pylist()) if name in table.column_names else {None}
+        if len(values) > 1:
+            raise ValueError(f"{path}: rows of one RL step have different AQN {name}s {sorted(values)}")
+        found.append(values.pop() if values else None)
+    sigma, seed = found
+    if sigma is not None and not (math.isfinite(sigma) and sigma >= 0.0):
+        raise ValueError(f"{path}: AQN sigma {sigma} is not a finite value >= 0")
+    return float(sigma or 0.0), None if seed is None else int(seed)
 
 
 def collate(

@@ -15,7 +15,38 @@ How (shapes: B sequences, T completion positions, ``mask`` 1 on real completion 
 * The anchor (``old_logp``) is, by default, the *trainer's* own logprob of the token before this RL
   step's first update, and each token is weighted by the truncated importance weight
   ``min(pi_trainer / pi_sampler, tis_cap)`` (``tis_weights``), which corrects for the sampler being a
-  different policy: vLLM's FP4 Marlin kernel, AQN's noisy norms, a different accumulation order.
+  different policy: vLLM's FP4 Marlin kernel, AQN's noisy norms (under the default
+  ``aqn_objective``; the next item), a different accumulation order.
+* AQN and the objective (``aqn_objective``). The rollout of step t samples from the noisy policy
+  ``pi_s ~ pi_old^z`` (the engine's numerics on top of the trainer's policy with the step's norm noise
+  ``z``); ``pi_old`` is the clean trainer before the step's first update, ``pi_old^z`` the same with
+  ``z`` applied. The exact importance weight to the clean policy factors as
+  ``pi_old / pi_s = (pi_old / pi_old^z) * (pi_old^z / pi_s)``: a noise factor and an engine factor.
+
+  - ``clean_is`` (the default): ``rho = pi / pi_old``, weight ``min(pi_old / pi_s, tis_cap)``: both
+    factors, so in expectation (up to the cap) the gradient is the clean policy's, as if the noise
+    had not been there. The noise still changes which tokens are sampled, but the weight
+    down-weights exactly the tokens the noise made likelier.
+  - ``on_policy``: ``rho = pi / pi_old`` (clean; the gradient flows through the clean policy), weight
+    ``min(pi_old^z / pi_s, tis_cap)`` with ``pi_old^z`` a no-grad pass of the trainer with the step's
+    noise: the engine factor only. The noise factor is dropped, i.e. the noisy samples count as
+    samples of the policy being trained, which is what the paper's released code does (one update
+    per rollout, ratio 1, no correction), here with the engine/quantization mismatch still corrected
+    (``tis_cap: null`` drops that too: the paper's objective exactly). The mismatch metrics compare
+    ``pi_old^z`` with the sampler (engine numerics only). It needs the trainer anchor: with ``anchor:
+    sampler`` the ratio's denominator would be the noisy sampler, whose clip removes the noise again.
+    Costs one extra no-grad forward per sample on a noisy step.
+  - ``noisy_trainer``: the trainer applies the same ``z`` (the rollout's seed and sigma) for its old
+    logprobs and for the forward/backward it trains: ``rho = pi^z / pi_old^z``, weight
+    ``min(pi_old^z / pi_s, tis_cap)``. No sampler/trainer gap comes from the noise; the gradient is
+    the noisy policy's (parameter-space exploration: the LoRA is trained at the perturbed point).
+    The reference-KL pass (``beta > 0``) runs on the clean base.
+
+  With sigma = 0 (stage 0 of the schedule, or AQN off) the three are the same objective, bit for bit.
+  Which one the paper is: ``on_policy`` (its code never corrects for the noise). Why ``clean_is`` is
+  the default anyway: it is what this pipeline has run and measured so far, and it is the unbiased
+  estimate of the clean policy's gradient; whether the exploration effect needs the noise to stay in
+  the gradient is what the ablation (``qerl ablate``) is for, and no measurement here says so yet.
 * ``aggregate``: ``grpo`` (mean over each sequence's tokens, then over the sequences that have any),
   ``bnpo`` (token mean over the minibatch), ``dapo`` (token sum over the *whole optimizer step*
   divided by its token count) and ``dr_grpo`` (token sum / (sequences * max_len)). The step-level
@@ -89,6 +120,14 @@ class GRPOConfig(StrictModel):
     dual_clip: float | None = Field(
         3.0, gt=1.0, description="dual-clip PPO: a token with A < 0 costs at most dual_clip * |A|; null = off"
     )
+    aqn_objective: Literal["clean_is", "on_policy", "noisy_trainer"] = Field(
+        "clean_is",
+        description="how the ratio and TIS treat the rollout's AQN noise: clean_is (TIS against the clean "
+        "trainer also removes the noise's effect), on_policy (noisy samples count as on-policy: TIS "
+        "against the trainer with the step's noise, ratio and gradient on the clean policy; the "
+        "paper's code), noisy_trainer (the trainer applies the step's noise for its old logprobs and "
+        "its forward/backward); see qerl.pipeline.rl.objective",
+    )
     mask_truncated: bool = Field(True, description="drop completions that hit the length limit")
     max_completion_length: int | None = Field(
         None, gt=0, description="dr_grpo normaliser; None = longest completion in the step's batch"
@@ -104,6 +143,11 @@ class GRPOConfig(StrictModel):
             raise ValueError(
                 f"grpo.tis_cap={self.tis_cap} needs grpo.anchor: trainer (with anchor: sampler the ratio is "
                 "already taken against the sampler, there is no trainer/sampler weight): set grpo.tis_cap: null"
+            )
+        if self.anchor == "sampler" and self.aqn_objective == "on_policy":
+            raise ValueError(
+                "grpo.aqn_objective=on_policy needs grpo.anchor: trainer (with anchor: sampler the ratio's "
+                "denominator is the noisy sampler, so the clip removes the noise the objective keeps)"
             )
         return self
 
@@ -262,6 +306,7 @@ def grpo_token_objective(
     cfg: GRPOConfig,
     *,
     old_logp: torch.Tensor | None = None,
+    noisy_old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     num_sequences: int | None = None,
     num_tokens: float | None = None,
@@ -273,7 +318,14 @@ def grpo_token_objective(
     ``anchor: trainer``: the ratio is taken against ``old_logp`` (the trainer's own logprobs before
     this RL step's first update; required), each token weighted by ``min(exp(old - sampler), tis_cap)``
     when ``tis_cap`` is set. ``anchor: sampler``: the ratio is taken against ``sampler_logp``.
+    ``noisy_old_logp`` (``aqn_objective: on_policy`` on a noisy step only): the trainer's old logprobs
+    with the step's AQN noise applied; the TIS weight is taken against them instead of ``old_logp``,
+    so it measures the engine mismatch and not the noise (module notes).
     """
+    if noisy_old_logp is not None and cfg.aqn_objective != "on_policy":
+        raise ValueError(
+            f"noisy_old_logp is only used by grpo.aqn_objective=on_policy, not {cfg.aqn_objective!r}"
+        )
     weights = None
     if cfg.anchor == "trainer":
         if old_logp is None:
@@ -282,7 +334,8 @@ def grpo_token_objective(
             )
         denominator = old_logp.detach()
         if cfg.tis_cap is not None:
-            weights = tis_weights(old_logp, sampler_logp, cfg.tis_cap)
+            reference = old_logp if noisy_old_logp is None else noisy_old_logp
+            weights = tis_weights(reference, sampler_logp, cfg.tis_cap)
     else:
         denominator = sampler_logp
     loss_tok, ratio = per_token_loss(

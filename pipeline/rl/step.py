@@ -23,6 +23,17 @@ order and draws from the torch RNG only through dropout, whose state the checkpo
 resumed run stays bit-identical. Each step's metrics include the sampler/trainer mismatch
 (``mismatch_kl``, ``mismatch_abs``, ``mismatch_out``, ``tis_capped``; see ``train_step``).
 
+AQN noise in the trainer (``grpo.aqn_objective``, qerl.pipeline.rl.objective): on a noisy step
+(the rollouts' ``sigma > 0``) ``noisy_trainer`` runs the old-logprob pass and every trained
+forward/backward with the rollout's noise on the norm weights, and ``on_policy`` adds one no-grad
+pass over all samples with that noise (the TIS reference, ``noisy_old``). The noise comes from
+``noise_fn`` (the stage passes ``qerl.pipeline.rollout.aqn.apply_to_hf_model``: ``rl`` may not import
+``rollout``, same layer) with the rollout's recorded seed and sigma, and each noisy stretch restores
+the clean weights (sigma 0) when it ends, even on an error: between the functions here the model is
+always clean, so the saved adapter, the resident policy and the reference-KL pass (which runs before
+the noisy forward, so the noise stays in place from a forward to its backward) never see it.
+``clean_is`` and any noise-free step touch no norm weight.
+
 Metrics of a step that trained no token: every row empty or masked (all truncated under
 ``mask_truncated``), so no token reached the loss. The per-token means (``TOKEN_MEAN_METRICS``:
 entropy, KL, clip shares, mismatch) are then ``None`` (JSON null), not 0: the entropy of nothing is
@@ -39,6 +50,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +64,7 @@ from qerl.pipeline.rl.train_config import TrainConfig
 
 __all__ = [
     "MISMATCH_METRICS",
+    "NoiseFn",
     "TOKEN_MEAN_METRICS",
     "accumulate_gradients",
     "step_context",
@@ -63,6 +77,49 @@ MISMATCH_METRICS = ("mismatch_kl", "mismatch_abs", "mismatch_out", "tis_capped")
 # averages over the step's trained tokens: None for a step that trained none (module docstring)
 TOKEN_MEAN_METRICS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "entropy", "kl", "ratio_mean",
                       *MISMATCH_METRICS)  # fmt: skip
+
+# ``fn(model, sigma, seed)``: AQN noise on a (peft-wrapped) HF model's norm weights, sigma 0 restoring
+# the clean ones: qerl.pipeline.rollout.aqn.apply_to_hf_model's signature.
+NoiseFn = Callable[[Any, float, int], object]
+
+
+@dataclass(frozen=True)
+class _Noise:
+    sigma: float
+    seed: int
+    apply: NoiseFn
+
+
+@contextmanager
+def _noised(model: Any, noise: _Noise | None) -> Iterator[None]:
+    """``noise`` on the model's norms for the block, the clean weights after it (even on an error)."""
+    if noise is None:
+        yield
+        return
+    noise.apply(model, noise.sigma, noise.seed)
+    try:
+        yield
+    finally:
+        noise.apply(model, 0.0, noise.seed)
+
+
+def _step_noise(batch: RolloutBatch, cfg: TrainConfig, noise_fn: NoiseFn | None) -> _Noise | None:
+    """The rollout's noise if the objective applies it in the trainer (None: clean_is, or sigma 0)."""
+    choice = cfg.grpo.aqn_objective
+    if choice == "clean_is" or batch.sigma == 0.0:
+        return None
+    if batch.noise_seed is None:
+        raise ValueError(
+            f"{batch.source}: grpo.aqn_objective={choice} needs the rollout's AQN noise seed, but these "
+            f"rollouts (sigma {batch.sigma}) do not record one (no noise_seed column: re-run the rollout "
+            "stage, or use grpo.aqn_objective: clean_is)"
+        )
+    if noise_fn is None:
+        raise ValueError(
+            f"grpo.aqn_objective={choice} on a noisy step (sigma {batch.sigma}) needs noise_fn "
+            "(qerl.pipeline.rollout.aqn.apply_to_hf_model) to apply the rollout's noise in the trainer"
+        )
+    return _Noise(float(batch.sigma), int(batch.noise_seed), noise_fn)
 
 
 def _update_groups(n: int, cfg: TrainConfig, generator: torch.Generator) -> list[list[list[int]]]:
@@ -88,6 +145,9 @@ class _StepContext:
     # (unpadded, one entry per row), filled by ``step_context`` and by the first update's forward.
     old_logp: dict[int, torch.Tensor]
     updated: bool = False  # an optimizer step has changed the parameters since the step began
+    noise: _Noise | None = None  # on the norms for every trained forward/backward (noisy_trainer)
+    # on_policy, noisy step: the old logprobs with the rollout's noise, per row (the TIS reference)
+    noisy_old: dict[int, torch.Tensor] | None = None
 
 
 def _old_logprobs(
@@ -112,12 +172,14 @@ def step_context(
     pad_id: int = 0,
     *,
     first_update: list[list[int]] | None = None,
+    noise_fn: NoiseFn | None = None,
 ) -> _StepContext:
     """Everything fixed for the whole RL step: advantages, masks, normalisers, old logprobs.
 
     ``first_update``: the minibatches of the step's first optimizer update; their samples' old
     logprobs come from that update's own forward (same parameters, no extra pass). Every other
     sample's are computed here, before any update. ``None``: all samples' are computed here.
+    ``noise_fn``: applies the rollout's AQN noise when ``grpo.aqn_objective`` needs it (module notes).
     """
     g = cfg.grpo
     n = len(batch)
@@ -132,8 +194,17 @@ def step_context(
     max_len = g.max_completion_length or int(lengths.max().item()) or 1
     free = {r for mb in first_update or [] for r in mb}
     rows = [r for r in range(n) if r not in free]
-    old_logp = _old_logprobs(state.model, batch, rows, cfg, pad_id, row_mask)
-    return _StepContext(batch, rewards, adv, row_mask, lengths, max_len, pad_id, old_logp)
+    noise = _step_noise(batch, cfg, noise_fn)
+    trained_noise = noise if g.aqn_objective == "noisy_trainer" else None
+    with _noised(state.model, trained_noise if rows else None):
+        old_logp = _old_logprobs(state.model, batch, rows, cfg, pad_id, row_mask)
+    noisy_old = None
+    if noise is not None and g.aqn_objective == "on_policy":
+        with _noised(state.model, noise):
+            noisy_old = _old_logprobs(state.model, batch, list(range(n)), cfg, pad_id, row_mask)
+    ctx = _StepContext(batch, rewards, adv, row_mask, lengths, max_len, pad_id, old_logp)
+    ctx.noise, ctx.noisy_old = trained_noise, noisy_old
+    return ctx
 
 
 def _scatter_old(ctx: _StepContext, rows: list[int], logp: torch.Tensor) -> torch.Tensor:
@@ -148,6 +219,16 @@ def _scatter_old(ctx: _StepContext, rows: list[int], logp: torch.Tensor) -> torc
             ctx.old_logp[r] = old[b, :length].clone()
         old[b, :length] = ctx.old_logp[r].to(old.device)
     return old
+
+
+def _gather_noisy_old(ctx: _StepContext, rows: list[int], like: torch.Tensor) -> torch.Tensor | None:
+    """The minibatch's [B, C] noisy old logprobs (on_policy, noisy step), else None; padding 0."""
+    if ctx.noisy_old is None:
+        return None
+    out = torch.zeros_like(like)
+    for b, r in enumerate(rows):
+        out[b, : len(ctx.batch.completion_ids[r])] = ctx.noisy_old[r].to(out.device)
+    return out
 
 
 def accumulate_gradients(
@@ -169,31 +250,33 @@ def accumulate_gradients(
     update_loss, finite = 0.0, True
     for rows in update:
         mb = collate(ctx.batch, rows, ctx.row_mask, ctx.pad_id)
-        logp, entropy = completion_logprobs(
-            model, mb, cfg.temperature, with_entropy=True, lora_autocast=cfg.lora_autocast
-        )
-        device = logp.device
         ref = None
-        if g.beta > 0.0:
+        if g.beta > 0.0:  # the clean base, before the (possibly noisy) forward: see the module notes
             with torch.no_grad(), model.disable_adapter():
                 ref, _ = completion_logprobs(model, mb, cfg.temperature, lora_autocast=cfg.lora_autocast)
-        loss, stats = grpo_token_objective(
-            logp,
-            mb["sampler_logp"].to(device),
-            ctx.adv[rows].to(device),
-            mb["mask"].to(device),
-            g,
-            old_logp=_scatter_old(ctx, rows, logp),
-            ref_logp=ref,
-            num_sequences=n_seq,
-            num_tokens=n_tok,
-            max_len=ctx.max_len,
-            num_rows=n_rows,
-        )
-        if g.loss_type == "bnpo":
-            loss = loss / n_mb
-        finite = finite and bool(torch.isfinite(loss.detach()))
-        loss.backward()
+        with _noised(model, ctx.noise):  # the noise stays on from the forward through its backward
+            logp, entropy = completion_logprobs(
+                model, mb, cfg.temperature, with_entropy=True, lora_autocast=cfg.lora_autocast
+            )
+            device = logp.device
+            loss, stats = grpo_token_objective(
+                logp,
+                mb["sampler_logp"].to(device),
+                ctx.adv[rows].to(device),
+                mb["mask"].to(device),
+                g,
+                old_logp=_scatter_old(ctx, rows, logp),
+                noisy_old_logp=_gather_noisy_old(ctx, rows, logp),
+                ref_logp=ref,
+                num_sequences=n_seq,
+                num_tokens=n_tok,
+                max_len=ctx.max_len,
+                num_rows=n_rows,
+            )
+            if g.loss_type == "bnpo":
+                loss = loss / n_mb
+            finite = finite and bool(torch.isfinite(loss.detach()))
+            loss.backward()
         update_loss += float(loss.detach())
         for k in ("tokens", "clip_low", "clip_high", "clip_dual", "kl", "ratio"):
             totals[k] = totals.get(k, 0.0) + stats[k]
@@ -202,12 +285,13 @@ def accumulate_gradients(
 
 
 def _mismatch_metrics(ctx: _StepContext, cfg: TrainConfig) -> dict[str, float | None]:
-    """Sampler vs trainer (old logprobs) over every trained token of the step, once per sample
-    (``None`` each when no token was trained: see the module docstring)."""
+    """Sampler vs trainer (old logprobs; on_policy's noisy ones, the TIS reference) over every trained
+    token of the step, once per sample (``None`` each when no token was trained: module docstring)."""
     rows = [r for r in range(len(ctx.batch)) if ctx.row_mask[r] * ctx.lengths[r] > 0]
     if not rows:
         return dict.fromkeys(MISMATCH_METRICS)
-    old = torch.cat([ctx.old_logp[r].float().cpu() for r in rows])
+    trainer = ctx.noisy_old if ctx.noisy_old is not None else ctx.old_logp
+    old = torch.cat([trainer[r].float().cpu() for r in rows])
     sampler = torch.cat([torch.tensor(ctx.batch.sampler_logprobs[r], dtype=torch.float32) for r in rows])
     g = cfg.grpo
     sums = mismatch_sums(old, sampler, g.eps_low, g.eps_high, g.tis_cap if g.anchor == "trainer" else None)
@@ -220,7 +304,14 @@ def _mismatch_metrics(ctx: _StepContext, cfg: TrainConfig) -> dict[str, float | 
     }
 
 
-def train_step(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_id: int = 0) -> dict[str, Any]:
+def train_step(
+    state: TrainState,
+    batch: RolloutBatch,
+    cfg: TrainConfig,
+    pad_id: int = 0,
+    *,
+    noise_fn: NoiseFn | None = None,
+) -> dict[str, Any]:
     """Apply one RL step's update(s) in place; returns the step's metrics.
 
     Besides loss, gradient norm, clip shares (``clip_frac_low``/``high``/``dual``), entropy and KL, the
@@ -228,14 +319,18 @@ def train_step(state: TrainState, batch: RolloutBatch, cfg: TrainConfig, pad_id:
     (k3 estimate of KL(sampler || trainer)), ``mismatch_abs`` (mean ``|logp_trainer - logp_sampler|``),
     ``mismatch_out`` (share with ``pi_trainer / pi_sampler`` outside ``[1 - eps_low, 1 + eps_high]``:
     what the sampler anchor would clip before any update) and ``tis_capped`` (share where the TIS cap
-    binds; 0 without TIS). The per-token means are ``None`` when no token was trained.
+    binds; 0 without TIS). The per-token means are ``None`` when no token was trained. Under
+    ``aqn_objective`` on_policy / noisy_trainer the trainer side carries the rollout's noise, so these
+    measure the engine's numerics only. ``noise_fn``: see ``step_context``.
     """
     t0 = time.perf_counter()
     model = state.model
     model.train()
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.step)
     updates = _update_groups(len(batch), cfg, generator)
-    ctx = step_context(state, batch, cfg, pad_id, first_update=updates[0] if updates else None)
+    ctx = step_context(
+        state, batch, cfg, pad_id, first_update=updates[0] if updates else None, noise_fn=noise_fn
+    )
     params = [p for _, p in trainable_parameters(model)]
     n, rewards, adv, lengths, row_mask = len(batch), ctx.rewards, ctx.adv, ctx.lengths, ctx.row_mask
     totals = dict.fromkeys(("tokens", "clip_low", "clip_high", "clip_dual", "kl", "ratio", "entropy"), 0.0)

@@ -14,10 +14,28 @@ How.
   Each layer's generator draws the input-norm noise first, then the post-attention-norm noise
   (independent vectors, one per norm). The same function serves the HF engine and the vLLM worker
   extension (``qerl.pipeline.rollout.aqn_vllm``), so both engines see bit-identical noise.
-- ``apply_norm_noise`` keeps a clean fp32 copy of every such weight the first time it sees the
-  model and always writes ``(clean + z).to(param.dtype)``: noise never accumulates, sigma = 0
-  restores the weights exactly, and the add happens in fp32 (in bf16, sigma < 4e-3 added to
-  weights near 1.0 would round away).
+- ``noise_norm_modules`` keeps a clean fp32 copy of every such weight (and the original
+  parameter) the first time it sees the model and always derives the noisy weight from that copy:
+  noise never accumulates, and sigma = 0 puts the original parameter back untouched, so a noise-free
+  step computes bit for bit what a never-noised engine computes.
+- Noisy weights are kept in fp32, also on a bf16/fp16 model. ``(clean + z).to(bf16)`` rounds z to
+  the weight's ulp (2**-7 near 1.0): with the 7B schedule (1e-2 -> 5e-4) only stage 1 survives
+  (realised 1.05x sigma), late stages keep 0.35x of it as one-ulp jumps on a few percent of the
+  channels. So while sigma > 0 the norm's weight is an fp32 parameter holding clean + z and the norm
+  computes ``(w_fp32 * normalized_fp32).to(input_dtype)``: the output stays in the input dtype (the
+  next Linear is unchanged) and the noise is exactly the one drawn. transformers' Llama/Qwen RMSNorm
+  multiply the weight by the already-cast hidden state (an fp32 weight would turn the output fp32),
+  so their instance ``forward`` is replaced while noisy (``patch_forward``); vLLM's native RMSNorm
+  already computes ``x.to(weight.dtype) * weight`` and falls back from its fused kernels, which need
+  weight dtype == input dtype, to that path by itself. An fp32 model keeps its parameter and is
+  written in place. The weight is then exact; the norm's output is still rounded to bf16 as for a
+  clean model, so a small z moves some outputs by one bf16 ulp and leaves others (unbiased, like
+  dithering) rather than vanishing in the weight. The same handling serves the trainer
+  (``apply_to_hf_model`` on a peft-wrapped model: the norms are not LoRA targets and stay frozen).
+- ``realised_sigma`` measures what the engine will use: the std over all noised channels of
+  ``w_as_used - w_clean`` (fp32, from the weight tensors themselves), from per-worker sums so that
+  pipeline-parallel workers combine. ``check_realised`` logs a WARNING when it is more than 10% off
+  the requested sigma (an engine that cannot hold fp32 weights, see ``qerl.pipeline.rollout.aqn_vllm``).
 
 Departures from the paper / reference code, and why.
 - The released scripts compute a sigma but never reach the engine; here the sigma of the step is
@@ -32,8 +50,12 @@ Departures from the paper / reference code, and why.
 
 from __future__ import annotations
 
+import logging
+import math
 import re
 from collections.abc import Iterable
+from types import MethodType
+from typing import Any, TypeVar
 
 import torch
 from pydantic import Field, model_validator
@@ -45,10 +67,14 @@ __all__ = [
     "AQNConfig",
     "apply_norm_noise",
     "apply_to_hf_model",
+    "check_realised",
     "layer_generator",
     "layer_noise",
+    "noise_hf_model",
+    "noise_norm_modules",
     "noise_targets",
     "norm_noise",
+    "realised_sigma",
     "sigma_schedule",
     "stage_of",
 ]
@@ -56,7 +82,11 @@ __all__ = [
 NORM_KINDS = ("input_layernorm", "post_attention_layernorm")
 # Matches both transformers' parameter names and vLLM's module names (model.layers.N.<kind>).
 _NORM_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(input_layernorm|post_attention_layernorm)(?:\.weight)?$")
-_CLEAN_ATTR = "_qerl_clean_norms"
+_STATE_ATTR = "_qerl_aqn_state"
+_T = TypeVar("_T")
+# |realised / requested - 1| above this is logged at WARNING
+REALISED_TOLERANCE = 0.10
+log = logging.getLogger("qerl.aqn")
 
 
 class AQNConfig(StrictModel):
@@ -117,8 +147,8 @@ def layer_noise(seed: int, layer: int, hidden_size: int, sigma: float) -> dict[s
     return {kind: norm_noise(hidden_size, sigma, gen) for kind in NORM_KINDS}
 
 
-def noise_targets(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, str, torch.Tensor]]:
-    """Filter (name, weight) pairs to the AQN targets: name -> (layer index, norm kind, weight)."""
+def noise_targets(named: Iterable[tuple[str, _T]]) -> dict[str, tuple[int, str, _T]]:
+    """Filter (name, weight or module) pairs to the AQN targets: name -> (layer index, norm kind, item)."""
     out = {}
     for name, weight in named:
         match = _NORM_RE.search(name)
@@ -133,41 +163,176 @@ def apply_norm_noise(
     sigma: float,
     seed: int,
 ) -> int:
-    """Set every target weight to ``clean + z`` in place; fill ``clean`` (fp32 copies) on first use.
+    """Write ``(clean + z).to(weight.dtype)`` into every target weight in place; returns the count.
 
-    ``targets`` comes from ``noise_targets``; ``clean`` is a dict the caller keeps across calls
-    (on the model for HF, on the worker for vLLM), keyed by "layer.kind" so that a peft wrapper
-    renaming the parameters cannot make a noisy weight look clean. Returns the number written.
+    The dtype-preserving write, for weights whose storage must not change (captured graphs); on a
+    16-bit weight most of z rounds away (module docstring), which ``realised_sigma`` then shows.
+    ``clean`` (fp32 copies, keyed "layer.kind") is filled on first use and kept by the caller.
     """
     if not targets:
         raise ValueError("aqn: the model has no layers.N.input_layernorm / post_attention_layernorm weights")
     noise_cache: dict[int, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for name, (layer, kind, weight) in targets.items():
-            key = f"{layer}.{kind}"
-            if key not in clean:
-                clean[key] = weight.detach().to(device="cpu", dtype=torch.float32).clone()
-            base = clean[key]
-            if base.dim() != 1:
-                raise ValueError(f"aqn: norm weight {name} has shape {tuple(base.shape)}, expected 1-D")
-            if sigma == 0.0:
-                new = base
-            else:
-                if layer not in noise_cache:
-                    noise_cache[layer] = layer_noise(seed, layer, base.numel(), sigma)
-                new = base + noise_cache[layer][kind]
+            base = _clean_copy(clean, f"{layer}.{kind}", weight, name)
+            new = base if sigma == 0.0 else base + _noise(noise_cache, seed, layer, kind, base, sigma)
             weight.copy_(new.to(device=weight.device, dtype=weight.dtype))
     return len(targets)
 
 
-def apply_to_hf_model(model: torch.nn.Module, sigma: float, seed: int) -> int:
-    """AQN on a transformers (or peft-wrapped) model: keeps the clean copy on the base model.
+def _clean_copy(clean: dict[str, torch.Tensor], key: str, weight: torch.Tensor, name: str) -> torch.Tensor:
+    if key not in clean:
+        if weight.dim() != 1:
+            raise ValueError(f"aqn: norm weight {name} has shape {tuple(weight.shape)}, expected 1-D")
+        clean[key] = weight.detach().to(device="cpu", dtype=torch.float32).clone()
+    return clean[key]
+
+
+def _noise(
+    cache: dict[int, dict[str, torch.Tensor]],
+    seed: int,
+    layer: int,
+    kind: str,
+    base: torch.Tensor,
+    sigma: float,
+) -> torch.Tensor:
+    if layer not in cache:
+        cache[layer] = layer_noise(seed, layer, base.numel(), sigma)
+    return cache[layer][kind]
+
+
+def _rmsnorm_fp32_weight(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama/Qwen RMSNorm with the weight multiply in fp32, output in the input dtype."""
+    input_dtype = hidden_states.dtype
+    hidden = hidden_states.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight * hidden).to(input_dtype)
+
+
+def _check_patchable(name: str, module: torch.nn.Module) -> None:
+    cls = type(module).__name__
+    # Gemma-style norms scale by (1 + w) and others differ too: only the w * x_hat form is known here
+    if not cls.endswith("RMSNorm") or "Gemma" in cls or not hasattr(module, "variance_epsilon"):
+        raise ValueError(
+            f"aqn: {name} is a {cls}; an fp32 noisy weight needs a Llama/Qwen-style RMSNorm "
+            "(w * x / rms(x) with variance_epsilon)"
+        )
+
+
+def _restore(module: torch.nn.Module, original: torch.Tensor) -> None:
+    """Put the original parameter (and the class forward) back on ``module``."""
+    if module.weight is not original:
+        module.weight = original
+    patched = module.__dict__.get("forward")
+    if getattr(patched, "__func__", None) is _rmsnorm_fp32_weight:
+        del module.__dict__["forward"]
+
+
+def _hold_fp32(
+    module: torch.nn.Module, original: torch.Tensor, new: torch.Tensor, patch_forward: bool
+) -> None:
+    """Make ``module`` use ``new`` as an fp32 weight (a new parameter the first time, then in place)."""
+    current = module.weight
+    if current is original or current.dtype != torch.float32:
+        module.weight = torch.nn.Parameter(new.to(original.device), requires_grad=False)
+    else:
+        current.data.copy_(new.to(current.device))
+    if patch_forward:
+        module.forward = MethodType(_rmsnorm_fp32_weight, module)
+
+
+def noise_norm_modules(
+    modules: dict[str, tuple[int, str, torch.nn.Module]],
+    state: dict[str, Any],
+    sigma: float,
+    seed: int,
+    *,
+    fp32_weights: bool,
+    patch_forward: bool,
+) -> dict[str, float]:
+    """Give every norm module ``clean + z`` as its weight; returns the realised-noise sums.
+
+    ``modules`` comes from ``noise_targets`` over ``named_modules()``; ``state`` is a dict the
+    caller keeps across calls (on the model for HF, on the worker for vLLM): the clean fp32 copies
+    and the original parameters, keyed "layer.kind" (a peft wrapper renaming modules cannot make a
+    noisy weight look clean). ``fp32_weights``: hold noisy 16-bit weights as fp32 parameters
+    (module docstring); False writes them in place in their dtype. ``patch_forward``: the module is
+    a transformers RMSNorm whose forward must do the multiply in fp32. Returns ``weights`` (count),
+    ``channels``, ``sum`` and ``sum_sq`` of ``w_as_used - w_clean`` (for ``realised_sigma``) and
+    ``fp32`` (1.0 when the noisy weights are fp32 tensors).
+    """
+    if not modules:
+        raise ValueError("aqn: the model has no layers.N.input_layernorm / post_attention_layernorm modules")
+    if sigma < 0:
+        raise ValueError(f"aqn: sigma must be >= 0, got {sigma}")
+    clean, original = state.setdefault("clean", {}), state.setdefault("original", {})
+    if patch_forward and sigma > 0:
+        for name, (_, _, module) in modules.items():
+            _check_patchable(name, module)  # before anything is changed
+    noise_cache: dict[int, dict[str, torch.Tensor]] = {}
+    stats = {"weights": float(len(modules)), "channels": 0.0, "sum": 0.0, "sum_sq": 0.0, "fp32": 1.0}
+    with torch.no_grad():
+        for name, (layer, kind, module) in modules.items():
+            key = f"{layer}.{kind}"
+            original.setdefault(key, module.weight)
+            param = original[key]
+            base = _clean_copy(clean, key, param, name)
+            if sigma == 0.0:
+                _restore(module, param)
+                param.data.copy_(base.to(device=param.device, dtype=param.dtype))
+            else:
+                new = base + _noise(noise_cache, seed, layer, kind, base, sigma)
+                if fp32_weights and param.dtype != torch.float32:
+                    _hold_fp32(module, param, new, patch_forward)
+                else:
+                    _restore(module, param)
+                    param.data.copy_(new.to(device=param.device, dtype=param.dtype))
+            used = module.weight.detach().to(device="cpu", dtype=torch.float32)
+            delta = (used - base).double()  # the difference in fp32, summed in fp64
+            stats["channels"] += delta.numel()
+            stats["sum"] += float(delta.sum())
+            stats["sum_sq"] += float(delta.square().sum())
+            stats["fp32"] = min(stats["fp32"], float(module.weight.dtype == torch.float32))
+    return stats
+
+
+def realised_sigma(stats: Iterable[dict[str, float]]) -> float:
+    """The std of ``w_as_used - w_clean`` over all channels of ``noise_norm_modules`` results."""
+    stats = list(stats)
+    n = sum(s["channels"] for s in stats)
+    if n <= 0:
+        raise ValueError("aqn: no noised channels to measure")
+    mean = sum(s["sum"] for s in stats) / n
+    return math.sqrt(max(sum(s["sum_sq"] for s in stats) / n - mean * mean, 0.0))
+
+
+def check_realised(sigma: float, realised: float, where: str) -> None:
+    """Log a WARNING when the realised noise is more than ``REALISED_TOLERANCE`` off ``sigma``."""
+    if sigma > 0 and abs(realised / sigma - 1.0) > REALISED_TOLERANCE:
+        log.warning(
+            "AQN on %s: realised sigma %.3g is %.2fx the requested %.3g (more than %d%% off)",
+            where,
+            realised,
+            realised / sigma,
+            sigma,
+            round(REALISED_TOLERANCE * 100),
+        )
+
+
+def noise_hf_model(model: torch.nn.Module, sigma: float, seed: int) -> dict[str, float]:
+    """AQN on a transformers (or peft-wrapped) model; returns ``noise_norm_modules``' sums.
 
     A peft wrapper is unwrapped first so that wrapping a noisy model later cannot make its noisy
-    weights look clean (the wrapper and the base share the parameters, not the attribute).
+    weights look clean (the wrapper and the base share the modules, not the attribute).
     """
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    clean = model.__dict__.setdefault(_CLEAN_ATTR, {})
-    targets = noise_targets((name, param.data) for name, param in model.named_parameters())
-    return apply_norm_noise(targets, clean, sigma, seed)
+    state = model.__dict__.setdefault(_STATE_ATTR, {})
+    modules = noise_targets(model.named_modules())
+    return noise_norm_modules(modules, state, float(sigma), int(seed), fp32_weights=True, patch_forward=True)
+
+
+def apply_to_hf_model(model: torch.nn.Module, sigma: float, seed: int) -> int:
+    """``noise_hf_model`` returning the number of norm weights written (fp32 while noisy)."""
+    return int(noise_hf_model(model, sigma, seed)["weights"])

@@ -1,4 +1,4 @@
-"""AQN inside vLLM: a worker extension that rewrites the RMSNorm weights on every worker.
+"""AQN inside vLLM: a worker extension that sets the RMSNorm weights on every worker.
 
 vLLM builds its workers (in the engine-core process, one per tensor/pipeline rank) from a class
 name, so the code that touches the weights must live in an importable module: this one. It is
@@ -9,42 +9,84 @@ seed))``. The noise itself comes from ``qerl.pipeline.rollout.aqn`` (same seeds,
 vLLM's norms are its own ``RMSNorm`` modules named ``model.layers.N.input_layernorm``; their
 ``weight`` is replicated (not sharded) under tensor parallelism, so every rank writes the full
 vector, and under pipeline parallelism each rank only holds (and noises) its own layers, whose
-global index is in the name. ``param.data`` is edited in place, so captured graphs and compiled
-code see the new values. The caller must reset the prefix cache afterwards (KV computed under
-the old weights is stale). The clean copy is taken once per worker: the engine never reloads its
-base weights (a new adapter is a LoRARequest, not a weight reload), so it cannot go stale.
+global index is in the name. Each worker returns the sums of ``w_as_used - w_clean`` over its
+channels, so the engine computes the realised sigma over all of them. The caller must reset the
+prefix cache afterwards (KV computed under the old weights is stale). The clean copy is taken once
+per worker: the engine never reloads its base weights (a new adapter is a LoRARequest, not a
+weight reload), so it cannot go stale.
+
+fp32 noisy weights (why: ``qerl.pipeline.rollout.aqn``). On an eager engine (no torch.compile,
+no CUDA graphs) a noisy step replaces the two norms' bf16/fp16 ``weight`` by an fp32 parameter
+holding clean + z. vLLM's ``RMSNorm`` then computes, through its native implementation,
+``(x_hat_fp32 * w_fp32).to(x.dtype)`` and, for the fused residual-add variant, keeps the residual
+in the input dtype (``x.to(orig_dtype)`` before normalising); the fused C kernels, which require
+weight dtype == input dtype, decline the fp32 weight by their own ``supports_args`` check. Only the
+AQN norms change, and only from the first noisy step: sigma = 0 puts the original bf16 parameter
+back, so noise-free steps (and evaluation) run the fused kernels on the exact clean weights.
+
+Engines with compiled graphs (``enforce_eager: false``: torch.compile with its guards dropped and
+CUDA graphs that captured the weight's address and dtype) cannot have a parameter's dtype changed
+after start-up: the compiled code would read the fp32 storage as bf16. There the noise is written
+in place in the model's dtype (the old behaviour, most of late-stage sigma rounds away), the
+realised sigma says by how much, and the engine logs it at WARNING. Making compiled engines exact
+needs the norms in fp32 before compilation (a load-time hook in the worker), which vLLM's worker
+extension does not offer: it is only mixed in after the worker's own methods.
 """
 
 from __future__ import annotations
 
-from qerl.pipeline.rollout.aqn import apply_norm_noise, noise_targets
+from typing import Any
 
-__all__ = ["AQNWorkerExtension"]
+from qerl.pipeline.rollout.aqn import noise_norm_modules, noise_targets
+
+__all__ = ["AQNWorkerExtension", "graphs_frozen"]
+
+
+def graphs_frozen(vllm_config: Any) -> bool:
+    """Whether the model runs compiled or under CUDA graphs (its parameters' dtypes are baked in)."""
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation, "mode", 0)
+    graphs = getattr(compilation, "cudagraph_mode", None)
+    return int(mode or 0) != 0 or (graphs is not None and getattr(graphs, "name", "NONE") != "NONE")
 
 
 class AQNWorkerExtension:
     """Mixed into vLLM's worker class; method names are prefixed to avoid clashing with it."""
 
-    def qerl_set_norm_noise(self, sigma: float, seed: int) -> int:
-        """Set every layer's norm weights to clean + N(0, sigma^2); returns how many were written."""
+    def _qerl_norm_modules(self) -> dict[str, tuple[int, str, Any]]:
         model = self.get_model()  # type: ignore[attr-defined]  (provided by vLLM's worker)
-        clean = self.__dict__.setdefault("_qerl_clean_norms", {})
-        targets = noise_targets(
-            (name, module.weight.data)
+        return noise_targets(
+            (name, module)
             for name, module in model.named_modules()
             if getattr(module, "weight", None) is not None
         )
-        return apply_norm_noise(targets, clean, float(sigma), int(seed))
+
+    def qerl_set_norm_noise(self, sigma: float, seed: int) -> dict[str, float]:
+        """Set every layer's norm weights to clean + N(0, sigma^2); returns the realised-noise sums
+        (``noise_norm_modules``) and ``graphs_frozen`` (1.0: written in the model's dtype)."""
+        frozen = graphs_frozen(self.vllm_config)  # type: ignore[attr-defined]
+        state = self.__dict__.setdefault("_qerl_aqn_state", {})
+        stats = noise_norm_modules(
+            self._qerl_norm_modules(),
+            state,
+            float(sigma),
+            int(seed),
+            fp32_weights=not frozen,
+            patch_forward=False,  # vLLM's native RMSNorm multiplies in the weight's dtype already
+        )
+        stats["graphs_frozen"] = float(frozen)
+        return stats
 
     def qerl_norm_weights(self) -> dict[str, list[float]]:
-        """The current norm weights (for tests: small models only)."""
-        model = self.get_model()  # type: ignore[attr-defined]
-        targets = noise_targets(
-            (name, module.weight.data)
-            for name, module in model.named_modules()
-            if getattr(module, "weight", None) is not None
-        )
-        return {name: w.float().cpu().tolist() for name, (_, _, w) in targets.items()}
+        """The norm weights as the model uses them (for tests: small models only)."""
+        return {
+            name: module.weight.data.float().cpu().tolist()
+            for name, (_, _, module) in self._qerl_norm_modules().items()
+        }
+
+    def qerl_norm_dtypes(self) -> dict[str, str]:
+        """The dtype of every AQN norm weight (tests: fp32 while noisy on an eager 16-bit engine)."""
+        return {name: str(module.weight.dtype) for name, (_, _, module) in self._qerl_norm_modules().items()}
 
     def qerl_describe_quant(self) -> list[str]:
         """Class names of the linear methods / quantization schemes the model runs (for the manifest)."""

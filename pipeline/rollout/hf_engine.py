@@ -1,7 +1,9 @@
 """The transformers ``generate`` rollout engine: the reference the vLLM engine is tested against.
 
 It runs the dequantized twin (mode ``hf-nvfp4-emulated``) with the LoRA adapter applied by peft and
-AQN applied to the norm weights by ``qerl.pipeline.rollout.aqn.apply_to_hf_model`` (same noise as vLLM's).
+AQN applied to the norm weights by ``qerl.pipeline.rollout.aqn.noise_hf_model`` (same noise as vLLM's;
+while noisy the norm weights are fp32 and the norms multiply in fp32, so a bf16 model gets the noise
+drawn, not its bf16 rounding).
 Sampling goes through ``generate`` itself (its temperature/top-k/top-p warpers); the recorded
 logprob is recomputed from the raw logits ``generate`` returns as ``log_softmax(logits / T)`` at the
 sampled token (see ``qerl.pipeline.rollout.protocol`` for why this and not the warped distribution).
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from qerl.pipeline.rollout.aqn import apply_to_hf_model
+from qerl.pipeline.rollout.aqn import check_realised, noise_hf_model, realised_sigma
 from qerl.pipeline.rollout.config import RolloutConfig
 from qerl.pipeline.rollout.prompt_encoding import encode_prompt, eos_token_ids
 from qerl.pipeline.rollout.protocol import (
@@ -55,7 +57,7 @@ class HFEngine:
         self.pad_id = pad if pad is not None else self.eos_ids[0]
         self._peft: Any = None
         self._adapter: str | None = None  # active adapter name, None = base model
-        self.sigma, self.noise_seed = 0.0, 0
+        self.sigma, self.noise_seed, self.sigma_realised = 0.0, 0, 0.0
         self.info: dict[str, Any] = {
             "model_dir": str(self.model_dir),
             "dtype": str(self.base.dtype),
@@ -89,10 +91,20 @@ class HFEngine:
         self._adapter = name
         log.info("HF engine: adapter %s (%s) active", digest[:12], path)
 
-    def set_noise(self, sigma: float, seed: int) -> None:
-        count = apply_to_hf_model(self.base, float(sigma), int(seed))
+    def set_noise(self, sigma: float, seed: int) -> float:
+        """AQN on the norm weights (fp32 while noisy); returns the realised sigma."""
+        stats = noise_hf_model(self.base, float(sigma), int(seed))
         self.sigma, self.noise_seed = float(sigma), int(seed)
-        log.debug("HF engine: AQN sigma=%g seed=%d on %d norm weights", sigma, seed, count)
+        self.sigma_realised = realised_sigma([stats])
+        check_realised(self.sigma, self.sigma_realised, f"HF engine ({self.mode})")
+        log.debug(
+            "HF engine: AQN sigma=%g (realised %.4g) seed=%d on %d norm weights",
+            sigma,
+            self.sigma_realised,
+            seed,
+            int(stats["weights"]),
+        )
+        return self.sigma_realised
 
     def _model(self) -> tuple[Any, contextlib.AbstractContextManager]:
         if self._peft is None:

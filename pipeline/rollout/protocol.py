@@ -5,6 +5,11 @@ adapter (``set_adapter``) and the step's AQN sigma (``set_noise``), then ``gener
 per prompt (``SamplingSpec``) with their per-token sampler logprobs (``Completion``). ``EngineError``
 says an engine cannot run as configured.
 
+AQN. ``set_noise`` returns the realised sigma, measured from the norm weights the engine will
+use (``qerl.pipeline.rollout.aqn.realised_sigma``), and the engine keeps it as ``sigma_realised``
+(a wrapper such as ``LazyEngine`` forwards the attribute; the rollout stage reads it there). It is
+not a protocol member so that test doubles, which add no noise, need not carry it.
+
 Logprob semantics (the train stage must compute the same quantity). The recorded logprob of a
 sampled token is ``log_softmax(logits / T)`` at that position, where T is the sampling temperature
 (T = 1 for greedy), taken over the full vocabulary: NOT renormalised over the top-k / top-p set.
@@ -73,7 +78,7 @@ class RolloutEngine(Protocol):
 
     def set_adapter(self, path: Path | None, digest: str | None) -> None: ...
 
-    def set_noise(self, sigma: float, seed: int) -> None: ...
+    def set_noise(self, sigma: float, seed: int) -> float: ...
 
     def generate(
         self, prompts: list[str], n: int, sampling: SamplingSpec, seed: int

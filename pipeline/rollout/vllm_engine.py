@@ -4,7 +4,9 @@
   id, so reusing an id would serve the old weights) and the prefix cache is reset.
 - AQN: ``collective_rpc("qerl_set_norm_noise", (sigma, seed))`` on every worker through the
   worker extension ``qerl.pipeline.rollout.aqn_vllm.AQNWorkerExtension``, then the prefix cache is reset (KV of
-  cached prefixes was computed under the old norm weights).
+  cached prefixes was computed under the old norm weights). The workers return what they wrote
+  and ``set_noise`` returns (and keeps as ``sigma_realised``) the realised sigma; noisy norm
+  weights are fp32 on an eager engine and in the model's dtype under compiled graphs (see there).
 - Requests: one request per (prompt, sample) with its own seed (``sample_seed``), prompts passed as
   token ids encoded exactly as the HF engine encodes them, detokenisation done here with the same
   tokenizer call, so the two engines are comparable token for token and string for string.
@@ -29,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qerl.pipeline.rollout.aqn import check_realised, realised_sigma
 from qerl.pipeline.rollout.config import RolloutConfig
 from qerl.pipeline.rollout.prompt_encoding import encode_prompt
 from qerl.pipeline.rollout.protocol import (
@@ -196,13 +199,15 @@ class VLLMEngine:
         self.last_prefix_stats: dict[str, int] = {}
         self._lora_ids: dict[str, int] = {}
         self._lora: Any = None
-        self.sigma, self.noise_seed = 0.0, 0
+        self.sigma, self.noise_seed, self.sigma_realised = 0.0, 0, 0.0
+        self._warned_frozen = False
         schemes = sorted(set().union(*self.llm.collective_rpc("qerl_describe_quant")))
         self.info: dict[str, Any] = {
             "model_dir": str(self.model_dir),
             "logprobs_mode": self.logprobs_mode,
             "linear_methods": schemes,
             "vllm_version": _vllm_version(),
+            "dtype": str(self.llm.llm_engine.vllm_config.model_config.dtype),
         }
         if mode == "vllm-nvfp4-marlin" and not any("Fp4" in s or "FP4" in s for s in schemes):
             raise EngineError(f"vLLM on CUDA did not load an NVFP4 scheme for {self.model_dir}: {schemes}")
@@ -229,18 +234,41 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         log.info("vLLM engine: adapter %s -> lora id %d", digest[:12], self._lora_ids[digest])
 
-    def set_noise(self, sigma: float, seed: int) -> None:
-        counts = self.llm.collective_rpc("qerl_set_norm_noise", args=(float(sigma), int(seed)))
-        if not counts or min(counts) <= 0:
-            raise EngineError(f"AQN reached no norm weights on the vLLM workers (counts {counts})")
+    def set_noise(self, sigma: float, seed: int) -> float:
+        """AQN on every worker; returns the realised sigma over all workers' norm weights."""
+        stats = self.llm.collective_rpc("qerl_set_norm_noise", args=(float(sigma), int(seed)))
+        if not stats or min(s["weights"] for s in stats) <= 0:
+            raise EngineError(f"AQN reached no norm weights on the vLLM workers ({stats})")
         if not self.llm.reset_prefix_cache():
             raise EngineError("vLLM refused to reset its prefix cache after AQN")
         self.sigma, self.noise_seed = float(sigma), int(seed)
-        log.debug("vLLM engine: AQN sigma=%g seed=%d on %s norm weights per worker", sigma, seed, counts)
+        self.sigma_realised = realised_sigma(stats)
+        # compiled graphs on a 16-bit model: the noisy weights could not become fp32 (aqn_vllm)
+        if sigma > 0 and any(s["graphs_frozen"] and not s["fp32"] for s in stats) and not self._warned_frozen:
+            self._warned_frozen = True
+            log.warning(
+                "vLLM engine with compiled graphs (enforce_eager: false): AQN writes the noisy norm "
+                "weights in the model's dtype %s, where small sigmas round away; see the realised sigma "
+                "(rollout.enforce_eager: true keeps them in fp32 and exact)",
+                self.info.get("dtype"),
+            )
+        check_realised(float(sigma), self.sigma_realised, f"vLLM engine ({self.mode})")
+        log.debug(
+            "vLLM engine: AQN sigma=%g (realised %.4g) seed=%d on %s norm weights per worker",
+            sigma,
+            self.sigma_realised,
+            seed,
+            [int(s["weights"]) for s in stats],
+        )
+        return self.sigma_realised
 
     def norm_weights(self) -> dict[str, list[float]]:
         """The norm weights as worker 0 holds them (tests)."""
         return self.llm.collective_rpc("qerl_norm_weights")[0]
+
+    def norm_dtypes(self) -> dict[str, str]:
+        """The norm weights' dtypes on worker 0 (tests)."""
+        return self.llm.collective_rpc("qerl_norm_dtypes")[0]
 
     def generate(
         self, prompts: list[str], n: int, sampling: SamplingSpec, seed: int

@@ -1,0 +1,405 @@
+"""What quantization costs: per-linear weight error and whole-model KL / top-1 / perplexity.
+
+What: ``quality_section`` measures an NVFP4 checkpoint against the model it was quantized from and
+returns a small ordered dict (rounded floats, byte-deterministic) that the quantize stage puts in its
+manifest (``extra["quality"]``):
+
+* ``layers``: for every quantized linear, the relative weight error ``||W - deq(Q)||_F / ||W||_F``,
+  streamed one linear at a time (the source tensor from the source safetensors, the packed one from
+  the checkpoint, row-chunked float32 differences summed in float64), so memory stays one tensor.
+* ``kl``, ``top1``, ``ppl_base``, ``ppl_quant``: over the completion tokens of held-out prompt +
+  completion texts (``qerl.pipeline.data.heldout``: GSM8K test reference solutions, else the
+  arithmetic set's test answers), the mean of KL(base || quantized) per token in nats, the share of
+  tokens where both models' most likely next token agree, and both perplexities of the completion
+  (exp of the mean negative log-likelihood). Prompt tokens are context only.
+
+How: fp32, on the GPU where there is one (two fp32 passes of a 7B model are hours of CPU), else
+on the CPU. The base model (its own weights, upcast) runs first; its completion-position logits
+are spilled to a float32 temporary file (written and read back in order), so only one model is ever
+resident (a 7B model's two fp32 copies would not fit beside each other). Then the quantized model (the
+checkpoint's dequantized weights, ``load_dequantized_reference``, fp32) runs and each chunk of
+positions is compared with the spilled rows. Texts run in right-padded batches of about
+``_BATCH_TOKENS`` tokens (few forward calls for a small model, bounded activations for a large one);
+the LM head is applied to the decoder's hidden states a chunk of positions at a time (``_chunk_rows``:
+about 16 Mi logits), so no [tokens x vocab] tensor of a whole text is built. Sums are float64;
+``logit_metrics`` is the per-chunk arithmetic, tested against hand-derived values, and the whole
+path against plain whole-sequence forwards. The section carries no timing (it would break its
+byte-determinism); the stage records ``quality_seconds`` among its metrics.
+
+Departures, and why: the quantized model is evaluated with fp32 dequantized weights, not the bf16 twin
+or the FP4 Marlin kernel a server runs: the measure is the quantization's cost, not that of a serving
+dtype. Prompt and completion are tokenized separately and concatenated (no merge across the
+boundary), so the scored tokens are exactly the completion's tokens; no end-of-turn token is added.
+The prompt is the plain question and a newline by default (``prompt: plain``), not the chat template
+the RL run uses: this is the setting of the issue's own measurement (64 GSM8K test solutions, 7,862
+SmolLM2 tokens, base perplexity 4.43), so numbers stay comparable across the project's reports, and it
+measures language modelling of the solutions rather than the chat protocol. ``prompt: chat`` renders
+the tokenizer's chat template instead (an error for a tokenizer without one).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import qerl.kernels.nvfp4_dispatch as nvfp4_dispatch
+import torch
+from pydantic import Field
+from qerl.pipeline.config import StrictModel, key_payload
+from qerl.pipeline.runtime.device import default_device
+from qerl.pipeline.store.files import sha256_json
+
+__all__ = [
+    "QualityConfig",
+    "encode_items",
+    "logit_metrics",
+    "model_metrics",
+    "quality_key",
+    "quality_line",
+    "quality_metrics",
+    "quality_section",
+    "quality_table",
+    "relative_error",
+    "weight_errors",
+]
+
+_LOGIT_BUDGET = 1 << 24  # logits per chunk of positions (64 MiB in float32; a few such temporaries)
+_BATCH_TOKENS = 4096  # padded tokens per forward: few calls for small models, bounded activations
+_ROUND = 6
+
+
+class QualityConfig(StrictModel):
+    """The quality section of the quantize manifest (``quantize.quality``)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="measure what quantization costs (per-linear weight error, and with texts > 0 KL, "
+        "top-1 and perplexities) and record it in the quantize manifest; false: no quality section",
+    )
+    source: Literal["auto", "gsm8k", "arithmetic"] = Field(
+        default="auto",
+        description="held-out texts: gsm8k (GSM8K test problems with their reference solutions, from "
+        "data_root or $QERL_DATA_DIR), arithmetic (the procedural set's test split), auto: gsm8k when "
+        "its test file is there, else arithmetic",
+    )
+    data_root: str | None = Field(
+        default=None,
+        description="data directory holding gsm8k/test.jsonl (None: a run's data.root, else $QERL_DATA_DIR)",
+    )
+    texts: int = Field(
+        default=64,
+        ge=0,
+        description="held-out prompt + completion texts the model metrics are measured on; 0: weight "
+        "errors only (no model is loaded)",
+    )
+    prompt: Literal["plain", "chat"] = Field(
+        default="plain",
+        description="how a text's question is put before its completion: plain (the question and a newline) "
+        "or chat (the tokenizer's chat template, user turn, generation prompt added)",
+    )
+    max_tokens: int = Field(
+        default=1024,
+        ge=8,
+        description="tokens of one text (prompt + completion) at most; a longer completion is cut at its end",
+    )
+
+
+def quality_key(cfg: QualityConfig, texts: tuple[str, list[dict[str, Any]], str] | None) -> dict[str, str]:
+    """What the quantize stage's cache key takes of the section: one input digest of the settings and
+    the held-out texts' digest, nothing when disabled.
+
+    Keyed although the checkpoint's bytes do not depend on it: the manifest is what a user reads the
+    quality from, and a cache hit must not show a section measured under other settings or on other
+    texts ($QERL_DATA_DIR appearing turns ``auto`` from arithmetic to GSM8K). Changing it costs one
+    re-quantize; downstream stages keep their caches, since an artifact's digest covers its files,
+    not its manifest."""
+    if not cfg.enabled:
+        return {}
+    return {"quality": sha256_json({"config": key_payload(cfg), "texts": texts[2] if texts else None})}
+
+
+# --- per-linear weight error ------------------------------------------------------------------
+
+
+def relative_error(w: torch.Tensor, d: torch.Tensor, chunk_elements: int = 1 << 22) -> float:
+    """``||w - d||_F / ||w||_F`` in float64, row-chunked; 0.0 for an all-zero ``w`` decoded exactly."""
+    if w.shape != d.shape:
+        raise ValueError(f"relative_error: shapes differ, {tuple(w.shape)} vs {tuple(d.shape)}")
+    w2, e2 = 0.0, 0.0
+    rows = w.reshape(w.shape[0], -1) if w.dim() > 1 else w.reshape(1, -1)
+    dec = d.reshape(rows.shape)
+    step = max(1, chunk_elements // max(1, rows.shape[1]))
+    for r in range(0, rows.shape[0], step):
+        a = rows[r : r + step].to(torch.float64)
+        w2 += float((a * a).sum())
+        diff = a - dec[r : r + step].to(torch.float64)
+        e2 += float((diff * diff).sum())
+    if w2 == 0.0:
+        return 0.0 if e2 == 0.0 else math.inf
+    return math.sqrt(e2 / w2)
+
+
+def weight_errors(src_dir: str | Path, ckpt_dir: str | Path) -> dict[str, float]:
+    """Relative weight error of every quantized linear of ``ckpt_dir`` against ``src_dir``, in
+    natural module order; one linear in memory at a time."""
+    # imported here: recipe.py imports this module for QualityConfig, and safetensors_io imports recipe
+    from qerl.pipeline.nvfp4.safetensors_io import iter_quantized_linears, read_tensor, safetensors_index
+
+    specs = safetensors_index(src_dir)
+    out: dict[str, float] = {}
+    for module, (packed, scale, gscale) in iter_quantized_linears(ckpt_dir):
+        spec = specs.get(f"{module}.weight")
+        if spec is None:
+            raise ValueError(f"{ckpt_dir}: quantized linear '{module}' has no '{module}.weight' in {src_dir}")
+        deq = nvfp4_dispatch.dequantize(packed, scale, gscale, dtype=torch.float32)
+        out[module] = relative_error(read_tensor(spec), deq)
+    return out
+
+
+# --- whole-model metrics ----------------------------------------------------------------------
+
+
+def logit_metrics(base: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Sums over rows of [n, vocab] logits: ``kl`` (sum of KL(base||quant) per row, nats), ``agree``
+    (rows whose argmax agree), ``nll_base`` / ``nll_quant`` (sum of -log p(target)), ``tokens`` (n)."""
+    if base.shape != quant.shape or base.dim() != 2 or targets.shape != base.shape[:1]:
+        raise ValueError(
+            f"logit_metrics: base {tuple(base.shape)}, quant {tuple(quant.shape)} and targets "
+            f"{tuple(targets.shape)} must be [n, vocab], [n, vocab], [n]"
+        )
+    lp = torch.log_softmax(base.float(), dim=-1)
+    lq = torch.log_softmax(quant.float(), dim=-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1, dtype=torch.float64)
+    t = targets.long().unsqueeze(-1)
+    return {
+        "kl": float(kl.sum()),
+        "agree": float((base.argmax(-1) == quant.argmax(-1)).sum()),
+        "nll_base": float(-lp.gather(-1, t).sum(dtype=torch.float64)),
+        "nll_quant": float(-lq.gather(-1, t).sum(dtype=torch.float64)),
+        "tokens": float(base.shape[0]),
+    }
+
+
+def encode_items(
+    tokenizer: Any, items: list[dict[str, Any]], max_tokens: int, prompt: str = "plain"
+) -> tuple[list[tuple[list[int], int]], int]:
+    """(list of (token ids, prompt length), truncated count): each item's prompt (``prompt``: plain,
+    the question and a newline; chat, the chat template's rendering) and its completion, tokenized apart."""
+    if prompt not in ("plain", "chat"):
+        raise ValueError(f"quantize.quality.prompt must be plain or chat, not '{prompt}'")
+    chat = prompt == "chat"
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"quantize.quality.prompt chat: the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no "
+            "chat template; use prompt plain"
+        )
+    encoded, truncated = [], 0
+    for item in items:
+        if chat:
+            text = tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True)
+        else:
+            text = "\n".join(m["content"] for m in item["messages"]) + "\n"
+        p = tokenizer(text, add_special_tokens=False).input_ids
+        c = tokenizer(item["completion"], add_special_tokens=False).input_ids
+        if len(p) + 1 > max_tokens:
+            raise ValueError(
+                f"held-out item {item.get('id')}: its prompt is {len(p)} tokens, no room for a completion "
+                f"within quantize.quality.max_tokens={max_tokens}"
+            )
+        if not c:
+            raise ValueError(f"held-out item {item.get('id')}: the completion has no tokens")
+        if len(p) + len(c) > max_tokens:
+            c, truncated = c[: max_tokens - len(p)], truncated + 1
+        encoded.append((p + c, len(p)))
+    return encoded, truncated
+
+
+def _chunk_rows(vocab: int) -> int:
+    return max(1, _LOGIT_BUDGET // max(1, vocab))
+
+
+def _batches(encoded: list[tuple[list[int], int]]) -> Iterator[list[tuple[list[int], int]]]:
+    """Consecutive texts, as many as fit ``_BATCH_TOKENS`` padded tokens (one text at least)."""
+    batch: list[tuple[list[int], int]] = []
+    for item in encoded:
+        longest = max([len(ids) for ids, _ in batch] + [len(item[0])])
+        if batch and longest * (len(batch) + 1) > _BATCH_TOKENS:
+            yield batch
+            batch = []
+        batch.append(item)
+    if batch:
+        yield batch
+
+
+@torch.inference_mode()
+def _completion_logits(
+    model: torch.nn.Module, encoded: list[tuple[list[int], int]]
+) -> Iterator[torch.Tensor]:
+    """Float32 logits at the positions that predict the completion tokens, every text in order, a
+    chunk of rows at a time (a chunk may span texts). Texts run in right-padded batches (the mask
+    hides the padding; a real token's position and context are those of the text alone)."""
+    head = model.get_output_embeddings()
+    step = _chunk_rows(head.weight.shape[0])
+    for batch in _batches(encoded):
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for b, (toks, _) in enumerate(batch):
+            ids[b, : len(toks)], mask[b, : len(toks)] = torch.tensor(toks), 1
+        device = head.weight.device
+        hidden = model.get_decoder()(
+            input_ids=ids.to(device), attention_mask=mask.to(device)
+        ).last_hidden_state
+        # the batch's completion rows in text order, so the head and the metrics run on few large chunks
+        rows = torch.cat(
+            [hidden[b, n_prompt - 1 : len(toks) - 1] for b, (toks, n_prompt) in enumerate(batch)]
+        )
+        for r in range(0, rows.shape[0], step):
+            yield head(rows[r : r + step]).float().cpu()
+
+
+def _load_base(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def model_metrics(
+    base_dir: str | Path,
+    quant_dir: str | Path,
+    items: list[dict[str, Any]],
+    max_tokens: int,
+    prompt: str = "plain",
+) -> dict[str, Any]:
+    """KL(base||quant) nats/token, top-1 agreement, both perplexities over the completion tokens of
+    ``items``; one model resident at a time (see the module docstring)."""
+    from qerl.pipeline.nvfp4.loading import load_dequantized_reference
+    from transformers import AutoTokenizer
+
+    device = default_device()  # a GPU where there is one: two fp32 passes of a 7B model are hours of CPU
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    encoded, truncated = encode_items(tokenizer, items, max_tokens, prompt)
+    targets = torch.tensor([t for ids, n in encoded for t in ids[n:]])
+    sums = dict.fromkeys(("kl", "agree", "nll_base", "nll_quant", "tokens"), 0.0)
+    # both passes yield the same chunks in the same order, so the spill is written and read back
+    # sequentially, with plain file I/O: mapped pages would count in the resident set (safetensors_io)
+    with tempfile.TemporaryFile(prefix="qerl-quality-") as spill:
+        base = _load_base(Path(base_dir)).to(device)
+        for chunk in _completion_logits(base, encoded):
+            spill.write(chunk.numpy().tobytes())
+        del base
+        quant = load_dequantized_reference(quant_dir, dtype=torch.float32).eval().to(device)
+        spill.seek(0)
+        row = 0
+        for chunk in _completion_logits(quant, encoded):
+            k = chunk.shape[0]
+            buf = bytearray(chunk.numel() * 4)
+            if spill.readinto(buf) != len(buf):
+                raise RuntimeError("quality: the base logits spill file is shorter than the quantized pass")
+            base_rows = torch.frombuffer(buf, dtype=torch.float32).reshape(chunk.shape)
+            part = logit_metrics(base_rows, chunk, targets[row : row + k])
+            sums = {key: sums[key] + part[key] for key in sums}
+            row += k
+        del quant
+    tokens = int(sums["tokens"])
+    return {
+        "prompt": prompt,
+        "truncated": truncated,
+        "tokens": tokens,
+        "kl": sums["kl"] / tokens,
+        "top1": sums["agree"] / tokens,
+        "ppl_base": math.exp(sums["nll_base"] / tokens),
+        "ppl_quant": math.exp(sums["nll_quant"] / tokens),
+    }
+
+
+# --- the manifest section and its renderings --------------------------------------------------
+
+
+def _r(x: float) -> float:
+    return round(float(x), _ROUND)
+
+
+def quality_section(
+    cfg: QualityConfig,
+    src_dir: str | Path,
+    ckpt_dir: str | Path,
+    texts: tuple[str, list[dict[str, Any]], str] | None,
+) -> dict[str, Any]:
+    """The manifest's quality section for checkpoint ``ckpt_dir`` quantized from ``src_dir``.
+
+    ``texts``: (label, items, digest) of ``qerl.pipeline.data.heldout.held_out_texts``; None (with
+    ``cfg.texts == 0``) measures the weight errors only."""
+    errors = weight_errors(src_dir, ckpt_dir)
+    if not errors:
+        raise ValueError(f"{ckpt_dir}: no quantized linears to measure")
+    worst = max(errors, key=errors.__getitem__)  # the first in module order among equals
+    section: dict[str, Any] = {}
+    if texts is not None and cfg.texts > 0:
+        label, items, digest = texts
+        m = model_metrics(src_dir, ckpt_dir, items, cfg.max_tokens, cfg.prompt)
+        section["texts"] = {"source": label, "count": len(items), "digest": digest, "prompt": m["prompt"],
+                            "max_tokens": cfg.max_tokens, "truncated": m["truncated"]}  # fmt: skip
+        section.update(tokens=m["tokens"], kl=_r(m["kl"]), top1=_r(m["top1"]),
+                       ppl_base=_r(m["ppl_base"]), ppl_quant=_r(m["ppl_quant"]))  # fmt: skip
+    section["weight_error"] = {
+        "linears": len(errors),
+        "mean": _r(sum(errors.values()) / len(errors)),
+        "max": _r(errors[worst]),
+        "worst": worst,
+    }
+    section["layers"] = {k: _r(v) for k, v in errors.items()}
+    return section
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+_SOURCE_WORDS = {"gsm8k/test": "GSM8K test solutions", "arithmetic/test": "arithmetic test answers"}
+
+
+def quality_line(section: dict[str, Any] | None) -> str:
+    """One line: KL, top-1, perplexities (texts, tokens) and the worst linear's relative error."""
+    if not section:
+        return "quality: not measured (quantize.quality.enabled is false, or the artifact predates it)"
+    w = section["weight_error"]
+    worst = f"worst linear {_short(w['worst'])} {100 * w['max']:.1f}%"
+    if "kl" not in section:
+        return f"quality: weight error mean {100 * w['mean']:.1f}% over {w['linears']} linears; {worst}"
+    t = section["texts"]
+    what = _SOURCE_WORDS.get(t["source"], t["source"])
+    return (
+        f"quality: KL {section['kl']:.3f} nats/token, top-1 {section['top1']:.3f}, "
+        f"ppl {section['ppl_base']:.2f} -> {section['ppl_quant']:.2f} "
+        f"({t['count']} {what}, {section['tokens']:,} tokens); {worst}"
+    )
+
+
+def quality_metrics(section: dict[str, Any] | None) -> dict[str, float]:
+    """The section's numbers as flat metrics for a tracker: ``quantize_kl``, ``quantize_top1``,
+    ``quantize_ppl_base``, ``quantize_ppl_quant`` (when measured on texts) and
+    ``quantize_weight_error_mean`` / ``_max``; empty without a section."""
+    if not section:
+        return {}
+    out = {
+        f"quantize_{k}": float(section[k]) for k in ("kl", "top1", "ppl_base", "ppl_quant") if k in section
+    }
+    w = section["weight_error"]
+    out.update(quantize_weight_error_mean=float(w["mean"]), quantize_weight_error_max=float(w["max"]))
+    return out
+
+
+def quality_table(section: dict[str, Any] | None) -> str:
+    """The per-linear relative weight errors, worst first (ties in module order)."""
+    if not section:
+        return quality_line(section) + "\n"
+    layers = section["layers"]
+    order = sorted(layers, key=lambda k: -layers[k])  # stable: module order among equals
+    width = max(len(_short(k)) for k in order)
+    lines = [f"{'linear':<{width}}  rel. weight error", f"{'-' * width}  -----------------"]
+    lines += [f"{_short(k):<{width}}  {100 * layers[k]:16.2f}%" for k in order]
+    return "\n".join(lines) + "\n"
