@@ -6,7 +6,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # gpu.md comes from bench_gpu.py on a CUDA machine only
-ORDER = ["quantize", "score", "rollout", "train", "contention", "contention-busy", "gpu"]
+ORDER = [
+    "quantize",
+    "quantize-quality",
+    "score",
+    "rollout",
+    "train",
+    "contention",
+    "contention-busy",
+    "aqn-dtype",
+    "gpu",
+]
 
 HEADER = """# Benchmarks
 
