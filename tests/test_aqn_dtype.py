@@ -171,7 +171,12 @@ def test_realised_sigma_combines_workers_and_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="qerl.aqn"):
         check_realised(1e-3, 1.05e-3, "engine A")
         check_realised(0.0, 0.0, "engine B")
+        # a tiny model's draw: 256 channels are 4.4% a standard error, 0.89x is its own sampling (seen in CI)
+        check_realised(1e-2, 0.89e-2, "tiny engine", channels=256)
         assert not caplog.records
+        check_realised(1e-2, 0.89e-2, "7B engine", channels=2 * 28 * 3584)
+        assert "7B engine" in caplog.text
+        caplog.clear()
         check_realised(1e-3, 0.43e-3, "engine C")
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "engine C" in caplog.text and "0.43x" in caplog.text

@@ -41,6 +41,10 @@ def _servers(work: Path) -> list[int]:
     return pids
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(cfg_path: Path, work: Path, fault: str | None = None) -> tuple[subprocess.Popen, Path]:
     # PREFECT_*: in-process flows of earlier tests set PREFECT_HOME here (prepare_environment)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"QERL_WORK_DIR": str(work)}
@@ -51,7 +55,11 @@ def _start(cfg_path: Path, work: Path, fault: str | None = None) -> tuple[subpro
     err_path = work / f"cli-{fault or 'run'}.err"
     with open(err_path, "w") as err:  # the terminal's process group: its own session here
         cmd = [sys.executable, "-m", "qerl.flows.cli", "run", "--config", str(cfg_path)]
-        proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=err, start_new_session=True)
+        # SIGINT as a terminal's foreground command has it: a runner launched in the background
+        # (`make test &`) passes SIGINT on ignored, and the Ctrl-C test would then see a completed run
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=err, stderr=err, start_new_session=True, preexec_fn=_default_sigint
+        )
     return proc, err_path
 
 

@@ -96,7 +96,7 @@ class HFEngine:
         stats = noise_hf_model(self.base, float(sigma), int(seed))
         self.sigma, self.noise_seed = float(sigma), int(seed)
         self.sigma_realised = realised_sigma([stats])
-        check_realised(self.sigma, self.sigma_realised, f"HF engine ({self.mode})")
+        check_realised(self.sigma, self.sigma_realised, f"HF engine ({self.mode})", stats["channels"])
         log.debug(
             "HF engine: AQN sigma=%g (realised %.4g) seed=%d on %d norm weights",
             sigma,

@@ -252,7 +252,9 @@ class VLLMEngine:
                 "(rollout.enforce_eager: true keeps them in fp32 and exact)",
                 self.info.get("dtype"),
             )
-        check_realised(float(sigma), self.sigma_realised, f"vLLM engine ({self.mode})")
+        check_realised(
+            float(sigma), self.sigma_realised, f"vLLM engine ({self.mode})", sum(s["channels"] for s in stats)
+        )
         log.debug(
             "vLLM engine: AQN sigma=%g (realised %.4g) seed=%d on %s norm weights per worker",
             sigma,
