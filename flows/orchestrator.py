@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+from qerl.pipeline.runtime.errors import cause_chain
+
 log = logging.getLogger("qerl.flow")
 
 _state: dict[str, object] = {"url": None, "lost": False}
@@ -70,11 +72,4 @@ def caused_by_connection(err: BaseException) -> bool:
     """Whether ``err`` or an exception it was raised from is a transport error (no answer at all)."""
     import httpx
 
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        if isinstance(current, httpx.TransportError):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
+    return any(isinstance(e, httpx.TransportError) for e in cause_chain(err))

@@ -234,7 +234,7 @@ def run_with_status(
     calib_ids, calib = calibration_tokens(cfg, src_dir, data) if cfg.method == "gptq" else (None, None)
     device = _device() if cfg.method == "rtn" else torch.device("cpu")  # mse, gptq: plain torch on CPU
     backend = nvfp4_dispatch.quantize_backend(device) if cfg.method == "rtn" else "torch"
-    # --- quality section (qerl.pipeline.nvfp4.quality; NAME=quality) --------------------------------
+    # the quality section (qerl.pipeline.nvfp4.quality): held-out texts resolved before the build
     # the held-out texts are read before the build: their digest and quantize.quality key the artifact
     q_cfg = cfg.quality
     held_out = (
@@ -274,7 +274,7 @@ def run_with_status(
             backend,
             seconds,
         )
-        # --- quality section (NAME=quality): measured on the checkpoint just written ------------------
+        # the quality section, measured on the checkpoint just written
         tq = time.perf_counter()
         quality = {"quality": quality_section(q_cfg, src_dir, tmp, held_out)} if q_cfg.enabled else {}
         quality_s = {"quality_seconds": time.perf_counter() - tq} if quality else {}
@@ -295,11 +295,11 @@ def run_with_status(
                 "backend": backend,
                 "method": cfg.method,
                 **({"calibration": calib} if calib else {}),
-                **quality,  # quality section (NAME=quality)
+                **quality,
             },
         )
 
-    inputs = {"base": base_digest, **quality_inputs}  # quality section (NAME=quality)
+    inputs = {"base": base_digest, **quality_inputs}
     return store.produce(STAGE, _recipe_key(cfg, calib), inputs, code, build)
 
 
@@ -311,7 +311,7 @@ def _recipe_key(cfg: QuantizeConfig, calibration: dict | None = None) -> dict:
     ``method: rtn`` keys exactly as before the method existed (its caches stay valid); ``mse`` adds the
     method and its sweep; ``gptq`` also the calibration settings and the calibration text's digest."""
     key = {k: v for k, v in key_payload(cfg).items() if k not in ("twin_dtype", "scheme")}
-    key.pop("quality", None)  # keyed through the inputs, with the held-out texts' digest (NAME=quality)
+    key.pop("quality", None)  # keyed through the inputs, with the held-out texts' digest
     calib_settings = key.pop("calibration")
     sweep = key.pop("scale_sweep")
     if key.pop("method") == "rtn":
