@@ -5,7 +5,8 @@ against the gold ``answer`` with ``qerl.pipeline.data.rewards.score_batch`` (wor
 deadline per answer), and writes ``scored.parquet``: every input column, then ``extracted``,
 ``correct``, ``reward``, ``status``, ``group_reward_mean``, ``group_reward_std`` and ``group_size``
 (groups by ``group_id``, rows in input order). Metrics: reward mean/std, accuracy, counts per status,
-answers/s, the slowest answer's latency.
+answers/s, the slowest answer's latency, and the rollouts' AQN sigma (``aqn_sigma``, where the table
+has one ``sigma`` for all rows).
 
 Group statistics use the sample standard deviation (ddof=1, 0 for a group of one), as TRL's GRPO
 does; the train stage may recompute advantages from ``reward`` and ``group_id`` instead.
@@ -118,6 +119,9 @@ def _score_table(cfg: RewardConfig, source: Path, out: Path) -> BuildResult:
     pq.write_table(table, out)
     metrics = summarize(records, seconds)
     metrics["groups"] = len(set(table.column("group_id").to_pylist()))
+    sigmas = set(table.column("sigma").to_pylist()) if "sigma" in table.column_names else set()
+    if len(sigmas) == 1 and None not in sigmas:  # the step's AQN sigma: the train key needs it (train.py)
+        metrics["aqn_sigma"] = float(sigmas.pop())
     return BuildResult(mode=f"process-pool/{cfg.workers}-workers", metrics=metrics)
 
 

@@ -21,7 +21,10 @@ AQN noise: the rollouts carry their step's sigma and noise seed (``sigma``/``noi
 ``grpo.aqn_objective`` (on_policy, noisy_trainer) applies that noise inside the trainer through
 ``qerl.pipeline.rollout.aqn.apply_to_hf_model`` (``qerl.pipeline.rl.objective`` says what each choice
 means), always removed again before the checkpoint is saved. The choice is part of the train config,
-so of the cache key; the manifest's ``extra["aqn"]`` records it with the sigma and seed the step saw
+so of the cache key, except on a noise-free step (the scored rollouts' ``aqn_sigma`` is 0), where
+every choice computes the same update: such a step is keyed as ``clean_is``, so an ablation's arms
+that differ only in the objective share AQN's noise-free first stage, as the arms with and without
+AQN do. The manifest's ``extra["aqn"]`` records the run's choice with the sigma and seed the step saw
 and whether the trainer ran with the noise.
 
 Resident policy. Rebuilding the policy from disk every step (base load, peft wrap, optimizer) costs
@@ -162,6 +165,9 @@ def _key_parts(
     }
     if init_adapter is not None:  # only then: plain runs keep their cache keys
         inputs["init_adapter"] = init_adapter[1]
+    if scored.metrics.get("aqn_sigma") == 0.0 and cfg.grpo.aqn_objective != "clean_is":
+        # every objective is the same update on a noise-free step: key it as one (module notes)
+        cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"aqn_objective": "clean_is"})})
     return {"train": cfg, "step": step}, inputs, code  # keyed without resource fields (key_payload)
 
 

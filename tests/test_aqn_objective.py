@@ -426,3 +426,26 @@ def test_train_stage_keys_and_records_the_choice(nvfp4_base, tmp_path):
             "objective": choice, "sigma": SIGMA, "noise_seed": SEED, "trainer_noise": where[choice]
         }  # fmt: skip
         assert m.config["train"]["grpo"]["aqn_objective"] == choice
+
+
+def test_a_noise_free_step_is_one_checkpoint_for_every_choice(nvfp4_base, tmp_path):
+    """Keyed by the scored rollouts' ``aqn_sigma``: at 0 the three choices are one update, so arms
+    that differ only in the objective share AQN's noise-free stage; a noisy step keeps them apart."""
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.pipeline.store.manifest import BuildResult, Manifest
+    from qerl.stages.train import drop_resident_policy, run
+
+    store = ArtifactStore(tmp_path / "store")
+    base = Manifest.load(nvfp4_base)
+    batch = _batch(init_state(nvfp4_base, _cfg("clean_is")), REWARDS, _shift, sigma=0.0)
+
+    def build(tmp):
+        pq.write_table(pa.table(_table(batch, 0.0, SEED)), tmp / "scored.parquet")
+        return BuildResult(metrics={"aqn_sigma": 0.0})
+
+    scored = store.produce("score", {"tag": "noise-free"}, {}, "test", build)[0]
+    try:
+        made = [run(cfg=_cfg(c), base=base, scored=scored, prev=None, step=0, store=store) for c in CHOICES]
+    finally:
+        drop_resident_policy()
+    assert len({m.key for m in made}) == 1

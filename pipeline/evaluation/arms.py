@@ -8,6 +8,11 @@ and compares the arms (``qerl.pipeline.evaluation.report``; the flow is ``qerl.f
 - **Arms** (``ARMS``): ``bf16-lora`` serves and trains the unquantized base (``quantize.scheme:
   none``, in the twin dtype = ``train.dtype``; the arm keeps the paper's name), ``nvfp4-lora`` the
   NVFP4 base without AQN, ``nvfp4-aqn`` is QeRL.
+- **Variants** (``arm_overrides``): an NVFP4 arm may name its quantizer and an AQN arm its objective
+  as dash-separated suffixes, ``nvfp4-lora-gptq`` or ``nvfp4-aqn-gptq-on_policy`` (values of
+  ``quantize.method`` and ``train.grpo.aqn_objective``), so one ablation compares quantizers and AQN
+  objectives beside the three paper arms; a bare arm keeps the user's settings of both. A suffix the
+  arm cannot use is an error (bf16-lora has no quantizer, an arm without AQN no noise to treat).
 - **Seeds** (``arm_config``): "everything else identical, seeds included". Replicate ``i`` adds
   ``i`` to every seed that drives training randomness (``loop.seed``: prompt order; ``rollout.seed``:
   sampling and AQN noise; ``train.seed``: LoRA init) and is the same replicate in every arm, so arm A
@@ -21,9 +26,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from qerl.pipeline.config import config_hash
+from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+from qerl.pipeline.rl.objective import GRPOConfig
 
 ARMS: dict[str, dict[str, dict[str, Any]]] = {
     "bf16-lora": {"quantize": {"scheme": "none"}, "aqn": {"enabled": False}},
@@ -32,6 +39,10 @@ ARMS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+# the suffixes an arm may carry, from the config models (one source of truth for the valid values)
+QUANTIZERS: tuple[str, ...] = get_args(QuantizeConfig.model_fields["method"].annotation)
+AQN_OBJECTIVES: tuple[str, ...] = get_args(GRPOConfig.model_fields["aqn_objective"].annotation)
+
 SEED_KEYS = (("loop", "seed"), ("rollout", "seed"), ("train", "seed"))
 
 
@@ -39,12 +50,39 @@ class AblationError(ValueError):
     """An ablation cannot be set up or compared as asked; the message names the offending thing."""
 
 
+def arm_overrides(arm: str) -> dict[str, dict[str, Any]]:
+    """The config overrides of arm ``arm``: a paper arm (``ARMS``) and its variant suffixes (module notes)."""
+    base = next((a for a in sorted(ARMS, key=len, reverse=True) if arm == a or arm.startswith(a + "-")), None)
+    if base is None:
+        raise AblationError(
+            f"unknown arm '{arm}'; the arms are {sorted(ARMS)}, optionally followed by a quantizer "
+            f"{list(QUANTIZERS)} (NVFP4 arms) and an AQN objective {list(AQN_OBJECTIVES)} (nvfp4-aqn), "
+            "e.g. nvfp4-aqn-gptq-on_policy"
+        )
+    out = copy.deepcopy(ARMS[base])
+    for suffix in arm[len(base) + 1 :].split("-") if arm != base else []:
+        if suffix in QUANTIZERS and out["quantize"]["scheme"] == "nvfp4":
+            section, key = out["quantize"], "method"
+        elif suffix in AQN_OBJECTIVES and out["aqn"]["enabled"]:
+            section, key = out.setdefault("train", {}).setdefault("grpo", {}), "aqn_objective"
+        else:
+            allowed = (list(QUANTIZERS) if out["quantize"]["scheme"] == "nvfp4" else []) + (
+                list(AQN_OBJECTIVES) if out["aqn"]["enabled"] else []
+            )
+            raise AblationError(
+                f"arm '{arm}': '{suffix}' is not a variant of {base}; its variants are {allowed or 'none'}"
+            )
+        if key in section:
+            raise AblationError(f"arm '{arm}' sets {key} twice ({section[key]}, {suffix})")
+        section[key] = suffix
+    return out
+
+
 def parse_arms(text: str | Sequence[str]) -> list[str]:
-    """``"a,b"`` or a list -> arm names, checked: known, distinct, at least two."""
+    """``"a,b"`` or a list -> arm names, checked: known (with valid variants), distinct, at least two."""
     names = [a.strip() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
-    unknown = [a for a in names if a not in ARMS]
-    if unknown:
-        raise AblationError(f"unknown arm(s) {unknown}; the arms are {sorted(ARMS)}")
+    for name in names:
+        arm_overrides(name)
     if len(set(names)) != len(names):
         raise AblationError(f"arms must be distinct, got {names}")
     if len(names) < 2:
@@ -64,11 +102,10 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 def arm_config(config: Mapping[str, Any], arm: str, replicate: int) -> dict[str, Any]:
     """The run config of (``arm``, replicate ``replicate``): the user's config, the arm's overrides, and
     every training seed shifted by ``replicate`` (see the module docstring). ``config`` is not changed."""
-    if arm not in ARMS:
-        raise AblationError(f"unknown arm '{arm}'; the arms are {sorted(ARMS)}")
+    overrides = arm_overrides(arm)
     if replicate < 0:
         raise AblationError(f"replicate must be >= 0, got {replicate}")
-    out = _merge(copy.deepcopy(dict(config)), ARMS[arm])
+    out = _merge(copy.deepcopy(dict(config)), overrides)
     for section, key in SEED_KEYS:
         part = out.setdefault(section, {})
         part[key] = int(part.get(key, 0)) + replicate
