@@ -203,8 +203,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         p,
         "YAML file with evaluation settings (EvalConfig)",
         (
-            "override an eval setting, or the engine's with rollout.KEY (e.g. rollout.max_model_len=4096; "
-            "by default the context is capped by the model and the LoRA rank read from the adapter)"
+            "override an eval setting, the engine's with rollout.KEY (e.g. rollout.max_model_len=4096; "
+            "by default the context is capped by the model and the LoRA rank read from the adapter), or the "
+            "recipe that quantizes a plain --base with quantize.KEY (e.g. quantize.method=gptq)"
         ),
     )
     _common(p)

@@ -126,6 +126,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qerl.pipeline.config import apply_overrides, load_config
     from qerl.pipeline.data.rewards import RewardConfig
     from qerl.pipeline.evaluation.eval_config import EvalConfig
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.planning.engine_setup import eval_rollout_config, needs_twin
     from qerl.pipeline.rollout.adapter_fit import check_adapter_fits
     from qerl.pipeline.rollout.factory import build_engine
@@ -134,12 +135,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qerl.stages import evaluate, fetch_model
 
     engine_sets = [s.removeprefix("rollout.") for s in args.set if s.startswith("rollout.")]
-    cfg = load_config(EvalConfig, args.config, [s for s in args.set if not s.startswith("rollout.")])
+    recipe_sets = [s.removeprefix("quantize.") for s in args.set if s.startswith("quantize.")]
+    own = [s for s in args.set if not s.startswith(("rollout.", "quantize."))]
+    cfg = load_config(EvalConfig, args.config, own)
     if args.benchmark:
         cfg = apply_overrides(cfg, {"benchmark": {"dataset": args.benchmark}})
+    recipe = load_config(QuantizeConfig, None, recipe_sets) if recipe_sets else None
     store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
     base = fetch_model.resolve_base(args.base, store)  # a catalogue name becomes its directory
-    quantized, twin = evaluate.base_artifacts(base, store, needs_twin(args.engine))
+    quantized, twin = evaluate.base_artifacts(base, store, needs_twin(args.engine), recipe)
     adapter = (
         None if args.adapter.lower() == "none" else check_adapter_fits(Path(args.adapter), quantized.dir)
     )

@@ -43,7 +43,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qerl.pipeline.config import key_payload
 from qerl.pipeline.data import prompts
@@ -60,6 +60,9 @@ from qerl.pipeline.store.code_version import code_version
 from qerl.pipeline.store.layout import MANIFEST
 from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
 from qerl.pipeline.store.retention_inputs import require_adapter
+
+if TYPE_CHECKING:
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 
 log = logging.getLogger("qerl.stages.evaluate")
 
@@ -322,13 +325,14 @@ def run(
 
 
 def base_artifacts(
-    base: str | Path, store: ArtifactStore, need_twin: bool = True
+    base: str | Path, store: ArtifactStore, need_twin: bool = True, recipe: QuantizeConfig | None = None
 ) -> tuple[Manifest, Manifest | None]:
     """(quantized, twin) for a base given as a ``qerl quantize`` export or as a plain HF model dir.
 
-    An export carries its manifest: it is checked against its files and used as is. A plain model
-    directory is quantized with the default recipe (a cached stage, so a repeat is a lookup). The
-    twin (what CPU serving needs) is derived through the dequantize stage, also cached.
+    An export carries its manifest: it is checked against its files and used as is (a ``recipe`` is
+    then an error: the base is quantized already). A plain model directory is quantized with
+    ``recipe`` (default: the default recipe; a cached stage, so a repeat is a lookup). The twin (what
+    CPU serving needs) is derived through the dequantize stage, also cached.
     """
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.stages import quantize
@@ -342,12 +346,17 @@ def base_artifacts(
             raise ArtifactError(
                 f"{base} holds a '{quantized.stage}' artifact, not a '{quantize.STAGE}' checkpoint"
             )
+        if recipe is not None:
+            raise ArtifactError(
+                f"--base {base} is a quantized checkpoint (method {quantized.config.get('method', 'rtn')}); "
+                "quantize.* settings apply to a model to quantize: pass its HF directory or catalogue name"
+            )
         bad = store.problems(quantized)
         if bad:
             raise ArtifactError(f"{base} does not match its manifest: {'; '.join(bad)}")
         qcfg = QuantizeConfig.model_validate(quantized.config)
     else:
-        qcfg = QuantizeConfig()
+        qcfg = recipe or QuantizeConfig()
         quantized = quantize.run(qcfg, base, store)
     twin = quantize.run_twin(qcfg, quantized, store) if need_twin else None
     return quantized, twin

@@ -28,6 +28,28 @@ def test_parse_arms_names_the_bad_input():
         ablation_arms.parse_arms("nvfp4-aqn")
 
 
+def test_an_arm_names_its_quantizer_and_aqn_objective():
+    from qerl.pipeline.planning.run_config import RunConfig
+
+    over = ablation_arms.arm_overrides("nvfp4-aqn-gptq-on_policy")
+    assert over["quantize"] == {"scheme": "nvfp4", "method": "gptq"}
+    assert over["train"] == {"grpo": {"aqn_objective": "on_policy"}} and over["aqn"] == {"enabled": True}
+    assert ablation_arms.arm_overrides("nvfp4-lora-mse")["quantize"]["method"] == "mse"
+    assert ablation_arms.arm_overrides("nvfp4-lora") == ablation_arms.ARMS["nvfp4-lora"]  # user's method
+    cfg = RunConfig.model_validate(
+        ablation_arms.arm_config({"loop": {"name": "x"}}, "nvfp4-aqn-noisy_trainer", 0)
+    )
+    assert cfg.train.grpo.aqn_objective == "noisy_trainer" and cfg.loop.name == "x-nvfp4-aqn-noisy_trainer-s0"
+    for bad, match in [
+        ("bf16-lora-gptq", "'gptq' is not a variant of bf16-lora; its variants are none"),
+        ("nvfp4-lora-on_policy", r"'on_policy' is not a variant of nvfp4-lora; its variants are \['rtn'"),
+        ("nvfp4-aqn-gptq-rtn", "sets method twice"),
+        ("nvfp4-aqn-gptq-on-policy", "'on' is not a variant"),
+    ]:
+        with pytest.raises(ablation_arms.AblationError, match=match):
+            ablation_arms.parse_arms(f"bf16-lora,{bad}")
+
+
 def test_arm_config_changes_only_the_arm_and_shifts_every_training_seed_alike():
     user = {
         "loop": {"name": "x", "seed": 5},

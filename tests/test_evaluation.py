@@ -435,3 +435,27 @@ def test_cli_eval_refuses_an_adapter_of_another_base(tiny_model_dir, tiny_model_
     err = capsys.readouterr().err
     assert "was not trained for the base" in err and "lora_A: 64 inputs" in err
     assert not (work / "store" / "objects" / "evaluate").exists()
+
+
+def test_eval_quantizes_a_plain_base_with_the_recipe_it_is_given(tiny_model_dir, tmp_path, capsys):
+    """``qerl eval --set quantize.method=mse`` on an HF model dir evaluates that recipe's checkpoint; on a
+    checkpoint that is quantized already the recipe is refused, naming it, before anything runs."""
+    from qerl.flows.cli import main
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.pipeline.store.manifest import ArtifactError
+    from qerl.stages.evaluate import base_artifacts
+
+    store = ArtifactStore(tmp_path / "store")
+    mse, _ = base_artifacts(tiny_model_dir, store, need_twin=False, recipe=QuantizeConfig(method="mse"))
+    rtn, _ = base_artifacts(tiny_model_dir, store, need_twin=False)
+    assert (mse.config["method"], rtn.config.get("method", "rtn")) == ("mse", "rtn") and mse.key != rtn.key
+    with pytest.raises(
+        ArtifactError, match=r"is a quantized checkpoint \(method mse\); quantize\.\* settings"
+    ):
+        base_artifacts(mse.dir, store, need_twin=False, recipe=QuantizeConfig(method="gptq"))
+    argv = ["eval", "--base", str(mse.dir), "--adapter", "none", "--engine", "hf", "--work-dir", str(tmp_path),
+            "--set", "quantize.method=gptq", "--set", "benchmark.limit=1"]  # fmt: skip
+    assert main(argv) == 2
+    assert "quantize.* settings apply to a model to quantize" in capsys.readouterr().err
+    assert not (tmp_path / "store" / "objects" / "evaluate").exists()

@@ -29,8 +29,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, get_args
 
 from qerl.pipeline.config import config_hash
+from qerl.pipeline.evaluation.statistics import AblationError
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 from qerl.pipeline.rl.objective import GRPOConfig
+
+__all__ = ["ARMS", "AblationError", "ablation_id", "arm_config", "arm_overrides", "parse_arms"]
 
 ARMS: dict[str, dict[str, dict[str, Any]]] = {
     "bf16-lora": {"quantize": {"scheme": "none"}, "aqn": {"enabled": False}},
@@ -44,10 +47,6 @@ QUANTIZERS: tuple[str, ...] = get_args(QuantizeConfig.model_fields["method"].ann
 AQN_OBJECTIVES: tuple[str, ...] = get_args(GRPOConfig.model_fields["aqn_objective"].annotation)
 
 SEED_KEYS = (("loop", "seed"), ("rollout", "seed"), ("train", "seed"))
-
-
-class AblationError(ValueError):
-    """An ablation cannot be set up or compared as asked; the message names the offending thing."""
 
 
 def arm_overrides(arm: str) -> dict[str, dict[str, Any]]:

@@ -27,7 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qerl.pipeline.evaluation.arms import AblationError
+
+class AblationError(ValueError):
+    """An ablation cannot be set up or compared as asked; the message names the offending thing.
+
+    Defined here, beside the statistics that raise it, so the evaluate stage's code version (its
+    import closure) does not take in the ablation arms; ``arms`` re-exports it."""
 
 
 # ---- one benchmark: avg@k, pass@k, standard error -------------------------------------------------
