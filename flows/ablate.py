@@ -110,6 +110,7 @@ def _arm_runs(work: Path, planned: list[dict[str, Any]], arms: list[str]) -> lis
         arm.base_accuracy += [float(e["accuracy"]) for e in record["evaluations"] if e["adapter"] is None][
             -1:
         ]
+        arm.quantize.append(dict(record.get("quantize") or {}))
     return [out[a] for a in arms]
 
 

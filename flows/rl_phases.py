@@ -150,6 +150,12 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     ui.stage("quantize", f"{what} ({quantized.mode})", time.perf_counter() - t0, run.cached(quantized))
     if "quality" in quantized.extra:  # what quantization cost (quantize.quality), in the run's log
         run.logger.info(quality_line(quantized.extra["quality"]))
+    run.record["quantize"] = {  # what an ablation's report shows of each arm's starting point
+        "manifest": str(quantized.dir),
+        "mode": quantized.mode,
+        "method": cfg.quantize.method if cfg.quantize.scheme == "nvfp4" else None,
+        **quality_metrics(quantized.extra.get("quality")),
+    }
     twin = None
     if needs_twin(cfg.rollout.engine, cfg.quantize.scheme):
         t0 = time.perf_counter()

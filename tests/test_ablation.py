@@ -260,6 +260,15 @@ def test_report_from_hand_built_runs(tmp_path):
     arms[1].base_accuracy = [0.25, 0.25]
     _, report = ablation_report.write_report("abl-test", arms, tmp_path, n_boot=300)
     assert "| nvfp4-aqn | 0.250 | 0.550 " in report.read_text()
+    assert "before training" not in report.read_text()  # no run recorded its quantized base
+    # each arm's quantized base, from the run records: its quantizer and what it cost before training
+    arms[0].quantize = [{"method": None, "mode": "unquantized"}] * 2
+    arms[1].quantize = [{}, {"method": "gptq", "quantize_kl": 0.0341, "quantize_top1": 0.9237,
+                             "quantize_ppl_base": 4.432, "quantize_ppl_quant": 4.491}]  # fmt: skip
+    _, report = ablation_report.write_report("abl-test", arms, tmp_path, n_boot=300)
+    text = report.read_text()
+    assert "| bf16-lora | none (the base itself) | 0 | 1 | |" in text
+    assert "| nvfp4-aqn | gptq | 0.034 | 0.924 | 4.43 -> 4.49 |" in text
 
 
 # ---- the unquantized base ------------------------------------------------------------------------
@@ -354,6 +363,7 @@ def test_ablate_two_arms_two_seeds_killed_and_resumed_builds_no_stage_twice(tiny
         assert all("train_mismatch_kl" in s for s in rec["steps"])
     report = (record_path.parent / "report.md").read_text()
     assert "## Verdict" in report and "bf16-lora" in report
+    assert "| bf16-lora | none (the base itself) |" in report and "| nvfp4-aqn | rtn |" in report
     assert (record_path.parent / "plots" / "reward.png").is_file()
     # the random tiny model's completions all hit the 6-token limit and are masked (mask_truncated): no
     # token is trained, the trainer records null entropy, and the report says so rather than compare 0s

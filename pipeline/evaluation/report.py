@@ -129,6 +129,9 @@ class ArmRuns:
     items: list[dict[str, float]]
     histories: list[list[dict[str, Any]]]
     base_accuracy: list[float] = field(default_factory=list)
+    # per seed, the run record's ``quantize`` entry: method, mode and the quality metrics
+    # (quantize_kl, quantize_top1, quantize_ppl_base, quantize_ppl_quant) of the arm's quantized base
+    quantize: list[dict[str, Any]] = field(default_factory=list)
 
 
 def compare(arms: Sequence[ArmRuns], n_boot: int = 10_000, seed: int = 0) -> dict[str, Any]:
@@ -148,6 +151,7 @@ def compare(arms: Sequence[ArmRuns], n_boot: int = 10_000, seed: int = 0) -> dic
             "early_entropy": means[a.arm],  # per run: NaN when none of its first steps trained a token
             "early_entropy_steps": [len(v) for v in early[a.arm]],  # how many of them had a value
             "early_entropy_ci": _finite_interval(means[a.arm]),
+            "quantize": next((q for q in a.quantize if q), {}),  # one base per arm: every seed's is the same
         }
         for a in arms
     }
@@ -177,6 +181,7 @@ def report_markdown(ablation: str, result: Mapping[str, Any], plots: Sequence[st
         seeds = ", ".join(f"{v:.3f}" for v in r["final_accuracy"])
         base = ", ".join(sorted({f"{v:.3f}" for v in r.get("base_accuracy", [])})) or "not evaluated"
         lines.append(f"| {arm} | {base} | {r['accuracy_ci'].text()} | {seeds} | {', '.join(r['runs'])} |")
+    lines += _base_table(result["arms"])
     lines += ["", "## Paired comparison on the same items (bootstrap over items)", ""]
     lines += ["| a - b | mean diff | 95% CI | items | significant |", "|---|---|---|---|---|"]
     for p in result["pairs"]:
@@ -206,6 +211,32 @@ def report_markdown(ablation: str, result: Mapping[str, Any], plots: Sequence[st
         "an arm is its avg@k averaged over the arm's seeds.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _base_table(arms: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Each arm's starting point: how its base was quantized and what that cost before any training
+    (``quantize.quality``: KL(base||quantized), top-1 agreement, perplexities on held-out text)."""
+    if not any(r.get("quantize") for r in arms.values()):
+        return []
+    lines = ["", "## The arms' bases before training (quantize.quality, held-out text)", ""]
+    lines += ["| arm | quantizer | KL nats/token | top-1 agreement | perplexity base -> quantized |"]
+    lines += ["|---|---|---|---|---|"]
+    for arm, r in arms.items():
+        q = r.get("quantize") or {}
+        if not q:
+            lines.append(f"| {arm} | not recorded | | | |")
+            continue
+        if q.get("method") is None:  # the unquantized base: the reference itself
+            lines.append(f"| {arm} | none (the base itself) | 0 | 1 | |")
+            continue
+        kl, top1 = (f"{q[k]:.3f}" if k in q else "not measured" for k in ("quantize_kl", "quantize_top1"))
+        ppl = (
+            f"{q['quantize_ppl_base']:.2f} -> {q['quantize_ppl_quant']:.2f}"
+            if "quantize_ppl_quant" in q
+            else ""
+        )
+        lines.append(f"| {arm} | {q['method']} | {kl} | {top1} | {ppl} |")
+    return lines
 
 
 def table_rows(result: Mapping[str, Any]) -> list[dict[str, Any]]:
