@@ -64,7 +64,12 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
         "ablate", help="compare arms (bf16-lora, nvfp4-lora, nvfp4-aqn) over seeds: a run each, then a report"
     )
     _config_options(p, PRESET_HELP, SET_HELP)
-    p.add_argument("--arms", required=True, help="comma-separated arms, e.g. bf16-lora,nvfp4-lora,nvfp4-aqn")
+    p.add_argument(
+        "--arms",
+        required=True,
+        help="comma-separated arms, e.g. bf16-lora,nvfp4-lora,nvfp4-aqn; an NVFP4 arm may add its quantizer "
+        "and an AQN arm its objective: nvfp4-lora-gptq, nvfp4-aqn-gptq-on_policy",
+    )
     p.add_argument("--seeds", type=int, default=3, help="replicates per arm (default 3)")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples over items")
     p.add_argument(
@@ -230,13 +235,32 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
     COMMANDS["gc"] = tool_commands.cmd_gc
 
 
+# runs (their console session moves logging to run.log) and the nightly server: INFO is their record
+RUN_COMMANDS = ("run", "resume", "ablate", "schedule")
+# other commands that work for minutes: qerl's own INFO lines are their progress
+PROGRESS_COMMANDS = ("quantize", "eval", "bench")
+
+
+def _terminal_logging(command: str, verbose: bool) -> None:
+    """Runs keep INFO for run.log (their console session moves it there). Every other command prints
+    its result itself, so its terminal shows warnings and errors, plus qerl's progress lines for the
+    long ones, not the INFO lines beside the result; ``-v`` shows everything."""
+    qerl_level = logging.NOTSET  # inherit: a run's qerl INFO lines reach run.log
+    if verbose or command in RUN_COMMANDS:
+        logging.basicConfig(
+            level=logging.DEBUG if verbose else logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    else:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        qerl_level = logging.INFO if command in PROGRESS_COMMANDS else logging.WARNING
+    logging.getLogger("qerl").setLevel(qerl_level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _terminal_logging(args.command, getattr(args, "verbose", False))
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

@@ -387,3 +387,20 @@ def test_gc_between_real_runs(tiny_model_factory, tmp_path, capsys):
     again = _qerl(["run", "--config", str(cfg_path)], work)
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(_journal(work)) == built and _final_adapter(work) == adapter
+
+
+def test_cli_gc_prints_its_result_without_log_lines(tmp_path):
+    """A tool command's terminal holds its result (and warnings), not INFO log lines beside it; ``-v``
+    shows them."""
+    import subprocess
+    import sys
+
+    fake_run(tmp_path, "cli", 4)
+    cmd = [sys.executable, "-m", "qerl.flows.cli", "gc", "--work-dir", str(tmp_path)]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and "gc: freed 5.9 KiB" in quiet.stdout, quiet.stderr
+    assert "INFO" not in quiet.stdout + quiet.stderr
+    loud = subprocess.run(
+        [*cmd, "--keep-optimizer-last", "1", "-v"], capture_output=True, text=True, timeout=120
+    )
+    assert loud.returncode == 0 and "INFO qerl.retention: gc freed" in loud.stderr, loud.stderr
