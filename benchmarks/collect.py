@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ORDER = [
     "quantize",
     "quantize-quality",
+    "gptq-shapes",
     "score",
     "rollout",
     "train",

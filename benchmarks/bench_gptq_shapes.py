@@ -1,0 +1,154 @@
+"""Benchmark: what ``quantize.method: gptq`` costs in host memory and time at 7B shapes.
+
+GPTQ calibrates one decoder layer at a time (``qerl.pipeline.nvfp4.calibration``), so its host
+memory is one layer's float32 weights, one ``in x in`` float32 Hessian per fused group (the largest
+is down_proj's, intermediate x intermediate) with GPTQ's inverse factor beside it, and the
+calibration hidden states (tokens x hidden, float32, this layer's input and output). This runs the
+real path (``gptq_layers`` over a ``plan_quantization`` plan) on one decoder layer of Qwen2.5-7B's
+shape (hidden 3584, intermediate 18944, 28 heads, 4 KV heads; random weights, a 512-token
+vocabulary, since the embedding only feeds the layer) with a few calibration sequences, in a child
+process whose peak RSS (VmHWM) is read at the end, and splits the time into the Hessians and
+forwards (linear in tokens) and GPTQ itself (independent of them). From these it states the
+whole model's cost at the default calibration (128 sequences x up to 512 tokens): peak RSS = the
+measured peak + the hidden states of the extra tokens, time = 28 x (GPTQ + per-token time x tokens).
+
+The machine is the 2-core CPU box; timings taken while other jobs run are marked as such by the
+caller (``--note``).
+
+Run: ``.venv/bin/python benchmarks/bench_gptq_shapes.py [--sequences 8 --tokens 512] [--note TEXT]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPE = dict(hidden_size=3584, num_layers=1, num_heads=28, num_kv_heads=4, intermediate_size=18944)
+LAYERS_7B = 28
+DEFAULT_TOKENS = 128 * 512  # quantize.calibration: count 128 x max_tokens 512 (an upper bound)
+
+
+def _vm(field: str) -> int:
+    """A /proc/self/status memory field in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def worker(model_dir: Path, sequences: int, tokens: int) -> dict:
+    """One layer's GPTQ in this process: seconds of the two phases, peak and baseline RSS."""
+    import torch
+    from qerl.pipeline.nvfp4 import calibration
+    from qerl.pipeline.nvfp4.grouping import plan_quantization
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.nvfp4.safetensors_io import safetensors_index
+
+    torch.manual_seed(0)
+    cfg = QuantizeConfig(method="gptq")
+    specs = safetensors_index(model_dir)
+    plan = plan_quantization(specs, cfg)
+    ids = [torch.randint(0, 500, (tokens,)).tolist() for _ in range(sequences)]
+    baseline = _vm("VmRSS")
+    timed: dict[str, float] = {"hessians_and_forwards": 0.0, "gptq": 0.0}
+    real_collect, real_group = calibration._collect_hessians, calibration._quantize_group
+
+    def collect(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        t0 = time.perf_counter()
+        try:
+            return real_collect(*args, **kwargs)
+        finally:
+            timed["hessians_and_forwards"] += time.perf_counter() - t0
+
+    def group(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        t0 = time.perf_counter()
+        try:
+            return real_group(*args, **kwargs)
+        finally:
+            timed["gptq"] += time.perf_counter() - t0
+
+    calibration._collect_hessians, calibration._quantize_group = collect, group
+    t0 = time.perf_counter()
+    outputs = sum(len(out) for _, out in calibration.gptq_layers(model_dir, specs, plan, cfg, ids))
+    total = time.perf_counter() - t0
+    return {
+        "seconds": total,
+        **timed,
+        "tensors": outputs,
+        "peak_rss": _vm("VmHWM"),
+        "baseline_rss": baseline,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main() -> str:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=512, help="tokens per calibration sequence")
+    ap.add_argument("--note", default="", help="a line on the machine's load, printed with the result")
+    ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        print(json.dumps(worker(args.worker, args.sequences, args.tokens)))
+        return ""
+    from qerl.pipeline.demo.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model(Path(tmp) / "layer", vocab_size=512, **SHAPE)
+        cmd = [sys.executable, __file__, "--worker", str(model), "--sequences", str(args.sequences),
+               "--tokens", str(args.tokens)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"worker failed:\n{proc.stderr[-3000:]}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+    text = report(r, args.sequences * args.tokens, args.note)
+    print(text)
+    from benchmarks import write_section
+
+    write_section(Path(__file__).resolve().parent / "results" / "gptq-shapes.md", text)
+    return text
+
+
+def report(r: dict, tokens: int, note: str) -> str:
+    gib = 1 << 30
+    hidden = SHAPE["hidden_size"]
+    extra_hidden = 2 * (DEFAULT_TOKENS - tokens) * hidden * 4  # a layer's input and output, float32
+    per_token = r["hessians_and_forwards"] / tokens
+    whole = LAYERS_7B * (r["gptq"] + per_token * DEFAULT_TOKENS)
+    return "\n".join(
+        [
+            "## gptq-shapes",
+            "",
+            "`benchmarks/bench_gptq_shapes.py`: `quantize.method: gptq` on one decoder layer of Qwen2.5-7B's "
+            f"shape (random weights), {tokens:,} calibration tokens, float32 on the CPU "
+            f"({r['threads']} torch threads). {note}".rstrip(),
+            "",
+            "| measured, one layer | value |",
+            "|---|---:|",
+            f"| peak RSS of the process | {r['peak_rss'] / gib:.2f} GiB |",
+            f"| RSS before calibration (imports, plan) | {r['baseline_rss'] / gib:.2f} GiB |",
+            f"| Hessians and forwards ({tokens:,} tokens) | {r['hessians_and_forwards']:.1f} s |",
+            f"| GPTQ of the layer's 4 groups | {r['gptq']:.1f} s |",
+            f"| whole layer | {r['seconds']:.1f} s |",
+            "",
+            f"Derived for the whole 7B model at the default calibration (128 x 512 = {DEFAULT_TOKENS:,} "
+            "tokens at most): peak host RSS about "
+            f"{(r['peak_rss'] + extra_hidden) / gib:.1f} GiB (the measured peak plus "
+            f"{extra_hidden / gib:.2f} GiB of hidden states for the extra tokens), and about "
+            f"{whole / 60:.0f} min on this CPU ({LAYERS_7B} layers x (GPTQ + "
+            f"{per_token * 1e3:.2f} ms per token)). The cost is paid once: the checkpoint is cached by "
+            "the recipe and the calibration digest.",
+            "",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()
