@@ -55,26 +55,23 @@ def worker(model_dir: Path, sequences: int, tokens: int) -> dict:
     cfg = QuantizeConfig(method="gptq")
     specs = safetensors_index(model_dir)
     plan = plan_quantization(specs, cfg)
-    ids = [torch.randint(0, 500, (tokens,)).tolist() for _ in range(sequences)]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    ids = [torch.randint(0, vocab, (tokens,)).tolist() for _ in range(sequences)]
     baseline = _vm("VmRSS")
     timed: dict[str, float] = {"hessians_and_forwards": 0.0, "gptq": 0.0}
-    real_collect, real_group = calibration._collect_hessians, calibration._quantize_group
 
-    def collect(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        t0 = time.perf_counter()
-        try:
-            return real_collect(*args, **kwargs)
-        finally:
-            timed["hessians_and_forwards"] += time.perf_counter() - t0
+    def timed_as(key: str, fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timed[key] += time.perf_counter() - t0
 
-    def group(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        t0 = time.perf_counter()
-        try:
-            return real_group(*args, **kwargs)
-        finally:
-            timed["gptq"] += time.perf_counter() - t0
+        return wrapper
 
-    calibration._collect_hessians, calibration._quantize_group = collect, group
+    calibration._collect_hessians = timed_as("hessians_and_forwards", calibration._collect_hessians)
+    calibration._quantize_group = timed_as("gptq", calibration._quantize_group)
     t0 = time.perf_counter()
     outputs = sum(len(out) for _, out in calibration.gptq_layers(model_dir, specs, plan, cfg, ids))
     total = time.perf_counter() - t0
