@@ -61,8 +61,8 @@ def make_inputs(work: Path) -> dict[str, str]:
     from qerl.pipeline.demo.tiny_model import build_tiny_model
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.stages.dequantize import run as run_twin
     from qerl.stages.quantize import run as quantize
-    from qerl.stages.quantize import run_twin
 
     src = build_tiny_model(work / "base", dtype=torch.float32, vocab_size=384, hidden_size=128, num_layers=4)
     store = ArtifactStore(work / "store")

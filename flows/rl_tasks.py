@@ -22,7 +22,17 @@ from qerl.pipeline.planning.warm_start import warm_start_adapter
 from qerl.pipeline.rollout.protocol import RolloutEngine
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.manifest import Manifest
-from qerl.stages import demo_base, evaluate, fetch_model, quantize, register, rollout, score, train
+from qerl.stages import (
+    demo_base,
+    dequantize,
+    evaluate,
+    fetch_model,
+    quantize,
+    register,
+    rollout,
+    score,
+    train,
+)
 
 log = logging.getLogger("qerl.flow")
 
@@ -57,7 +67,7 @@ def quantize_task(cfg: RunConfig, src: str, store: ArtifactStore) -> Manifest:
 
 @task(name="dequantize-twin", **RETRY_OPTS)
 def twin_task(cfg: RunConfig, quantized: Manifest, store: ArtifactStore) -> Manifest:
-    return quantize.run_twin(cfg.quantize, quantized, store)
+    return dequantize.run(cfg.quantize, quantized, store)
 
 
 @task(name="warm-start", **RETRY_OPTS)

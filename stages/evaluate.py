@@ -335,7 +335,7 @@ def base_artifacts(
     CPU serving needs) is derived through the dequantize stage, also cached.
     """
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
-    from qerl.stages import quantize
+    from qerl.stages import dequantize, quantize
 
     base = Path(base)
     if not base.is_dir():
@@ -358,7 +358,7 @@ def base_artifacts(
     else:
         qcfg = recipe or QuantizeConfig()
         quantized = quantize.run(qcfg, base, store)
-    twin = quantize.run_twin(qcfg, quantized, store) if need_twin else None
+    twin = dequantize.run(qcfg, quantized, store) if need_twin else None
     return quantized, twin
 
 

@@ -4,9 +4,7 @@ What: ``run`` turns a local Hugging Face model directory (or a hub id, resolved 
 ``huggingface_hub.snapshot_download`` only when SRC is not a local directory) into a compressed-tensors
 NVFP4A16 checkpoint. The artifact directory *is* the loadable checkpoint: ``config.json`` with its
 ``quantization_config``, ``model-0000i-of-0000n.safetensors`` + index, tokenizer files and generation
-config. ``run_twin`` derives the dequantized twin (Linear weights = exactly our dequantization, bf16,
-no quantization_config) that the rollout engine serves where no NVFP4 kernel exists (vLLM on CPU);
-it is its own stage ("dequantize", mode ``nvfp4-dequantized-twin``) so lineage says what it is.
+config. Its dequantized twin, what vLLM serves on a CPU, is the next stage (``qerl.stages.dequantize``).
 ``export`` copies an artifact to a user path atomically.
 
 ``scheme: none`` (the 16-bit arm of an ablation) makes the same stage produce the *unquantized* base
@@ -61,8 +59,6 @@ from qerl.pipeline.nvfp4.calibration import gptq_layers, layer_index
 from qerl.pipeline.nvfp4.grouping import Group, plan_quantization
 from qerl.pipeline.nvfp4.quality import quality_key, quality_section
 from qerl.pipeline.nvfp4.recipe import (
-    QUANT_SUFFIXES,
-    TWIN_MODE,
     UNQUANTIZED_MODE,
     QuantizeConfig,
     UnsupportedModelError,
@@ -87,13 +83,12 @@ from qerl.pipeline.store.files import atomic_write_json
 from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
 from tqdm.auto import tqdm
 
-__all__ = ["QuantizeConfig", "export", "resolve_source", "run", "run_twin", "run_with_status"]
+__all__ = ["QuantizeConfig", "export", "resolve_source", "run", "run_with_status", "twin_dtype"]
 
 log = logging.getLogger("qerl.stages.quantize")
 
 
 STAGE = "quantize"
-TWIN_STAGE = "dequantize"
 EXPORT_MARKER = ".qerl-export.json"
 # Files never copied from a source model: weights are rewritten, pickles are not read.
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".msgpack", ".h5", ".onnx")
@@ -127,7 +122,9 @@ def resolve_source(src: str | Path) -> Path:
         ) from err
 
 
-def _copy_aux_files(src: Path, dst: Path) -> list[str]:
+def copy_aux_files(src: Path, dst: Path) -> list[str]:
+    """Copy the model's other files (tokenizer, generation config; never weights or pickles) from
+    ``src`` to ``dst``; their names."""
     copied = []
     for p in sorted(src.iterdir()):
         if not p.is_file() or p.name.startswith(".") or p.name in _SKIP_NAMES or p.suffix in _SKIP_SUFFIXES:
@@ -165,7 +162,8 @@ def _quant_producer(
     return produce
 
 
-def _copy_producer(spec: TensorSpec) -> Callable[[], dict[str, RawSlice]]:
+def copy_producer(spec: TensorSpec) -> Callable[[], dict[str, RawSlice]]:
+    """A ``write_sharded`` producer that copies one tensor's bytes unchanged."""
     return lambda: {spec.name: RawSlice(spec.path, spec.offset, spec.nbytes)}
 
 
@@ -247,7 +245,7 @@ def run_with_status(
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
-        aux = _copy_aux_files(src_dir, tmp)
+        aux = copy_aux_files(src_dir, tmp)
         config = dict(model_config)
         config["quantization_config"] = quantization_config(cfg)
         atomic_write_json(tmp / "config.json", config)
@@ -255,7 +253,7 @@ def run_with_status(
             quant = _gptq_producers(gptq_layers(src_dir, specs, plan, cfg, calib_ids))
         else:
             quant = lambda g: _quant_producer(g, device, cfg)  # noqa: E731
-        groups = [(g.outputs, quant(g) if g.quantize else _copy_producer(g.sources[0])) for g in plan]
+        groups = [(g.outputs, quant(g) if g.quantize else copy_producer(g.sources[0])) for g in plan]
         n_tensors = sum(len(g.sources) for g in plan)
         with tqdm(total=n_tensors, desc=f"quantize {src_dir.name}", unit="tensor", disable=None) as bar:
             sizes = iter([len(g.sources) for g in plan])
@@ -337,7 +335,7 @@ def _run_unquantized(
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
-        aux = _copy_aux_files(src_dir, tmp)
+        aux = copy_aux_files(src_dir, tmp)
         config = read_model_config(src_dir)
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
         atomic_write_json(tmp / "config.json", config)
@@ -348,7 +346,7 @@ def _run_unquantized(
                 out = TensorSpec(name, DTYPE_NAMES[dtype], spec.shape)
                 groups.append(([out], lambda spec=spec: {spec.name: read_tensor(spec).to(dtype)}))
             else:
-                groups.append(([TensorSpec(name, spec.dtype, spec.shape)], _copy_producer(spec)))
+                groups.append(([TensorSpec(name, spec.dtype, spec.shape)], copy_producer(spec)))
         with tqdm(total=len(groups), desc=f"unquantized {src_dir.name}", unit="tensor", disable=None) as bar:
             write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
         log.info("quantize.scheme none: %s copied unquantized in %s", src_dir, dtype_name)
@@ -373,67 +371,6 @@ def _run_unquantized(
 def twin_dtype(cfg: QuantizeConfig) -> str:
     """The twin's dtype: the configured one (a run derives it from train.dtype), else bfloat16."""
     return cfg.twin_dtype or "bfloat16"
-
-
-def run_twin(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> Manifest:
-    """Derive the dequantized twin of a quantized artifact (stage "dequantize")."""
-    if quantized.stage != STAGE:
-        raise ArtifactError(
-            f"run_twin needs a '{STAGE}' artifact, got stage '{quantized.stage}' at {quantized.dir}"
-        )
-    if quantized.mode == UNQUANTIZED_MODE:
-        raise ArtifactError(
-            f"{quantized.dir} is an unquantized base (quantize.scheme none): it has no NVFP4 twin, "
-            "engines serve it directly"
-        )
-    dtype_name = twin_dtype(cfg)
-    dtype = getattr(torch, dtype_name)
-    code = code_version(sys.modules[__name__])
-    src = quantized.dir
-
-    def build(tmp: Path) -> BuildResult:
-        t0 = time.perf_counter()
-        aux = _copy_aux_files(src, tmp)
-        config = read_model_config(src)
-        config.pop("quantization_config", None)
-        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
-        atomic_write_json(tmp / "config.json", config)
-        specs = safetensors_index(src)
-        groups = []
-        for name in sorted(specs, key=natural_key):
-            spec = specs[name]
-            if name.endswith((".weight_scale", ".weight_global_scale")):
-                continue
-            if name.endswith(".weight_packed"):
-                base = name[: -len(".weight_packed")]
-                out_f, half = spec.shape
-                out = TensorSpec(f"{base}.weight", DTYPE_NAMES[dtype], (out_f, half * 2))
-
-                def produce(base: str = base, out_name: str = out.name) -> dict[str, torch.Tensor]:
-                    p, s, g = (read_tensor(specs[f"{base}.{k}"]) for k in QUANT_SUFFIXES)
-                    return {out_name: nvfp4_dispatch.dequantize(p, s, g, dtype=dtype)}
-
-                groups.append(([out], produce))
-            else:
-                groups.append(([TensorSpec(name, spec.dtype, spec.shape)], _copy_producer(spec)))
-        with tqdm(total=len(groups), desc="dequantize twin", unit="tensor", disable=None) as bar:
-            write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
-        return BuildResult(
-            mode=TWIN_MODE,
-            metrics={"seconds": time.perf_counter() - t0},
-            extra={
-                "derived_from": {"stage": quantized.stage, "key": quantized.key, "digest": quantized.digest},
-                "base_digest": quantized.extra.get("base_digest"),
-                "dtype": dtype_name,
-                "dequantized_linears": sum(1 for n in specs if n.endswith(".weight_packed")),
-                "aux_files": aux,
-                "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
-                "note": "derived artifact: Linear weights are qerl.kernels.nvfp4_reference.dequantize_nvfp4 of the NVFP4 checkpoint",
-            },
-        )
-
-    key = {**key_payload(cfg), "twin_dtype": dtype_name}
-    return store.produce(TWIN_STAGE, key, {"quantized": quantized.digest}, code, build)[0]
 
 
 def export(manifest: Manifest, dst: str | Path) -> Path:

@@ -281,7 +281,7 @@ def test_scheme_none_is_the_base_in_the_twin_dtype_and_engines_serve_it(tiny_mod
     from qerl.pipeline.rollout.lazy import LazyEngine
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.pipeline.store.manifest import ArtifactError
-    from qerl.stages import quantize
+    from qerl.stages import dequantize, quantize
 
     src = tiny_model_factory(arch="qwen2", dtype=torch.float32)
     store = ArtifactStore(tmp_path / "store")
@@ -298,7 +298,7 @@ def test_scheme_none_is_the_base_in_the_twin_dtype_and_engines_serve_it(tiny_mod
     assert quantize.run(cfg, src, store).key == man.key  # cached
     assert quantize.run(QuantizeConfig(), src, store).mode.startswith("nvfp4/")  # nvfp4 still the default
     with pytest.raises(ArtifactError, match="unquantized base"):
-        quantize.run_twin(cfg, man, store)
+        dequantize.run(cfg, man, store)
     rollout = RolloutConfig(engine="hf", dtype="bfloat16", max_model_len=64, max_new_tokens=4)
     assert not needs_twin(rollout.engine, "none") and needs_twin(rollout.engine, "nvfp4")
     assert LazyEngine(rollout, man, None).mode == "hf-unquantized"

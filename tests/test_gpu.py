@@ -231,8 +231,8 @@ def cuda_checkpoints(request, tmp_path_factory):
     tiny_model_dir = request.getfixturevalue("tiny_model_dir")
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.stages.dequantize import run as run_twin
     from qerl.stages.quantize import run as quantize
-    from qerl.stages.quantize import run_twin
 
     store = ArtifactStore(tmp_path_factory.mktemp("gpu-store"))
     manifest = quantize(QuantizeConfig(), str(tiny_model_dir), store)

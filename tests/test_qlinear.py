@@ -21,8 +21,8 @@ def quantized(tiny_model_dir, tmp_path_factory):
     """(quantize manifest, dequantized-twin manifest) of the tiny model, from the real quantize stage."""
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.stages.dequantize import run as run_twin
     from qerl.stages.quantize import run as quantize
-    from qerl.stages.quantize import run_twin
 
     store = ArtifactStore(tmp_path_factory.mktemp("store"))
     manifest = quantize(QuantizeConfig(), str(tiny_model_dir), store)

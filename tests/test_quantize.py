@@ -22,6 +22,7 @@ from qerl.pipeline.nvfp4.recipe import QuantizeConfig, UnsupportedModelError
 from qerl.pipeline.nvfp4.safetensors_io import iter_quantized_linears
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.manifest import ArtifactError
+from qerl.stages import dequantize
 from qerl.stages import quantize as stage
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -193,7 +194,7 @@ def test_dequantized_twin(tiny_model_dir, store):
     from transformers import AutoModelForCausalLM
 
     quant = stage.run(QuantizeConfig(), tiny_model_dir, store)
-    twin = stage.run_twin(QuantizeConfig(), quant, store)
+    twin = dequantize.run(QuantizeConfig(), quant, store)
     assert twin.stage == "dequantize" and twin.mode == "nvfp4-dequantized-twin"
     assert twin.extra["derived_from"]["digest"] == quant.digest
     assert "quantization_config" not in json.loads((twin.dir / "config.json").read_text())
@@ -346,10 +347,10 @@ def test_twin_dtype_is_the_twins_alone(tiny_model_dir, store):
     holds exactly the fp32 dequantization the fp32 trainer computes."""
     quant = stage.run(QuantizeConfig(twin_dtype="float32"), tiny_model_dir, store)
     assert stage.run(QuantizeConfig(twin_dtype="bfloat16"), tiny_model_dir, store).key == quant.key
-    twin = stage.run_twin(QuantizeConfig(twin_dtype="float32"), quant, store)
+    twin = dequantize.run(QuantizeConfig(twin_dtype="float32"), quant, store)
     assert twin.extra["dtype"] == "float32"
     tensors = _src_tensors(twin.dir)
     for name, (p, s, g) in iter_quantized_linears(quant.dir):
         assert torch.equal(tensors[f"{name}.weight"], dequantize_nvfp4(p, s, g, dtype=torch.float32)), name
-    default = stage.run_twin(QuantizeConfig(), quant, store)  # standalone (no run): bf16
+    default = dequantize.run(QuantizeConfig(), quant, store)  # standalone (no run): bf16
     assert default.extra["dtype"] == "bfloat16" and default.key != twin.key

@@ -156,6 +156,23 @@ def test_gptq_matches_a_plain_column_by_column_reference():
     assert abs(_out_err(x, w, ours) - _out_err(x, w, ref)) < 0.05 * _out_err(x, w, ref)
 
 
+def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_damped_inverse():
+    """Against the textbook steps (float64, dead inputs set to 1, damping by the mean diagonal): the
+    same bits, so freeing intermediates early changed nothing; and U^T U is the damped inverse."""
+    from qerl.pipeline.nvfp4.gptq import inverse_hessian_factor
+
+    _, _, h = _problem(seed=3, out_f=4, in_f=48, n=256)
+    h[:, 5] = 0.0
+    h[5, :] = 0.0  # a dead input
+    ref = h.double().clone()
+    ref.diagonal()[5] = 1.0
+    ref.diagonal().add_(0.01 * ref.diagonal().mean())
+    expected = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(ref)), upper=True).float()
+    u = inverse_hessian_factor(h, 0.01)
+    assert torch.equal(u, expected) and torch.equal(u, u.triu())
+    torch.testing.assert_close(u.double().T @ u.double(), torch.linalg.inv(ref), rtol=1e-5, atol=1e-8)
+
+
 # --- through the stage -----------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ from qerl.pipeline.rollout.config import RolloutConfig
 from qerl.pipeline.rollout.factory import build_engine
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.manifest import Manifest
-from qerl.stages import evaluate, fetch_model, quantize, rollout, score, train
+from qerl.stages import dequantize, evaluate, fetch_model, quantize, rollout, score, train
 from safetensors import safe_open
 
 SHARED_DATA = Path(os.environ.get("QERL_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
@@ -92,7 +92,7 @@ def test_tied_embeddings_agree_everywhere(tiny_model_factory, tmp_path):
     assert "lm_head.weight" not in _tensor_names(model_dir)  # transformers stores a tied head once
     store = ArtifactStore(tmp_path / "store")
     quantized = quantize.run(QuantizeConfig(), model_dir, store)
-    twin = quantize.run_twin(QuantizeConfig(twin_dtype="bfloat16"), quantized, store)
+    twin = dequantize.run(QuantizeConfig(twin_dtype="bfloat16"), quantized, store)
     for art in (quantized, twin):
         names = _tensor_names(art.dir)
         assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
@@ -169,7 +169,7 @@ def test_smollm2_end_to_end(tmp_path, monkeypatch):
     monkeypatch.undo()
 
     quantized = quantize.run(QuantizeConfig(), fetched.dir, store)
-    twin = quantize.run_twin(QuantizeConfig(twin_dtype="bfloat16"), quantized, store)
+    twin = dequantize.run(QuantizeConfig(twin_dtype="bfloat16"), quantized, store)
     assert quantized.extra["quantized_tensors"] == 210 and "lm_head.weight" not in _tensor_names(twin.dir)
     assert json.loads((quantized.dir / "qerl-provenance.json").read_text())["gguf_sha256"] == SMOL.gguf_sha256
 
