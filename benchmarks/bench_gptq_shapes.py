@@ -85,32 +85,93 @@ def worker(model_dir: Path, sequences: int, tokens: int) -> dict:
     }
 
 
+def factor_worker(rule: str, size: int) -> dict:
+    """Peak RSS of GPTQ's inverse Hessian factor at ``size`` inputs: ``qerl`` (the shipped
+    ``inverse_hessian_factor``) or ``textbook`` (the same float64 steps with every intermediate kept,
+    as the code was before it freed them)."""
+    import torch
+    from qerl.pipeline.nvfp4.gptq import inverse_hessian_factor
+
+    torch.manual_seed(0)
+    x = torch.randn(2048, size)
+    h = 2 * (x.T @ x) / x.shape[0]
+    del x
+    before = _vm("VmRSS")
+    t0 = time.perf_counter()
+    if rule == "qerl":
+        u = inverse_hessian_factor(h, 0.01)
+    else:
+        d = h.double().clone()
+        d.diagonal().add_(0.01 * d.diagonal().mean())
+        chol = torch.linalg.cholesky(d)
+        hinv = torch.cholesky_inverse(chol)
+        u = torch.linalg.cholesky(hinv, upper=True).float()
+    return {"rule": rule, "seconds": time.perf_counter() - t0, "peak_rss": _vm("VmHWM"), "before": before,
+            "u_sum": float(u.double().sum())}  # fmt: skip
+
+
 def main() -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512, help="tokens per calibration sequence")
     ap.add_argument("--note", default="", help="a line on the machine's load, printed with the result")
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--factor-worker", choices=["qerl", "textbook"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--factor-only", action="store_true", help="only the inverse Hessian factor at down_proj's size"
+    )
     args = ap.parse_args()
     if args.worker is not None:
         print(json.dumps(worker(args.worker, args.sequences, args.tokens)))
         return ""
+    if args.factor_worker is not None:
+        print(json.dumps(factor_worker(args.factor_worker, SHAPE["intermediate_size"])))
+        return ""
+    factors = [_child(["--factor-worker", rule]) for rule in ("textbook", "qerl")]
+    if args.factor_only:
+        text = factor_report(factors, args.note)
+        print(text)
+        return text
     from qerl.pipeline.demo.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "layer", vocab_size=512, **SHAPE)
-        cmd = [sys.executable, __file__, "--worker", str(model), "--sequences", str(args.sequences),
-               "--tokens", str(args.tokens)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise SystemExit(f"worker failed:\n{proc.stderr[-3000:]}")
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
-    text = report(r, args.sequences * args.tokens, args.note)
+        r = _child(["--worker", str(model), "--sequences", str(args.sequences), "--tokens", str(args.tokens)])
+    text = report(r, args.sequences * args.tokens, args.note) + "\n" + factor_report(factors, "")
     print(text)
     from benchmarks import write_section
 
     write_section(Path(__file__).resolve().parent / "results" / "gptq-shapes.md", text)
     return text
+
+
+def _child(args: list[str]) -> dict:
+    """Run this script with ``args`` in a fresh process (its own peak RSS); its JSON result."""
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"worker {args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def factor_report(factors: list[dict], note: str) -> str:
+    gib = 1 << 30
+    size = SHAPE["intermediate_size"]
+    lines = [
+        f"GPTQ's inverse Hessian factor alone at down_proj's {size} inputs (a {size}x{size} float32 Hessian, "
+        f"{size * size * 4 / gib:.2f} GiB, is held before it starts), each in a fresh process. {note}".rstrip(),
+        "",
+        "| factorisation | peak RSS | above the Hessian | seconds |",
+        "|---|---:|---:|---:|",
+    ]
+    for f in factors:
+        what = {"textbook": "every float64 intermediate kept (before 956ddbd)", "qerl": "intermediates freed"}
+        lines.append(
+            f"| {what[f['rule']]} | {f['peak_rss'] / gib:.2f} GiB | {(f['peak_rss'] - f['before']) / gib:.2f} GiB "
+            f"| {f['seconds']:.0f} |"
+        )
+    same = len({round(f["u_sum"], 6) for f in factors}) == 1
+    lines += ["", f"Both give the same factor: {'yes' if same else 'NO'} (sum of U's entries).", ""]
+    return "\n".join(lines)
 
 
 def report(r: dict, tokens: int, note: str) -> str:
