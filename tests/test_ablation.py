@@ -29,7 +29,12 @@ def test_parse_arms_names_the_bad_input():
 
 
 def test_an_arm_names_its_quantizer_and_aqn_objective():
+    from typing import get_args
+
     from qerl.pipeline.planning.run_config import RunConfig
+    from qerl.pipeline.rl.objective import GRPOConfig
+
+    assert ablation_arms.AQN_OBJECTIVES == get_args(GRPOConfig.model_fields["aqn_objective"].annotation)
 
     over = ablation_arms.arm_overrides("nvfp4-aqn-gptq-on_policy")
     assert over["quantize"] == {"scheme": "nvfp4", "method": "gptq"}
