@@ -42,8 +42,8 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor U of ``(H + damp * mean(diag H) I)^-1`` (dead inputs get diag 1).
 
     Float64 for the factorisations; each intermediate is dropped as soon as the next exists, so at
-    most two ``in x in`` float64 matrices are alive (down_proj of a 7B model: in = 18944, 2.9 GB
-    each), not four."""
+    most two ``in x in`` float64 matrices are alive at once (down_proj of a 7B model: in = 18944,
+    2.9 GB each), where keeping every step's result would hold four."""
     h = h.to(torch.float64, copy=True)
     diag = torch.diagonal(h)
     diag[diag == 0] = 1.0
