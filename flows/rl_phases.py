@@ -147,8 +147,9 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     t0 = time.perf_counter()
     quantized = quantize_task(cfg, src, store)
     what = "unquantized base" if cfg.quantize.scheme == "none" else "NVFP4 checkpoint"
-    ui.stage("quantize", f"{what} ({quantized.mode})", time.perf_counter() - t0, run.cached(quantized))
-    if "quality" in quantized.extra:  # what quantization cost (quantize.quality), in the run's log
+    detail = f"{what} ({quantized.mode}){_quality_brief(quantized.extra.get('quality'))}"
+    ui.stage("quantize", detail, time.perf_counter() - t0, run.cached(quantized))
+    if "quality" in quantized.extra:  # what quantization cost (quantize.quality), whole, in the run's log
         run.logger.info(quality_line(quantized.extra["quality"]))
     run.record["quantize"] = {  # what an ablation's report shows of each arm's starting point
         "manifest": str(quantized.dir),
@@ -162,6 +163,15 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
         twin = twin_task(cfg, quantized, store)
         ui.stage("twin", f"dequantized {cfg.quantize.twin_dtype}", time.perf_counter() - t0, run.cached(twin))
     return quantized, twin
+
+
+def _quality_brief(section: dict[str, Any] | None) -> str:
+    """What quantization cost, short enough for the quantize line (``quality_line`` has it all)."""
+    if not section:
+        return ""
+    if "kl" in section:
+        return f", KL {section['kl']:.3f} nats/token, top-1 {section['top1']:.3f}"
+    return f", weight error {100 * section['weight_error']['mean']:.1f}%"
 
 
 def read_data(run: Run) -> list[Any]:

@@ -312,3 +312,8 @@ def test_quality_metrics_reach_the_mlflow_run(tmp_path):
     rl_phases._log_quantize_quality(run, run_id, SimpleNamespace(extra={"quality": SECTION}))
     logged = tracking.MlflowClient().get_run(run_id).data.metrics
     assert {k: logged[k] for k in quality_metrics(SECTION)} == quality_metrics(SECTION)
+    # the run console's quantize line carries the short form
+    assert rl_phases._quality_brief(SECTION) == ", KL 0.215 nats/token, top-1 0.808"
+    weights_only = {"weight_error": SECTION["weight_error"]}
+    assert rl_phases._quality_brief(weights_only) == ", weight error 5.0%"
+    assert rl_phases._quality_brief(None) == ""
