@@ -91,7 +91,9 @@ def _assert_console(proc: subprocess.CompletedProcess, work: Path, engine_lines:
     console = proc.stdout + proc.stderr
     for line in ("quantize", "data ", "step 1/", "evaluate", "register"):
         assert line in proc.stderr, (line, proc.stderr[-2000:])
-    assert re.search(r"quantize .*NVFP4 checkpoint .*, KL \d\.\d{3} nats/token, top-1", proc.stderr), proc.stderr
+    assert re.search(r"quantize .*NVFP4 checkpoint .*, KL \d\.\d{3} nats/token, top-1", proc.stderr), (
+        proc.stderr
+    )
     assert proc.stdout.strip().splitlines()[-1].startswith("  MLflow UI:"), proc.stdout[-1000:]
     (log_path,) = (work / "runs").glob("*/run.log")
     log_text = log_path.read_text()
