@@ -77,6 +77,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if manifest.mode != UNQUANTIZED_MODE:  # what quantization cost (quantize.quality)
         section = manifest.extra.get("quality")
         print(quality_line(section))
+        if "keep" in manifest.extra:  # what mixed precision costs
+            keep, mib = manifest.extra["keep"], 2**20
+            print(
+                f"kept dense: {len(keep['linears'])} linears, {keep['bytes'] / mib:.1f} MiB "
+                f"(+{(keep['bytes'] - keep['nvfp4_bytes']) / mib:.1f} MiB over NVFP4)"
+            )
         if args.report and section:
             print(quality_table(section), end="")
     return 0

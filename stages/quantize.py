@@ -1,4 +1,4 @@
-"""Stages ``quantize`` (HF model -> NVFP4A16 checkpoint) and ``dequantize`` (its bf16 twin), plus export.
+"""Stage ``quantize``: HF model -> NVFP4A16 checkpoint, plus export.
 
 What: ``run`` turns a local Hugging Face model directory (or a hub id, resolved with
 ``huggingface_hub.snapshot_download`` only when SRC is not a local directory) into a compressed-tensors
@@ -29,6 +29,8 @@ the cache key, so a missing data file fails before any write), then the producer
 tensors from the sequential GPTQ generator (``qerl.pipeline.nvfp4.calibration.gptq_layers``) as
 ``write_sharded`` reaches them in name order, so one layer's work is alive at a time. The manifest
 records ``method`` and, for gptq, the calibration source, sequence and token counts and digest.
+``quantize.keep`` copies the linears it names (mixed precision; ``quantization_config`` ignores them)
+and the manifest's ``keep`` records them with their bytes and what NVFP4 would have taken.
 
 ``quantize.quality`` (``qerl.pipeline.nvfp4.quality``): once the checkpoint is written, its cost is
 measured (per-linear weight error; KL, top-1 and perplexities on held-out texts, test splits only)
@@ -56,7 +58,7 @@ from qerl.pipeline.data.calibration_text import calibration_pairs, calibration_t
 from qerl.pipeline.data.datasets import DataConfig
 from qerl.pipeline.data.heldout import held_out_texts
 from qerl.pipeline.nvfp4.calibration import gptq_layers, layer_index
-from qerl.pipeline.nvfp4.grouping import Group, plan_quantization
+from qerl.pipeline.nvfp4.grouping import Group, kept_linears, kept_memory, plan_quantization
 from qerl.pipeline.nvfp4.quality import quality_key, quality_section
 from qerl.pipeline.nvfp4.recipe import (
     UNQUANTIZED_MODE,
@@ -227,6 +229,7 @@ def run_with_status(
     arch = check_architecture(model_config, cfg)
     specs = safetensors_index(src_dir)
     plan = plan_quantization(specs, cfg)  # every rejection happens here, before any write
+    kept = kept_linears(specs, cfg)
     base_digest = store.source_digest(src_dir)
     code = code_version(sys.modules[__name__])  # the import closure: format, grouping, the kernels
     calib_ids, calib = calibration_tokens(cfg, src_dir, data) if cfg.method == "gptq" else (None, None)
@@ -247,7 +250,7 @@ def run_with_status(
         t0 = time.perf_counter()
         aux = copy_aux_files(src_dir, tmp)
         config = dict(model_config)
-        config["quantization_config"] = quantization_config(cfg)
+        config["quantization_config"] = quantization_config(cfg, kept)
         atomic_write_json(tmp / "config.json", config)
         if cfg.method == "gptq":
             quant = _gptq_producers(gptq_layers(src_dir, specs, plan, cfg, calib_ids))
@@ -284,7 +287,7 @@ def run_with_status(
                 "base_digest": base_digest,
                 "source": str(src),
                 "architecture": arch,
-                "recipe": quantization_config(cfg),
+                "recipe": quantization_config(cfg, kept),
                 "quantized_tensors": n_quant,
                 "copied_tensors": sum(1 for g in plan if not g.quantize),
                 "fused_groups": sum(1 for g in plan if g.quantize and len(g.sources) > 1),
@@ -292,6 +295,7 @@ def run_with_status(
                 "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
                 "backend": backend,
                 "method": cfg.method,
+                **({"keep": kept_memory(specs, kept)} if kept else {}),
                 **({"calibration": calib} if calib else {}),
                 **quality,
             },
@@ -310,6 +314,8 @@ def _recipe_key(cfg: QuantizeConfig, calibration: dict | None = None) -> dict:
     method and its sweep; ``gptq`` also the calibration settings and the calibration text's digest."""
     key = {k: v for k, v in key_payload(cfg).items() if k not in ("twin_dtype", "scheme")}
     key.pop("quality", None)  # keyed through the inputs, with the held-out texts' digest
+    if not key["keep"]:
+        del key["keep"]  # no mixed precision: the key it always had
     calib_settings = key.pop("calibration")
     sweep = key.pop("scale_sweep")
     if key.pop("method") == "rtn":

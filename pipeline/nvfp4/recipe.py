@@ -4,8 +4,9 @@ What: ``QuantizeConfig`` is the quantize stage's recipe (part of its cache key).
 linear projections named in ``targets`` (by default all of q/k/v/o, gate/up/down) are quantized to
 compressed-tensors' "nvfp4-pack-quantized" layout: ``<name>.weight_packed`` / ``.weight_scale`` /
 ``.weight_global_scale`` (``QUANT_SUFFIXES``); the other projections, embeddings, norms, biases and
-lm_head are copied byte for byte. ``quantization_config`` is the ``config.json`` entry that targets
-exactly the quantized modules, as compressed-tensors writes it, so transformers and vLLM load the
+lm_head are copied byte for byte. ``keep`` leaves chosen targeted linears in the base dtype (mixed precision).
+``quantization_config`` is the ``config.json`` entry that targets exactly the quantized modules (the
+kept ones in its ``ignore``), as compressed-tensors writes it, so transformers and vLLM load the
 checkpoint as their own. ``check_architecture`` refuses, from config.json alone, what the recipe
 cannot handle (mixture-of-experts, an architecture outside ``SUPPORTED_ARCHITECTURES``, a model that
 is already quantized), before anything is read or written.
@@ -49,7 +50,7 @@ __all__ = [
     "read_model_config",
 ]
 
-# The manifest mode of the dequantize stage's output (stages/quantize.py builds it, the engines check it)
+# The manifest mode of the dequantize stage's output (stages/dequantize.py builds it, the engines check it)
 TWIN_MODE = "nvfp4-dequantized-twin"
 # the quantize stage with ``scheme: none``: the base as is (floats cast to the twin dtype), no NVFP4
 UNQUANTIZED_MODE = "unquantized"
@@ -113,6 +114,12 @@ class QuantizeConfig(StrictModel):
         default=list(KNOWN_PROJECTIONS),
         description="projections inside decoder layers that are quantized; the others stay in full precision",
     )
+    keep: list[str] = Field(
+        default=[],
+        description="mixed precision: targeted linears kept in the base dtype, listed in quantization_config's "
+        "ignore so vLLM serves them dense. Each entry is a module-name pattern (fnmatch: 'model.layers.0.*', "
+        "'*.down_proj') or first:N / last:N (every targeted projection of the first / last N decoder layers)",
+    )
     fused_groups: list[list[str]] = Field(
         default=[["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]],
         description="projections that share one global scale (vLLM fuses them)",
@@ -156,6 +163,10 @@ class QuantizeConfig(StrictModel):
                     f"quantize.targets takes {chosen} of the fused group {group}: vLLM runs the group as one "
                     "layer with one scheme, so quantize all of it or none"
                 )
+        for entry in self.keep:
+            layers = re.fullmatch(r"(first|last):(\d+)", entry)
+            if entry.startswith(("first:", "last:")) and not (layers and int(layers[2]) > 0):
+                raise ValueError(f"quantize.keep entry '{entry}': first:N / last:N takes a positive N")
         return self
 
 
@@ -211,8 +222,11 @@ def quantized_module_targets(cfg: QuantizeConfig) -> list[str]:
     return [f"re:.*\\.{re.escape(name)}$" for name in cfg.targets]
 
 
-def quantization_config(cfg: QuantizeConfig | None = None) -> dict:
-    """The config.json ``quantization_config`` of an NVFP4A16 checkpoint, as compressed-tensors writes it."""
+def quantization_config(cfg: QuantizeConfig | None = None, kept: list[str] | tuple[str, ...] = ()) -> dict:
+    """The config.json ``quantization_config`` of an NVFP4A16 checkpoint, as compressed-tensors writes it.
+
+    ``kept``: the module names ``quantize.keep`` left dense (``grouping.kept_linears``), ignored beside
+    lm_head; vLLM serves a fused layer dense when all its parts are ignored, which the plan ensures."""
     # the version from metadata: importing compressed_tensors costs seconds (it pulls in torch.compile)
     from importlib.metadata import version
 
@@ -243,7 +257,8 @@ def quantization_config(cfg: QuantizeConfig | None = None) -> dict:
         },
         "format": "nvfp4-pack-quantized",
         "global_compression_ratio": None,
-        "ignore": ["lm_head"],  # the one Linear outside the decoder layers (tied or not): never quantized
+        # lm_head: the one Linear outside the decoder layers (tied or not), never quantized
+        "ignore": ["lm_head", *kept],
         "kv_cache_scheme": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
