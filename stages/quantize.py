@@ -25,8 +25,9 @@ The manifest's ``mode`` records which quantizer ran (``nvfp4/numba``, ``nvfp4/to
 ``quantize.method`` (``qerl.pipeline.nvfp4.recipe``): ``rtn`` runs that dispatch and keys its cache
 exactly as before the methods existed; ``mse`` runs the plain-PyTorch scale search per tensor group
 on the CPU (mode ``nvfp4/torch``); ``gptq`` tokenizes the calibration text first (its digest joins
-the cache key, so a missing data file fails before any write), then the producers pull each layer's
-tensors from the sequential GPTQ generator (``qerl.pipeline.nvfp4.calibration.gptq_layers``) as
+the cache key, so a missing data file fails before any write; for ``samples`` the prompts' digest,
+the base model's completions being generated in the build:
+``qerl.pipeline.data.calibration_tokens``), then the producers pull each layer's tensors from the sequential GPTQ generator (``qerl.pipeline.nvfp4.calibration.gptq_layers``) as
 ``write_sharded`` reaches them in name order, so one layer's work is alive at a time. The manifest
 records ``method`` and, for gptq, the calibration source, sequence and token counts and digest.
 ``quantize.keep`` copies the linears it names (mixed precision; ``quantization_config`` ignores them)
@@ -54,7 +55,7 @@ import qerl.kernels.nvfp4_dispatch as nvfp4_dispatch
 import qerl.kernels.nvfp4_reference as nvfp4_reference
 import torch
 from qerl.pipeline.config import key_payload
-from qerl.pipeline.data.calibration_text import calibration_pairs, calibration_token_ids, token_digest
+from qerl.pipeline.data.calibration_tokens import calibration_tokens
 from qerl.pipeline.data.datasets import DataConfig
 from qerl.pipeline.data.heldout import held_out_texts
 from qerl.pipeline.nvfp4.calibration import gptq_layers, layer_index
@@ -188,27 +189,6 @@ def _gptq_producers(layers: Iterator[tuple[int, dict[str, torch.Tensor]]]) -> Ca
     return for_group
 
 
-def calibration_tokens(
-    cfg: QuantizeConfig, src_dir: Path, data: DataConfig | None
-) -> tuple[list[list[int]], dict]:
-    """The GPTQ calibration token ids and what the key and manifest record of them (source, count, digest)."""
-    from transformers import AutoTokenizer
-
-    data = data or DataConfig()
-    cal = cfg.calibration
-    pairs, label = calibration_pairs(cal.source, cal.count, cal.seed, data)
-    tokenizer = AutoTokenizer.from_pretrained(src_dir)
-    ids = calibration_token_ids(tokenizer, pairs, data.template, cal.max_tokens)
-    info = {
-        "source": label,
-        "sequences": len(ids),
-        "tokens": sum(len(x) for x in ids),
-        "template": data.template,
-        "digest": token_digest(ids),
-    }
-    return ids, info
-
-
 def run(
     cfg: QuantizeConfig, src: str | Path, store: ArtifactStore, data: DataConfig | None = None
 ) -> Manifest:
@@ -232,7 +212,10 @@ def run_with_status(
     kept = kept_linears(specs, cfg)
     base_digest = store.source_digest(src_dir)
     code = code_version(sys.modules[__name__])  # the import closure: format, grouping, the kernels
-    calib_ids, calib = calibration_tokens(cfg, src_dir, data) if cfg.method == "gptq" else (None, None)
+    # gptq: the token ids come as a function (source samples generates them in the build, not on a cache hit)
+    calib_ids, calib = (
+        calibration_tokens(cfg.calibration, src_dir, data) if cfg.method == "gptq" else (None, None)
+    )
     device = _device() if cfg.method == "rtn" else torch.device("cpu")  # mse, gptq: plain torch on CPU
     backend = nvfp4_dispatch.quantize_backend(device) if cfg.method == "rtn" else "torch"
     # the quality section (qerl.pipeline.nvfp4.quality): held-out texts resolved before the build
@@ -253,7 +236,7 @@ def run_with_status(
         config["quantization_config"] = quantization_config(cfg, kept)
         atomic_write_json(tmp / "config.json", config)
         if cfg.method == "gptq":
-            quant = _gptq_producers(gptq_layers(src_dir, specs, plan, cfg, calib_ids))
+            quant = _gptq_producers(gptq_layers(src_dir, specs, plan, cfg, calib_ids()))
         else:
             quant = lambda g: _quant_producer(g, device, cfg)  # noqa: E731
         groups = [(g.outputs, quant(g) if g.quantize else copy_producer(g.sources[0])) for g in plan]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from qerl.kernels.nvfp4_reference import dequantize_nvfp4, global_scale, quantize_nvfp4
 from qerl.pipeline.data.calibration_text import CalibrationDataError, calibration_pairs
+from qerl.pipeline.data.calibration_tokens import calibration_tokens
 from qerl.pipeline.data.datasets import DataConfig
 from qerl.pipeline.nvfp4.gptq import gptq_nvfp4
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig
@@ -287,10 +288,10 @@ def test_cache_key_follows_method_and_calibration_digest(llama_dir):
     with pytest.raises(ValueError, match="calibration digest"):
         key(g)
     # the digest follows the calibration text
-    ids1, info1 = stage.calibration_tokens(g, llama_dir, DataConfig())
+    ids1, info1 = calibration_tokens(g.calibration, llama_dir, DataConfig())
     g2 = QuantizeConfig.model_validate({**GPTQ, "calibration": {**GPTQ["calibration"], "seed": 1}})
-    _, info2 = stage.calibration_tokens(g2, llama_dir, DataConfig())
-    assert info1["digest"] != info2["digest"] and info1["sequences"] == len(ids1) == 24
+    _, info2 = calibration_tokens(g2.calibration, llama_dir, DataConfig())
+    assert info1["digest"] != info2["digest"] and info1["sequences"] == len(ids1()) == 24
 
 
 def test_missing_calibration_data_is_a_clear_error(llama_dir, tmp_path, monkeypatch):
@@ -328,3 +329,56 @@ def test_the_searchs_fp4_rounding_has_the_reference_error_ties_included():
     y = torch.cat([ties, torch.randn(5000) * 3])
     ref = _lut(y.device)[fp4_codes(y).long()]
     assert torch.equal((y - _round_fp4_value(y)).abs(), (y - ref).abs())
+
+
+def test_auto_calibration_falls_back_to_the_models_own_completions(tmp_path):
+    from qerl.pipeline.data.calibration_text import resolve_source
+
+    assert resolve_source("auto", DataConfig(root=str(tmp_path))) == "train"  # arithmetic has answers
+    assert resolve_source("auto", DataConfig(dataset="math500", root=str(tmp_path))) == "samples"
+    assert resolve_source("samples", DataConfig()) == "samples"
+
+
+def test_greedy_completions_match_unpadded_generation(llama_dir):
+    from qerl.pipeline.data.calibration_tokens import greedy_completions
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3], [11]]
+    got = greedy_completions(llama_dir, prompts, max_tokens=12, eos_id=2, pad_id=0, batch_size=2)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    for p, ids in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            want = model.generate(
+                torch.tensor([p]), do_sample=False, max_new_tokens=12, eos_token_id=2, pad_token_id=0
+            )
+        want = want[0].tolist()
+        want = want[: want.index(2, len(p)) + 1] if 2 in want[len(p) :] else want
+        assert ids == want[:12] and ids[: len(p)] == p and len(ids) > len(p)
+
+
+def test_samples_calibrate_on_generated_text_and_a_cache_hit_generates_nothing(
+    llama_dir, tmp_path, monkeypatch
+):
+    from qerl.pipeline.data import calibration_tokens as cal_tokens
+
+    cfg = QuantizeConfig.model_validate(
+        {
+            "method": "gptq",
+            "quality": {"texts": 0},
+            "calibration": {"source": "samples", "count": 4, "max_tokens": 24},
+        }  # fmt: skip
+    )
+    store = ArtifactStore(tmp_path / "s")
+    manifest, cached = stage.run_with_status(cfg, llama_dir, store, DataConfig())
+    info = manifest.extra["calibration"]
+    assert not cached and info["source"] == "samples:arithmetic/train" and info["completions"] == "greedy"
+    assert info["sequences"] == 4 and len(info["completions_digest"]) == 64 and info["tokens"] > 0
+    assert info["digest"] != info["completions_digest"]  # keyed by the prompts, recorded with the completions
+    assert len(dict(iter_quantized_linears(manifest.dir))) == 14
+
+    def no_generation(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a cache hit generated completions")
+
+    monkeypatch.setattr(cal_tokens, "greedy_completions", no_generation)
+    again, cached = stage.run_with_status(cfg, llama_dir, store, DataConfig())
+    assert cached and again.dir == manifest.dir

@@ -75,11 +75,13 @@ QUANT_METHODS = ("rtn", "mse", "gptq")
 class CalibrationConfig(StrictModel):
     """Calibration text and GPTQ settings of ``quantize.method: gptq`` (ignored by rtn and mse)."""
 
-    source: Literal["auto", "gsm8k", "train"] = Field(
+    source: Literal["auto", "gsm8k", "train", "samples"] = Field(
         default="auto",
         description="gsm8k: GSM8K train questions with their worked solutions from the data directory "
         "(data.root or $QERL_DATA_DIR); train: the run's own training problems with their reference "
-        "completions (arithmetic answers, GSM8K solutions); auto: gsm8k when the data directory has it, else train",
+        "completions (arithmetic answers, GSM8K solutions); samples: the run's training problems with the base "
+        "model's own greedy completions; auto: gsm8k when the data directory has it, else train where the "
+        "training data has reference completions, else samples",
     )
     count: int = Field(default=128, ge=1, description="calibration sequences (prompt + completion)")
     max_tokens: int = Field(default=512, ge=8, description="tokens kept per calibration sequence")
