@@ -44,9 +44,9 @@ How (shapes: B sequences, T completion positions, ``mask`` 1 on real completion 
 
   With sigma = 0 (stage 0 of the schedule, or AQN off) the three are the same objective, bit for bit.
   Which one the paper is: ``on_policy`` (its code never corrects for the noise). Why ``clean_is`` is
-  the default anyway: it is what this pipeline has run and measured so far, and it is the unbiased
-  estimate of the clean policy's gradient; whether the exploration effect needs the noise to stay in
-  the gradient is what the ablation (``qerl ablate``) is for, and no measurement here says so yet.
+  the default anyway: it is the unbiased estimate of the clean policy's gradient, and the SmolLM2-135M
+  ablation (docs/results/ablation-smollm2-fidelity.md) cannot tell the three apart, nor any of them
+  from no AQN, so no measurement favours a change.
 * ``aggregate``: ``grpo`` (mean over each sequence's tokens, then over the sequences that have any),
   ``bnpo`` (token mean over the minibatch), ``dapo`` (token sum over the *whole optimizer step*
   divided by its token count) and ``dr_grpo`` (token sum / (sequences * max_len)). The step-level
