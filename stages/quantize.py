@@ -27,8 +27,9 @@ exactly as before the methods existed; ``mse`` runs the plain-PyTorch scale sear
 on the CPU (mode ``nvfp4/torch``); ``gptq`` tokenizes the calibration text first (its digest joins
 the cache key, so a missing data file fails before any write; for ``samples`` the prompts' digest,
 the base model's completions being generated in the build:
-``qerl.pipeline.data.calibration_tokens``), then the producers pull each layer's tensors from the sequential GPTQ generator (``qerl.pipeline.nvfp4.calibration.gptq_layers``) as
-``write_sharded`` reaches them in name order, so one layer's work is alive at a time. The manifest
+``qerl.pipeline.data.calibration_tokens``), then the producers pull each layer's tensors from the
+sequential GPTQ generator (``qerl.pipeline.nvfp4.calibration.gptq_layers``) as ``write_sharded``
+reaches them in name order, so one layer's work is alive at a time. The manifest
 records ``method`` and, for gptq, the calibration source, sequence and token counts and digest.
 ``quantize.keep`` copies the linears it names (mixed precision; ``quantization_config`` ignores them)
 and the manifest's ``keep`` records them with their bytes and what NVFP4 would have taken.

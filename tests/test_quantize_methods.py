@@ -374,6 +374,7 @@ def test_samples_calibrate_on_generated_text_and_a_cache_hit_generates_nothing(
     assert not cached and info["source"] == "samples:arithmetic/train" and info["completions"] == "greedy"
     assert info["sequences"] == 4 and len(info["completions_digest"]) == 64 and info["tokens"] > 0
     assert info["digest"] != info["completions_digest"]  # keyed by the prompts, recorded with the completions
+    assert info["generated_on"] == "{}/{}".format(*cal_tokens.generation_device())  # cpu/torch.float32 here
     assert len(dict(iter_quantized_linears(manifest.dir))) == 14
 
     def no_generation(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202

@@ -8,14 +8,16 @@ their digest. For ``samples`` the ids are the run's training prompts followed by
 completions (``greedy_completions``), generated only when the function is called, inside the build:
 ``info["digest"]`` is then the digest of the prompts (the completions are a function of them, the
 base model and this code, all in the key), so a cache hit costs a tokenization, not a generation. The
-build adds the generated ids' digest and token count to ``info`` (``completions_digest``,
-``tokens``), which the manifest records. It lives with the data (not with the NVFP4 format) because
+build adds the generated ids' digest and token count and the device and dtype that generated them
+to ``info`` (``completions_digest``, ``tokens``, ``generated_on``), which the manifest records. It lives with the data (not with the NVFP4 format) because
 it is the calibration text; it loads the base model only to complete it.
 
-Departure and why: the issue's wording is "sampled completions"; they are greedy here. A greedy
-completion is a function of the prompt and the weights alone, so the artifact is reproducible on
-another machine without an RNG in its key, and it is the model's most likely text, which is what the
-quantized model will be run on most.
+Departure and why: the completions are greedy, not sampled. A greedy completion is a function of
+the prompt, the weights and the arithmetic alone, so the artifact is reproducible on another machine
+of the same kind without an RNG in its key, and it is the model's most likely text, which is what the
+quantized model will be run on most. Across kinds (fp32 on a CPU, bf16 on a GPU) a near-tie can
+decode differently, as a rollout can: the key is the same and the store's own digest check re-keys
+a rebuild with other bytes; ``generated_on`` says which it was.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from qerl.pipeline.data.calibration_text import (
 from qerl.pipeline.data.datasets import DataConfig
 from qerl.pipeline.runtime.device import default_device
 
-__all__ = ["CalibrationSettings", "calibration_tokens", "greedy_completions"]
+__all__ = ["CalibrationSettings", "calibration_tokens", "generation_device", "greedy_completions"]
 
 TokenIds = list[list[int]]
 
@@ -76,11 +78,20 @@ def calibration_tokens(
     def generate() -> TokenIds:
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        device, dtype = generation_device()
         ids = greedy_completions(src_dir, prompts, cal.max_tokens, eos, pad)
-        info.update(tokens=sum(map(len, ids)), completions_digest=token_digest(ids))
+        info.update(
+            tokens=sum(map(len, ids)), completions_digest=token_digest(ids), generated_on=f"{device}/{dtype}"
+        )
         return ids
 
     return generate, info
+
+
+def generation_device() -> tuple[torch.device, torch.dtype]:
+    """Where and in what dtype the completions are generated: fp32 on the CPU, bf16 on a GPU."""
+    device = torch.device(default_device())
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def greedy_completions(
@@ -90,8 +101,7 @@ def greedy_completions(
     to ``max_tokens``. Batches are left-padded; fp32 on the CPU, bf16 on a GPU."""
     from transformers import AutoModelForCausalLM
 
-    device = torch.device(default_device())
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = generation_device()
     model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=dtype).to(device).eval()
     out: TokenIds = []
     for start in range(0, len(prompts), batch_size):
