@@ -146,7 +146,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = load_config(EvalConfig, args.config, own)
     if args.benchmark:
         cfg = apply_overrides(cfg, {"benchmark": {"dataset": args.benchmark}})
-    recipe = load_config(QuantizeConfig, None, recipe_sets) if recipe_sets else None
+    recipe = load_config(QuantizeConfig, None, recipe_sets, prefix="quantize") if recipe_sets else None
     store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
     base = fetch_model.resolve_base(args.base, store)  # a catalogue name becomes its directory
     quantized, twin = evaluate.base_artifacts(base, store, needs_twin(args.engine), recipe)

@@ -161,11 +161,13 @@ def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def apply_overrides(cfg: M, overrides: list[str] | dict[str, Any] | None) -> M:
-    """Return a copy of ``cfg`` with dotted overrides applied and re-validated."""
+def apply_overrides(cfg: M, overrides: list[str] | dict[str, Any] | None, prefix: str = "") -> M:
+    """Return a copy of ``cfg`` with dotted overrides applied and re-validated. ``prefix``: the section
+    the user wrote them under (``rollout`` for ``--set rollout.x=1``), so errors name the full key."""
     extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
     pairs = overrides if isinstance(overrides, list) else None
-    return _validate(type(cfg), _deep_merge(cfg.model_dump(mode="json"), extra or {}), "overrides", pairs)
+    merged = _deep_merge(cfg.model_dump(mode="json"), extra or {})
+    return _validate(type(cfg), merged, "overrides", pairs, prefix)
 
 
 def _blame(loc: tuple, overrides: list[str]) -> str | None:
@@ -178,25 +180,32 @@ def _blame(loc: tuple, overrides: list[str]) -> str | None:
     return None
 
 
-def _validate(model: type[M], data: dict[str, Any], source: str, overrides: list[str] | None = None) -> M:
-    """Validate ``data``; an error names each bad key and where its value came from: the ``--set``
-    override that set it, else ``source`` (the YAML file, or the defaults)."""
-    _check_keys(model, data, "")
+def _validate(
+    model: type[M], data: dict[str, Any], source: str, overrides: list[str] | None = None, prefix: str = ""
+) -> M:
+    """Validate ``data``; an error names each bad key (under ``prefix``, the section the overrides
+    were written under) and where its value came from: the ``--set`` override that set it, else
+    ``source`` (the YAML file, or the defaults)."""
+    _check_keys(model, data, prefix)
+    lead = f"{prefix}." if prefix else ""
     try:
         return model.model_validate(data)
     except ValidationError as err:
         problems = []
         for e in err.errors():
             where = _blame(e["loc"], overrides or [])
-            key = ".".join(str(p) for p in e["loc"]) or "<root>"
+            key = lead + ".".join(str(p) for p in e["loc"]) if e["loc"] else prefix or "<root>"
             problems.append(
-                f"{key}: {e['msg']}" + (f" (from --set {where})" if where else f" (from {source})")
+                f"{key}: {e['msg']}" + (f" (from --set {lead}{where})" if where else f" (from {source})")
             )
         raise ConfigError("invalid config: " + "; ".join(problems)) from None
 
 
-def load_config(model: type[M], path: str | Path | None = None, overrides: list[str] | None = None) -> M:
-    """Load ``model`` from an optional YAML file, then apply ``--set`` style overrides."""
+def load_config(
+    model: type[M], path: str | Path | None = None, overrides: list[str] | None = None, prefix: str = ""
+) -> M:
+    """Load ``model`` from an optional YAML file, then apply ``--set`` style overrides (written under
+    ``prefix``, if given: errors then name ``prefix.key``)."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -211,7 +220,7 @@ def load_config(model: type[M], path: str | Path | None = None, overrides: list[
         data = loaded
         source = str(path)
     data = _deep_merge(data, parse_overrides(overrides))
-    return _validate(model, data, source, overrides)
+    return _validate(model, data, source, overrides, prefix)
 
 
 def config_hash(cfg: BaseModel | dict[str, Any]) -> str:

@@ -266,6 +266,32 @@ def test_a_bad_override_is_blamed_on_the_override_not_the_file(tmp_path):
         load_config(Outer, path, ["name=x"])
 
 
+def test_a_section_override_is_named_with_its_section(tmp_path):
+    """`qerl eval --set quantize.X` / `--set rollout.X` load one section's config alone: its errors
+    still name the key as the user wrote it."""
+    import json
+
+    from qerl.pipeline.evaluation.eval_config import EvalConfig
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.planning.engine_setup import eval_rollout_config
+
+    with pytest.raises(ConfigError, match=r"unknown config key 'quantize\.methd'; valid keys here: .*method"):
+        load_config(QuantizeConfig, None, ["methd=gptq"], prefix="quantize")
+    with pytest.raises(ConfigError, match=r"quantize\.method: .*\(from --set quantize\.method=fast\)"):
+        load_config(QuantizeConfig, None, ["method=fast"], prefix="quantize")
+    with pytest.raises(ConfigError, match=r"unknown config key 'quantize\.calibration\.sorce'"):
+        load_config(QuantizeConfig, None, ["calibration.sorce=gsm8k"], prefix="quantize")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.temprature'"):
+        eval_rollout_config(EvalConfig(), "hf", model, None, ["temprature=0.5"])
+    with pytest.raises(
+        ConfigError, match=r"rollout\.max_model_len: .*\(from --set rollout\.max_model_len=x\)"
+    ):
+        eval_rollout_config(EvalConfig(), "hf", model, None, ["max_model_len=x"])
+
+
 def test_the_run_config_rejects_an_infinite_learning_rate():
     from qerl.pipeline.planning.run_config import load_run_config
 

@@ -81,4 +81,4 @@ def eval_rollout_config(
         else RolloutConfig.model_fields["max_lora_rank"].default,
         logprobs=False,
     )
-    return apply_overrides(derived, overrides)
+    return apply_overrides(derived, overrides, prefix="rollout")
