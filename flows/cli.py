@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from qerl.flows import flow_commands, tool_commands
+from qerl.pipeline.runtime.determinism import prepare_process
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 PRESET_HELP = "YAML file or preset name (see pipeline/planning/presets)"
@@ -261,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _terminal_logging(args.command, getattr(args, "verbose", False))
+    prepare_process()  # before any CUDA matmul: train.deterministic needs cuBLAS's workspace config
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

@@ -8,44 +8,59 @@
 #   bash scripts/gpu_check.sh --dry-run    the same on a CPU at tiny shapes, in about a minute (CI):
 #                                          the gpu tests skip, the benchmark runs its tiny CPU shapes
 #
-# Results go to $OUT (the device tool's output folder; default qerl-work/gpu-check): gpu-check.md
-# (the report: mode, environment, test summary, benchmark tables), gpu-check.log, gpu-tests.xml,
-# gpu.md and gpu.json. A CUDA run also writes benchmarks/results/gpu.{md,json} in this tree (copy them
-# from $OUT into the repository when the tree is a remote copy). A dry run never touches
-# benchmarks/results. The exit status is non-zero when the tests or the benchmark failed.
+# Results go to $OUT (the device tool's output folder; default qerl-work/gpu-check), at most the 8
+# files the device tool brings back: gpu-check.md (the report: mode, environment, parts, each test's
+# outcome, benchmark tables), gpu-check.log (everything, pytest's output included), gpu.{md,json}
+# and vllm.{md,json} (the benchmarks), vllm-gap.json and determinism.json (what the tests measured).
+# A CUDA run also writes benchmarks/results/{gpu,vllm}.{md,json} in this tree (copy them from $OUT
+# into the repository when the tree is a remote copy). A dry run never touches benchmarks/results.
+# The exit status is 1 when a test or a benchmark failed, 5 when nothing failed but the budget cut a
+# part.
 #
 # Options: --dry-run  --tests-only  --bench-only  --models 7b,14b,32b  --arms nvfp4,bf16
 #          --steps N  --prompt N  --completion N  --skip-kernels  --merge  (these go to bench_gpu.py;
 #          --merge keeps the other models' arms already in benchmarks/results/gpu.json)
-# The whole default run is sized for one 10-minute device call on an H100; split it with
-# --tests-only / --bench-only / --models, e.g. `--models 7b,14b` then `--bench-only --models 32b
-# --skip-kernels --merge`, if it does not fit.
+#          --vllm-models 0.5b[,7b]  (bench_vllm.py's shapes; default 0.5b)
+#          --budget-s N  the seconds this call may spend: the parts run in the order below, each
+#                        under what is left (SIGINT, so pytest still writes its summary and the
+#                        benchmarks keep every finished arm); one that would get under 45 s is not
+#                        started. The report's parts table says what ran, what was cut off, what was
+#                        not started; exit 5 = nothing failed but the kit is incomplete.
+# The parts, in the order of what they are worth to a short lease: (1) tests/test_gpu_vllm.py (the
+# default GPU engine, issue 23), (2) tests/test_gpu.py (kernels, trainer, determinism on CUDA),
+# (3) benchmarks/bench_vllm.py (Marlin NVFP4 vs bf16 tokens/s), (4) benchmarks/bench_gpu.py (GRPO
+# update time and memory at 7B/14B/32B, kernels).
 #
-# The vLLM part (issue 23; tests/test_gpu_vllm.py): vLLM travels as chunks of a trimmed bundle built
-# here by `bash scripts/fetch_gpu_wheels.sh --vllm` (.gpu-vllm/part-01 ... part-NN, at most 50 MiB
-# each, and .gpu-vllm/manifest.json with their sha256). One device call carries one chunk (64 MiB a
-# call); a warm machine keeps ignored folders between calls (it waits ~30 s for the next call: make
-# the calls back to back), so each call moves its chunk into .gpu-vllm-chunks/ (kept there), and once
-# all are there and sound the archive is reassembled, its sha256 checked and extracted into
+# The vLLM bundle: vLLM travels as chunks of a trimmed bundle built here by `bash
+# scripts/fetch_gpu_wheels.sh --vllm` (.gpu-vllm/part-01 ... part-NN, at most 50 MiB each, and
+# .gpu-vllm/manifest.json with their sha256); it cannot travel whole (74.5 MiB, of which 53 MiB is
+# vLLM's _C extension, compressed CUDA code that xz cannot shrink; the working tree adds 2.7 MiB) and
+# one call carries 64 MiB. A warm machine keeps ignored folders between calls but waits only ~30 s
+# for the next call, so each call moves its chunk into .gpu-vllm-chunks/ (kept there), and once all
+# are there and sound the archive is reassembled, its sha256 checked and extracted into
 # .gpu-vllm-site/, which goes on sys.path AFTER the image's site-packages (.gpu-src/sitecustomize.py
-# appends it: vLLM uses the image's torch). vLLM 0.26.0 makes 2 chunks (50.00 + 24.49 MiB; N in
-# general, in the manifest), so the sequence is:
-#   call 1: carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"]
-#           command `bash scripts/gpu_check.sh --stage-only`   (stages part-01; seconds after the start)
-#   (with N chunks, calls 2..N-1 the same with part-02 ... part-(N-1))
-#   call N: carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-02"]   (the last chunk)
-#           command `bash scripts/gpu_check.sh --vllm-only`    (stages it, checks every sum, extracts,
-#           runs tests/test_gpu_vllm.py; planned at ~5-8 min: with the start and the transfers the
-#           sequence stays within ~15 min of device time, the rest of a 30-minute lease for the kit)
-#   then, on the same warm machine: carry [".gpu-wheels"], command `bash scripts/gpu_check.sh
-#   --no-vllm` (the rest of the kit in its own 10-minute call; the bundle stays in .gpu-vllm-site).
-# A call names what is still missing ("MISSING 1 of 2 chunks: part-02" and the carry for the next
-# call); a chunk whose size or sha256 differs is named ("CORRUPT chunk ...: carry it again"); with
-# chunks missing or corrupt the vLLM part is skipped with that message. If the machine went back
-# between calls (the chunks staged so far are listed each time), start the sequence again.
+# appends it: vLLM uses the image's torch; the bundle also brings pydantic, so qerl needs no
+# .gpu-wheels). A call names what is still missing ("MISSING 1 of 2 chunks: part-02" and the carry
+# for the next call); a chunk whose size or sha256 differs is named ("CORRUPT chunk ...: carry it
+# again"); with chunks missing or corrupt the vLLM part is skipped with that message. If the machine
+# went back between calls (the chunks staged so far are listed each time), start again at call 1.
+#
+# The sequence for a 15-minute lease (device time counts from the start, ~1-2 min, to the give-back;
+# make each call the moment the last returns, and give the machine back after the last):
+#   call 1  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"], timeout_s 120
+#           `bash scripts/gpu_check.sh --stage-only`            stages part-01, names part-02 missing
+#   call 2  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-02"], timeout_s 390
+#           `bash scripts/gpu_check.sh --tests-only --budget-s 330`
+#           stages part-02, checks every sum, extracts, runs parts 1 and 2: correctness first
+#   call 3  no carry (the bundle stays extracted), timeout_s = budget_left_s - 60 (status), and
+#           `bash scripts/gpu_check.sh --bench-only --models 7b --budget-s <timeout_s - 30>`
+#           parts 3 and 4: measurements, in what is left (about 5 minutes)
+# That is about 2 + 0.5 + 6 + 5 minutes. With more than one chunk, calls 2..N-1 are call 1 with
+# part-02 ... part-(N-1). Another session's lease can go to what the budget cut (e.g. `--bench-only
+# --vllm-models 7b`, or `--bench-only --models 14b,32b --merge`).
 #   --stage-only   stage the carried chunks (extract when complete), report, stop
-#   --vllm-only    only the vLLM part: stage, extract, pytest tests/test_gpu_vllm.py (no benchmark)
-#   --no-vllm      the kit without tests/test_gpu_vllm.py (they already ran in the --vllm-only call)
+#   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py)
+#   --no-vllm      the kit without the vLLM parts (1 and 3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -57,6 +72,10 @@ VLLM_ONLY=0
 NO_VLLM=0
 BENCH=1
 BENCH_ARGS=()
+BUDGET_S=0
+VLLM_MODELS=0.5b
+PART_MIN_S=${QERL_GPU_PART_MIN_S:-45}          # a part that would get less is not started
+REPORT_RESERVE_S=${QERL_GPU_REPORT_RESERVE_S:-15}  # kept for the report and the copy back
 while (($#)); do
   case "$1" in
     --dry-run) DRY=1; shift ;;
@@ -67,11 +86,15 @@ while (($#)); do
     --no-vllm) NO_VLLM=1; shift ;;
     --models|--arms|--steps|--prompt|--completion) BENCH_ARGS+=("$1" "$2"); shift 2 ;;
     --merge|--skip-kernels) BENCH_ARGS+=("$1"); shift ;;
+    --budget-s) BUDGET_S=$2; shift 2 ;;
+    --vllm-models) VLLM_MODELS=$2; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 
+[[ "$BUDGET_S" =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget-s takes whole seconds, not '$BUDGET_S'" >&2; exit 2; }
+T_START=$SECONDS
 OUT=${OUT:-qerl-work/gpu-check}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -209,31 +232,85 @@ if ((!DRY)) && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_availa
   exit 2
 fi
 
-# 4. the gpu tests (compiled Triton on CUDA; the dry run leaves the interpreter default of the suite)
+# 4-5. the parts, in the order of what they are worth to a short lease: the vLLM tests (issue 23), the
+# kernel and trainer tests, the benchmark. With --budget-s each runs under what is left of the budget
+# (SIGINT first: pytest then still writes its summary and junit file; bench_gpu.py has already written
+# every finished arm), and one that would get under PART_MIN_S seconds is not started.
+PARTS=()
+run_part() {  # run_part NAME CMD...: appends "NAME|seconds|outcome" to PARTS, returns the command's status
+  local name=$1 left t0 rc
+  shift
+  if ((BUDGET_S > 0)); then
+    left=$((BUDGET_S - (SECONDS - T_START) - REPORT_RESERVE_S))
+    if ((left < PART_MIN_S)); then
+      PARTS+=("$name|0|not started: ${left}s of the ${BUDGET_S}s budget left")
+      say "$name: not started (${left}s of the budget left, a part needs ${PART_MIN_S}s)"
+      return 124
+    fi
+    say "$name: up to ${left}s"
+    t0=$SECONDS
+    timeout -s INT -k 20 "$left" "$@"
+    rc=$?
+    if ((rc == 124 || rc == 137)); then
+      PARTS+=("$name|$((SECONDS - t0))|cut off at the budget")
+      say "$name: cut off at the budget after $((SECONDS - t0))s"
+      return 124
+    fi
+  else
+    t0=$SECONDS
+    "$@"
+    rc=$?
+  fi
+  PARTS+=("$name|$((SECONDS - t0))|exit $rc")
+  return $rc
+}
+
 TEST_RC=skipped
 TEST_SUMMARY="not run (--bench-only)"
+TEST_FILES=()
 if ((TESTS)); then
   ((DRY)) || export TRITON_INTERPRET=0
-  TEST_FILES=(tests/test_gpu.py tests/test_gpu_vllm.py)
-  ((VLLM_ONLY)) && TEST_FILES=(tests/test_gpu_vllm.py)
-  ((NO_VLLM)) && TEST_FILES=(tests/test_gpu.py)
-  say "pytest -m gpu ${TEST_FILES[*]}"
-  "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" "${TEST_FILES[@]}" \
-    >"$OUT/gpu-tests.txt" 2>&1
-  TEST_RC=$?
-  cat "$OUT/gpu-tests.txt" >>"$LOG"
-  TEST_SUMMARY=$(grep -E "^(SKIPPED|FAILED|ERROR)|[0-9]+ (passed|failed|skipped|error)" "$OUT/gpu-tests.txt" | tail -20)
+  ((NO_VLLM)) || TEST_FILES+=(tests/test_gpu_vllm.py)
+  ((VLLM_ONLY)) || TEST_FILES+=(tests/test_gpu.py)
+  TEST_RC=0
+  SCRATCH=$(mktemp -d)  # pytest's output and junit files: the tool brings back only 8 files from $OUT
+  : >"$SCRATCH/gpu-tests.txt"
+  for f in "${TEST_FILES[@]}"; do
+    name=$(basename "$f" .py)
+    say "pytest -m gpu $f"
+    # -v: a run cut off by the budget still shows which tests passed
+    run_part "$name" "$PY" -m pytest -v -m gpu -rs -p no:cacheprovider --junitxml="$SCRATCH/$name.xml" "$f" \
+      >>"$SCRATCH/gpu-tests.txt" 2>&1
+    rc=$?
+    ((rc == 0 || TEST_RC != 0)) || TEST_RC=$rc
+  done
+  cat "$SCRATCH/gpu-tests.txt" >>"$LOG"
+  TEST_SUMMARY=$(grep -E "(PASSED|FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped|error)" "$SCRATCH/gpu-tests.txt" | tail -40)
   say "tests: exit $TEST_RC"
 fi
 
-# 5. the benchmark
 BENCH_RC=skipped
+VLLM_BENCH_RC=skipped
+if ((BENCH)) && ((!NO_VLLM)); then
+  if ((DRY)); then
+    run_part bench_vllm "$PY" benchmarks/bench_vllm.py --dry-run --out-dir "$OUT" >>"$LOG" 2>&1
+    VLLM_BENCH_RC=$?
+  elif [[ -n "${QERL_SYS_PATH_AFTER:-}" ]]; then
+    run_part bench_vllm "$PY" benchmarks/bench_vllm.py --models "$VLLM_MODELS" --out-dir benchmarks/results \
+      >>"$LOG" 2>&1
+    VLLM_BENCH_RC=$?
+    cp benchmarks/results/vllm.md benchmarks/results/vllm.json "$OUT"/ 2>/dev/null
+  else
+    PARTS+=("bench_vllm|0|not started: $VLLM_STATE")
+  fi
+  say "vLLM benchmark: exit $VLLM_BENCH_RC"
+fi
 if ((BENCH)); then
   if ((DRY)); then
-    "$PY" benchmarks/bench_gpu.py --dry-run --out-dir "$OUT" "${BENCH_ARGS[@]}" >>"$LOG" 2>&1
+    run_part bench_gpu "$PY" benchmarks/bench_gpu.py --dry-run --out-dir "$OUT" "${BENCH_ARGS[@]}" >>"$LOG" 2>&1
     BENCH_RC=$?
   else
-    "$PY" benchmarks/bench_gpu.py --out-dir benchmarks/results "${BENCH_ARGS[@]}" >>"$LOG" 2>&1
+    run_part bench_gpu "$PY" benchmarks/bench_gpu.py --out-dir benchmarks/results "${BENCH_ARGS[@]}" >>"$LOG" 2>&1
     BENCH_RC=$?
     cp benchmarks/results/gpu.md benchmarks/results/gpu.json "$OUT"/ 2>/dev/null
   fi
@@ -241,16 +318,25 @@ if ((BENCH)); then
 fi
 
 # 6. the report (written beside, then renamed: a reader never sees half of it)
+INCOMPLETE=0
+for p in "${PARTS[@]}"; do [[ "$p" == *"|cut off"* || "$p" == *"|not started"* ]] && INCOMPLETE=1; done
 {
   echo "# GPU check ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
   echo
-  echo "mode: $MODE; tests exit $TEST_RC; benchmark exit $BENCH_RC"
+  echo "mode: $MODE; tests exit $TEST_RC; vLLM benchmark exit $VLLM_BENCH_RC; benchmark exit $BENCH_RC; budget $( ((BUDGET_S)) && echo "${BUDGET_S}s, used $((SECONDS - T_START))s" || echo none)"
+  ((INCOMPLETE)) && echo && echo "INCOMPLETE: a part was cut off or not started within the budget (table below)"
   echo
   echo '```'
   echo "$ENV_TXT"
   echo '```'
   echo
-  echo "## Tests (pytest -m gpu ${TEST_FILES[*]:-tests/test_gpu.py})"
+  echo "## Parts"
+  echo
+  echo "| part | seconds | outcome |"
+  echo "|---|---:|---|"
+  for p in "${PARTS[@]}"; do IFS='|' read -r n t o <<<"$p"; echo "| $n | $t | $o |"; done
+  echo
+  echo "## Tests (pytest -m gpu ${TEST_FILES[*]:-})"
   echo
   echo "vLLM: $VLLM_STATE"
   echo
@@ -258,8 +344,15 @@ fi
   echo "$TEST_SUMMARY"
   echo '```'
   echo
-  [[ -f "$OUT/gpu.md" ]] && cat "$OUT/gpu.md" || echo "(no benchmark results)"
+  [[ -f "$OUT/vllm.md" ]] && cat "$OUT/vllm.md" && echo
+  [[ -f "$OUT/gpu.md" ]] && cat "$OUT/gpu.md" || echo "(no bench_gpu results)"
 } >"$OUT/gpu-check.md.tmp" && mv "$OUT/gpu-check.md.tmp" "$OUT/gpu-check.md"
 say "report: $OUT/gpu-check.md"
 
-[[ "$TEST_RC" == 0 || "$TEST_RC" == skipped ]] && [[ "$BENCH_RC" == 0 || "$BENCH_RC" == skipped ]]
+FAILED=0
+[[ "$TEST_RC" == 0 || "$TEST_RC" == skipped || "$TEST_RC" == 124 ]] || FAILED=1
+[[ "$BENCH_RC" == 0 || "$BENCH_RC" == skipped || "$BENCH_RC" == 124 ]] || FAILED=1
+[[ "$VLLM_BENCH_RC" == 0 || "$VLLM_BENCH_RC" == skipped || "$VLLM_BENCH_RC" == 124 ]] || FAILED=1
+((FAILED)) && exit 1
+((INCOMPLETE)) && { say "INCOMPLETE within the ${BUDGET_S}s budget (exit 5): see the parts table"; exit 5; }
+exit 0

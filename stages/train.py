@@ -67,6 +67,7 @@ from qerl.pipeline.rl.policy import TrainState, init_state
 from qerl.pipeline.rl.step import train_step
 from qerl.pipeline.rl.train_config import TrainConfig
 from qerl.pipeline.rollout.aqn import apply_to_hf_model
+from qerl.pipeline.runtime.determinism import deterministic_kernels
 from qerl.pipeline.runtime.device import cuda_available, default_device
 from qerl.pipeline.runtime.threads import trainer_threads
 from qerl.pipeline.store.artifact_store import ArtifactStore
@@ -271,12 +272,12 @@ def run(
 
     def build(tmp: Path) -> BuildResult:
         # MKL/OpenMP as in a fresh process, one core per intra-op thread (qerl.pipeline.runtime.threads)
-        with trainer_threads(device) as pins:
+        with trainer_threads(device) as pins, deterministic_kernels(device, cfg.deterministic) as det:
             if pins:
                 log.info("train step %d: intra-op threads pinned one per CPU %s", step, pins)
-            return _build(tmp)
+            return _build(tmp, det)
 
-    def _build(tmp: Path) -> BuildResult:
+    def _build(tmp: Path, determinism: dict[str, Any]) -> BuildResult:
         state, reused, t_load = _policy(cfg, base, prev, step, device, resident_key, init_adapter)
         # read on a miss only: a cache hit needs no table (retention may have pruned it)
         batch = load_rollout_batch(scored.file(SCORED_FILE), temperature=cfg.temperature)
@@ -296,6 +297,7 @@ def run(
                 "policy": "resident" if reused else "loaded",
                 "policy_load_s": round(t_load, 3),
                 "aqn": _aqn_record(cfg, batch),
+                **({"determinism": determinism} if determinism else {}),  # CUDA only
             },
         )
 

@@ -41,3 +41,47 @@ def test_a_section_names_its_commit_and_says_when_the_tree_had_changes(tmp_path,
     assert f"commit {commit} + uncommitted changes, " in benchmarks.provenance()
     monkeypatch.setattr(benchmarks, "ROOT", tmp_path / "results")  # not a checkout
     assert benchmarks.provenance().startswith("commit unknown (not a git checkout)")
+
+
+def test_bench_vllm_reads_vllms_memory_log_and_sets_the_plan_beside_it():
+    """What the GPU kit compares (issue 23 step 4): vLLM's start-up log lines, read as vLLM words them
+    (the last of each), beside ``qerl plan``'s rows for the same model and engine config."""
+    from qerl.pipeline.planning.memory_plan import VLLM_ROWS, vllm_share
+    from qerl.pipeline.planning.model_shape import KNOWN_SHAPES
+    from qerl.pipeline.rollout.config import RolloutConfig
+
+    from benchmarks.bench_vllm import report, vllm_reported
+
+    log = (
+        "INFO 11-26 [gpu_model_runner.py:5150] Model loading took 0.98 GiB memory and 2.100000 seconds\n"
+        "INFO 11-26 [gpu_worker.py:760] Available KV cache memory: 31.5 GiB\n"
+        "INFO 11-26 [kv_cache_utils.py:2328] GPU KV cache size: 2,752,512 tokens, Maximum concurrency ...\n"
+        "INFO 11-26 [gpu_model_runner.py:6582] Graph capturing finished in 6 secs, took 0.24 GiB\n"
+        "INFO 11-26 [gpu_worker.py:760] Available KV cache memory: 31.25 GiB\n"
+    )
+    assert vllm_reported(log) == {
+        "weights": 0.98, "kv_cache": 31.25, "cuda_graphs": 0.24, "kv_cache_tokens": 2752512.0
+    }  # fmt: skip
+    assert vllm_reported("no memory lines") == {}
+    shape, gpu = KNOWN_SHAPES["qwen2.5-0.5b"], 80 * 2**30
+    cfg = RolloutConfig(gpu_memory_utilization=0.5, enforce_eager=False)
+    nvfp4, bf16 = vllm_share(shape, cfg, gpu, "nvfp4"), vllm_share(shape, cfg, gpu, "bf16")
+    assert tuple(nvfp4) == VLLM_ROWS and nvfp4["weights"] < bf16["weights"]
+    assert abs(sum(nvfp4.values()) - 0.5 * gpu) < 1  # the KV cache gets the rest of the share
+    arm = {
+        "mode": "vllm-nvfp4-marlin",
+        "startup_s": 40.0,
+        "seconds": 2.0,
+        "tokens": 4000,
+        "tokens_per_s": 2000.0,
+    }
+    results = {
+        "mode": "cuda", "prompts": 16, "n": 8, "max_new_tokens": 256, "machine": "H100",
+        "models": {"0.5b": {
+            "nvfp4": {**arm, "planned_gib": {k: v / 2**30 for k, v in nvfp4.items()}, "reported": vllm_reported(log)},
+            "bf16": {**arm, "mode": "vllm-unquantized", "tokens_per_s": 1000.0},
+        }},
+    }  # fmt: skip
+    text = report(results)
+    assert "| 0.5b | nvfp4 | vllm-nvfp4-marlin | 40.0 | 4000 | 2.00 | 2000 | 2.00x |" in text
+    assert f"| 0.5b | nvfp4 | kv_cache | {nvfp4['kv_cache'] / 2**30:.2f} | 31.25 |" in text

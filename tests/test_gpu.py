@@ -150,10 +150,11 @@ def test_wheel_script_downloads_and_enforces_the_limit(tmp_path):
     assert over.returncode != 0 and "over the 0.001 MiB limit" in over.stderr
 
 
-@pytest.mark.slow  # about 30 s on an idle 2-core machine (three child processes import torch)
+@pytest.mark.slow  # about 2 min on an idle 2-core machine (child processes import torch, two start vLLM)
 def test_gpu_check_dry_run(tmp_path):
-    """``gpu_check.sh --dry-run`` on the CPU: the gpu tests skip, the benchmark runs at tiny shapes,
-    the results file is written under $OUT, and benchmarks/results is left alone."""
+    """``gpu_check.sh --dry-run`` on the CPU: the gpu tests skip, both benchmarks run at tiny shapes,
+    the results are written under $OUT (no more files than the device tool brings back), and
+    benchmarks/results is left alone."""
     results = ROOT / "benchmarks" / "results"
     before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
     env = {**os.environ, "OUT": str(tmp_path)}
@@ -166,11 +167,65 @@ def test_gpu_check_dry_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (tmp_path / "gpu-check.md").read_text()
-    assert "mode: dry-run" in report and "skipped" in report
+    assert "mode: dry-run" in report and "SKIPPED" in report and "INCOMPLETE" not in report
+    for part in ("test_gpu_vllm", "test_gpu", "bench_vllm", "bench_gpu"):
+        assert re.search(rf"^\| {part} \| \d+ \| exit 0 \|$", report, re.M), part
     assert "| tiny | nvfp4 |" in report and "| tiny | bf16 |" in report
+    assert (
+        "| tiny | nvfp4 | vllm-nvfp4-emulated |" in report and "| tiny | bf16 | vllm-unquantized |" in report
+    )
     data = json.loads((tmp_path / "gpu.json").read_text())
     assert data["mode"] == "dry-run-cpu" and all("peak_bytes" in a for a in data["train"])
+    vllm = json.loads((tmp_path / "vllm.json").read_text())
+    assert vllm["mode"] == "dry-run-cpu" and all(r["tokens"] > 0 for r in vllm["models"]["tiny"].values())
+    assert len([p for p in tmp_path.rglob("*") if p.is_file()]) <= 8  # what the device tool brings back
     assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before
+
+
+@pytest.mark.slow  # about 30 s
+def test_gpu_check_budget_cuts_parts_and_says_so(tmp_path):
+    """``--budget-s``: parts run under what is left of the budget; one that would get too little is
+    not started, one that runs past it is cut off; the report's parts table says which, and the exit
+    status is 5 (incomplete, nothing failed)."""
+    env = {**os.environ, "OUT": str(tmp_path), "QERL_GPU_PART_MIN_S": "5", "QERL_GPU_REPORT_RESERVE_S": "0"}
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    proc = subprocess.run(
+        ["bash", script, "--dry-run", "--budget-s", "25"], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 5, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = (tmp_path / "gpu-check.md").read_text()
+    assert "INCOMPLETE" in report and "budget 25s" in report
+    assert re.search(r"^\| bench_vllm \| \d+ \| (cut off at the budget|not started: .*) \|$", report, re.M)
+    assert re.search(r"^\| bench_gpu \| 0 \| not started: -?\d+s of the 25s budget left \|$", report, re.M)
+    bad = subprocess.run(["bash", script, "--dry-run", "--budget-s", "soon"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--budget-s takes whole seconds, not 'soon'" in bad.stderr
+
+
+def test_deterministic_kernels_switch_on_cuda_only_and_restore_what_was_there(monkeypatch):
+    """The switch the GPU trainer runs under (its effect, identical bytes, is the CUDA test below): on
+    the CPU it changes nothing; for CUDA it sets torch's and cuDNN's flags for the block and puts the
+    previous ones back, and the cuBLAS workspace config is set only where the user set none."""
+    from qerl.pipeline.runtime.determinism import CUBLAS_ENV, deterministic_kernels, prepare_process
+
+    flags = lambda: (  # noqa: E731
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    before = flags()
+    with deterministic_kernels("cpu", True) as record:
+        assert record == {} and flags() == before
+    monkeypatch.delenv(CUBLAS_ENV, raising=False)
+    with deterministic_kernels("cuda", True) as record:
+        assert flags() == (True, True, True, False)
+        assert record == {"deterministic": True, CUBLAS_ENV: ":4096:8"}
+    assert flags() == before
+    with deterministic_kernels("cuda", False) as record:
+        assert record == {"deterministic": False} and flags() == before
+    monkeypatch.setenv(CUBLAS_ENV, ":0:0")
+    prepare_process()
+    assert os.environ[CUBLAS_ENV] == ":0:0"  # the user's own setting stays (the step then warns)
 
 
 # -- CUDA -----------------------------------------------------------------------------------------------
@@ -365,6 +420,82 @@ def test_grpo_step_on_cuda_and_its_checkpoint_reloads_bit_exactly(cuda, cuda_che
             assert _same(value, new_opt[idx][key]), (idx, key)
     assert (again.step, again.updates) == (state.step, state.updates)
     assert train_step(again, batch, cfg)["updates"] == 1  # and it trains on from there
+
+
+@pytest.mark.gpu
+def test_two_grpo_steps_at_realistic_lengths_give_identical_bytes_with_deterministic_kernels(cuda, tmp_path):
+    """``train.deterministic`` (qerl.pipeline.runtime.determinism): two GRPO steps on 8 sequences of
+    256 prompt + 1,024 completion tokens, run twice from the same start, give the same adapter and
+    AdamW bytes, as a rebuilt checkpoint (resume, heal) must. Also measured, not asserted: the same
+    without the switch (do the bytes differ there?) and the step time each way ($OUT/determinism.json)."""
+    import statistics
+    import time
+
+    from qerl.pipeline.demo.tiny_model import build_tiny_model
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.rl.batch import RolloutBatch
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.step import train_step
+    from qerl.pipeline.rl.train_config import TrainConfig
+    from qerl.pipeline.runtime.determinism import deterministic_kernels
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.stages.quantize import run as quantize
+
+    sizes = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1536)
+    base = build_tiny_model(tmp_path / "model", max_position_embeddings=2048, **sizes)
+    ckpt = quantize(QuantizeConfig(), str(base), ArtifactStore(tmp_path / "store")).dir
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    prompt, completion, n = 256, 1024, 8
+    batch = RolloutBatch(
+        prompt_ids=torch.randint(3, vocab, (n, prompt), generator=gen).tolist(),
+        completion_ids=torch.randint(3, vocab, (n, completion), generator=gen).tolist(),
+        sampler_logprobs=(-6.0 - torch.rand(n, completion, generator=gen)).tolist(),
+        truncated=[False] * n,
+        rewards=[1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0],
+        group_ids=[0] * 4 + [1] * 4,
+    )
+    cfg = TrainConfig(
+        lora_r=16, lora_alpha=32, seed=5, lr=1e-4, minibatch_size=4, gradient_checkpointing=True
+    )
+
+    def two_steps(deterministic: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+        state = init_state(ckpt, cfg, device="cuda")
+        times = []
+        with deterministic_kernels("cuda", deterministic):
+            for _ in range(2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                assert not train_step(state, batch, cfg)["skipped"]
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        out = {n: p.detach().clone() for n, p in state.model.named_parameters() if p.requires_grad}
+        for idx, entry in state.optimizer.state_dict()["state"].items():
+            out.update(
+                {f"adamw.{idx}.{k}": v.detach().clone() for k, v in entry.items() if torch.is_tensor(v)}
+            )
+        return out, times
+
+    runs = {flag: [two_steps(flag) for _ in range(2)] for flag in (True, False)}
+    same = {
+        flag: all(_same(a, runs[flag][1][0][k]) for k, a in runs[flag][0][0].items())
+        for flag in (True, False)
+    }
+    # the second step of each run: the first carries allocator and Triton warm-up
+    step_s = {flag: statistics.median(t[1] for _, t in runs[flag]) for flag in (True, False)}
+    record = {
+        "sequences": n,
+        "tokens_per_sequence": prompt + completion,
+        "model": sizes,
+        "identical_bytes": {"deterministic": same[True], "default_kernels": same[False]},
+        "step_s": {"deterministic": step_s[True], "default_kernels": step_s[False]},
+        "cost_ratio": step_s[True] / step_s[False],
+        "device": torch.cuda.get_device_name(0),
+    }
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / "determinism.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record))
+    assert same[True], record
 
 
 @pytest.mark.gpu

@@ -334,15 +334,21 @@ def test_the_shell_script_exposes_the_vllm_build():
     assert "--stage-only)" in check and "gpu_bundle.py stage" in check and "gpu_bundle.py unpack" in check
 
 
+VLLM_KIT = ("tests/test_gpu_vllm.py", "benchmarks/bench_vllm.py")  # the kit's files that import vLLM
+
+
 def test_the_vllm_kit_names_qerl_modules_and_names_that_exist():
-    """tests/test_gpu_vllm.py runs only on a GPU: here, on any machine, every `from qerl... import x`
-    in it must resolve (module paths move in refactors; the GPU session should not find out first)."""
+    """tests/test_gpu_vllm.py and benchmarks/bench_vllm.py run whole only on a GPU: here, on any
+    machine, every `from qerl... import x` in them must resolve (module paths move in refactors; the
+    GPU session should not find out first)."""
     import ast
     import importlib
+    import importlib.util
 
-    tree = ast.parse((ROOT / "tests" / "test_gpu_vllm.py").read_text())
+    trees = [ast.parse((ROOT / f).read_text()) for f in VLLM_KIT]
     wanted = [
         (node.module, alias.name)
+        for tree in trees
         for node in ast.walk(tree)
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qerl.")
         for alias in node.names
@@ -351,15 +357,16 @@ def test_the_vllm_kit_names_qerl_modules_and_names_that_exist():
     missing = []
     for module, name in wanted:
         try:
-            if not hasattr(importlib.import_module(module), name):
-                missing.append(f"{module}.{name}")
+            parent = importlib.import_module(module)
+            if not hasattr(parent, name) and importlib.util.find_spec(f"{module}.{name}") is None:
+                missing.append(f"{module}.{name}")  # neither a name in it nor a submodule
         except ImportError as err:
             missing.append(f"{module} ({err})")
     assert not missing, missing
 
 
 def test_the_qerl_side_of_the_vllm_part_needs_only_the_image_and_the_bundle(tmp_path):
-    """The static scan over our own code: what tests/test_gpu_vllm.py imports from qerl, the vLLM
+    """The static scan over our own code: what the vLLM kit (VLLM_KIT) imports from qerl, the vLLM
     engine and its worker extension (vLLM imports it by name in the worker), at module level, needs
     no distribution beyond the GPU image's and the bundle's (no Prefect, MLflow, math_verify...)."""
     import ast
@@ -369,10 +376,11 @@ def test_the_qerl_side_of_the_vllm_part_needs_only_the_image_and_the_bundle(tmp_
     (src / "__init__.py").write_bytes((ROOT / "qerl" / "__init__.py").read_bytes())
     for sub in ("pipeline", "stages", "kernels", "flows"):
         (src / sub).symlink_to(ROOT / sub)
-    tree = ast.parse((ROOT / "tests" / "test_gpu_vllm.py").read_text())
+    trees = [ast.parse((ROOT / f).read_text()) for f in VLLM_KIT]
     roots = sorted(
         {
             n.module
+            for tree in trees
             for n in ast.walk(tree)
             if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("qerl.")
         }

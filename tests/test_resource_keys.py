@@ -37,6 +37,7 @@ RESOURCE_SETTINGS = {
     "train.minibatch_size": None,  # with grad_accum: the update size is keyed (below)
     "train.grad_accum": None,
     "train.gradient_checkpointing": "flip",
+    "train.deterministic": "flip",
     "registry.lock_timeout_s": 5.0,
 }
 RESULT_SETTINGS = {

@@ -14,10 +14,11 @@ vLLM engine (the flow keeps the engine across RL steps, so both live in one proc
 It then says whether that fits and, if not, what to change (``Plan.advice``): the
 ``gpu_memory_utilization`` window that fits both sides, else the trainer's knobs.
 
-Departures and why: vLLM's side cannot be measured on the project's GPU machines (no vLLM wheel
-fits there), so its activation peak and CUDA-graph pool are estimates from its profiling rule
-(``max_num_batched_tokens`` tokens through the model, ``max_num_seqs`` rows of sampler logits), and
-are labelled as estimates in the table. The KV need assumes every sequence of a step is resident
+Departures and why: vLLM's side has not been measured on a GPU yet, so its activation peak and
+CUDA-graph pool are estimates from its profiling rule (``max_num_batched_tokens`` tokens through the
+model, ``max_num_seqs`` rows of sampler logits), and are labelled as estimates in the table. The GPU
+kit's ``benchmarks/bench_vllm.py`` sets ``vllm_share`` beside what vLLM logs at start-up for the same
+model and config, so its first run on a GPU says how far off they are. The KV need assumes every sequence of a step is resident
 at once at ``max_model_len``, an upper bound (vLLM preempts and recomputes when it runs short).
 """
 
@@ -31,7 +32,7 @@ from typing import Any
 from qerl.pipeline.planning.memory import BF16, GiB, base_bytes, kv_bytes_per_token, lora_params, trainer_peak
 from qerl.pipeline.planning.model_shape import PROJECTIONS, ModelShape, resolve_model
 
-__all__ = ["Plan", "parse_memory", "plan_for_run", "plan_memory"]
+__all__ = ["Plan", "parse_memory", "plan_for_run", "plan_memory", "vllm_share"]
 
 CUDA_CONTEXT_GIB = 0.75  # CUDA context, cuBLAS and Triton workspaces of one process (estimate)
 VLLM_GRAPHS_GIB = 1.0  # vLLM's CUDA-graph pool with the default capture sizes (estimate)
@@ -117,6 +118,16 @@ def _vllm_rows(shape: ModelShape, rollout: Any, gpu: float, base: str) -> tuple[
         (sec, "KV cache (the rest)", max(kv, 0.0), ""),
     ]
     return rows, reserved, kv
+
+
+VLLM_ROWS = ("weights", "lora_slot", "activations", "cuda_graphs", "kv_cache")
+
+
+def vllm_share(shape: ModelShape, rollout: Any, gpu_bytes: float, base: str = "nvfp4") -> dict[str, float]:
+    """The plan's rows for the vLLM engine, by name (bytes): what the GPU kit sets beside what vLLM
+    reports for the same model and config (benchmarks/bench_vllm.py)."""
+    rows, _, _ = _vllm_rows(shape, rollout, gpu_bytes, base)
+    return dict(zip(VLLM_ROWS, (row[2] for row in rows), strict=True))
 
 
 def plan_memory(

@@ -58,6 +58,13 @@ class TrainConfig(StrictModel):
         True,
         description="LoRA matmuls in the base dtype (bf16), fp32 master weights/grads/AdamW; false: all fp32",
     )
+    deterministic: bool = resource_field(
+        True,
+        description="CUDA: deterministic kernels during the step (torch.use_deterministic_algorithms, "
+        "cuDNN, the cuBLAS workspace config), so a rebuilt checkpoint (resume, heal) has the first "
+        "build's bytes; false: faster where they cost (qerl.pipeline.runtime.determinism). The CPU "
+        "trainer is deterministic either way",
+    )
     seed: int = 0
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     temperature: float = Field(1.0, gt=0.0, description="must equal the rollout temperature")

@@ -1,0 +1,293 @@
+"""GPU benchmark: rollout tokens/s of the default GPU engine (vLLM on FP4 Marlin) against bf16.
+
+What, on one CUDA GPU, side by side in one run: a Qwen2-shaped model with random weights at
+Qwen2.5-0.5B's shape (``--models 0.5b,7b`` adds 7B's), built there (nothing downloaded), with a
+locally trained tokenizer of about 4,096 tokens instead of Qwen's 151,936 (the lm_head stays bf16 in
+both arms, so the vocabulary would only add the same cost to both). Two arms, each in its own process
+through the project's own path:
+
+- ``nvfp4``: the quantize stage's NVFP4A16 checkpoint, served by ``build_engine`` in the mode
+  ``vllm-nvfp4-marlin`` (vLLM's compressed-tensors W4A16 FP4 scheme on the Marlin kernel);
+- ``bf16``: the same weights registered unquantized (``quantize.scheme: none``), mode
+  ``vllm-unquantized``.
+
+Both as a run serves: CUDA graphs and torch.compile on, logprobs recorded, temperature 1. Each arm
+reports its start-up (load, compile, graph capture), then one warm-up call over the whole batch (8 new
+tokens) and one timed generate call of ``--prompts`` x ``--n`` samples of up to ``--max-new-tokens``
+tokens; tokens/s counts the completion tokens produced (a random model's early EOS can shorten a few).
+The ratio nvfp4/bf16 is the result: decode is weight-bandwidth bound, so 4-bit weights should be
+faster at small batch, and how much Marlin's dequantization costs shows at large batch.
+
+``--dry-run``: the same code on the CPU at a tiny shape with vLLM's CPU engine, eager (the NVFP4 arm
+serves the dequantized twin there, mode ``vllm-nvfp4-emulated``), in about a minute; its numbers say
+nothing about a GPU. Results: ``vllm.md`` and ``vllm.json`` in ``--out-dir`` (default
+benchmarks/results for a CUDA run, never for a dry run), rewritten after every arm, so a run cut off
+by a time budget keeps what it measured.
+
+Run: ``python benchmarks/bench_vllm.py [--models 0.5b,7b] [--prompts 16 --n 8 --max-new-tokens 256]``
+(on the GPU machine through ``scripts/gpu_check.sh``, which puts the vLLM bundle on the path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+SHAPES = {  # Qwen2.5's (pipeline.planning.model_shape.KNOWN_SHAPES), Marlin's tiles hold for both
+    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864),
+    "7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944),
+}
+TINY = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)
+ARMS = ("nvfp4", "bf16")
+# what vLLM logs about its memory at start-up (vLLM 0.26-0.32 wording), in GiB unless named
+VLLM_REPORTS = {
+    "weights": r"Model loading took ([\d.]+) ?GiB",
+    "kv_cache": r"Available KV cache memory: ([\d.]+) ?GiB",
+    "cuda_graphs": r"Graph capturing finished in \d+ secs, took ([\d.]+) ?GiB",
+    "non_kv": r"Total non KV cache memory: ([\d.]+) ?GiB",
+    "kv_cache_tokens": r"KV cache size: ([\d,]+) tokens",
+}
+
+
+def _rollout_config(args: argparse.Namespace, dry: bool) -> Any:
+    from qerl.pipeline.rollout.config import RolloutConfig
+
+    return RolloutConfig(
+        engine="vllm", dtype="bfloat16", temperature=1.0, max_new_tokens=args.max_new_tokens,
+        max_model_len=args.max_new_tokens + 256, template="boxed", enforce_eager=dry, enable_lora=False,
+        max_num_seqs=args.prompts * args.n, gpu_memory_utilization=0.5,
+        in_process=dry,  # the CPU: no engine-core process to start (seconds, not minutes)
+    )  # fmt: skip
+
+
+def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One arm in this process: the base registered as the arm says, served, timed."""
+    from qerl.pipeline.data.arithmetic import arithmetic_problems
+    from qerl.pipeline.data.prompts import render_prompt
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.planning.engine_setup import needs_twin
+    from qerl.pipeline.rollout.factory import build_engine
+    from qerl.pipeline.rollout.protocol import SamplingSpec
+    from qerl.pipeline.runtime import device
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.stages import dequantize, quantize
+
+    dry = not device.cuda_available()
+    store = ArtifactStore(Path(store_dir))
+    qcfg = QuantizeConfig(scheme="nvfp4" if arm == "nvfp4" else "none")
+    quantized = quantize.run(qcfg, model_dir, store)  # the parent built it: a cache hit
+    twin = dequantize.run(qcfg, quantized, store) if needs_twin("vllm", qcfg.scheme) else None
+    cfg = _rollout_config(args, dry)
+    t0 = time.perf_counter()
+    engine = build_engine(cfg, quantized, twin)
+    startup = time.perf_counter() - t0
+    try:
+        questions = [p["question"] for p in arithmetic_problems(args.prompts, seed=0, levels=[1, 2, 3])]
+        prompts = [render_prompt(engine.tokenizer, q, cfg.template) for q in questions]
+        engine.generate(prompts, args.n, SamplingSpec(max_new_tokens=8), seed=123)  # warm-up
+        t0 = time.perf_counter()
+        rows = engine.generate(prompts, args.n, cfg.sampling(), seed=0)
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.close()
+    tokens = sum(len(c.completion_ids) for row in rows for c in row)
+    planned = {}
+    if (
+        not dry
+    ):  # qerl plan's rows for this model and config, beside what vLLM reports (the parent reads its log)
+        import torch
+        from qerl.pipeline.planning.memory_plan import vllm_share
+        from qerl.pipeline.planning.model_shape import resolve_model
+
+        gpu = torch.cuda.get_device_properties(0).total_memory
+        share = vllm_share(resolve_model(str(model_dir)), cfg, gpu, "nvfp4" if arm == "nvfp4" else "bf16")
+        planned = {k: v / 2**30 for k, v in share.items()}
+    return {
+        "arm": arm,
+        "mode": engine.mode,
+        "startup_s": startup,
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "sequences": sum(len(row) for row in rows),
+        "planned_gib": planned,
+    }
+
+
+def vllm_reported(log: str) -> dict[str, float]:
+    """What vLLM's start-up log says about its memory (the last of each line; GiB, tokens)."""
+    found = {}
+    for name, pattern in VLLM_REPORTS.items():
+        hits = re.findall(pattern, log)
+        if hits:
+            found[name] = float(hits[-1].replace(",", ""))
+    return found
+
+
+def _run_arm(arm: str, model_dir: Path, store: Path, argv: list[str]) -> dict[str, Any]:
+    """``child`` in a fresh process (vLLM gives its GPU memory back only when its process ends)."""
+    cmd = [sys.executable, __file__, "--child", arm, "--model-dir", str(model_dir), "--store", str(store)]
+    proc = subprocess.run(cmd + argv, capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return {
+                **json.loads(line[len("RESULT ") :]),
+                "reported": vllm_reported(proc.stdout + proc.stderr),
+            }
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+    return {"arm": arm, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def report(results: dict[str, Any]) -> str:
+    """The markdown table of ``results`` (what ``main`` writes as vllm.md)."""
+    lines = [
+        "## vLLM rollout throughput: FP4 Marlin vs bf16 (bench_vllm.py)",
+        "",
+        f"mode: {results['mode']}; {results['prompts']} prompts x {results['n']} samples, up to "
+        f"{results['max_new_tokens']} new tokens, temperature 1; {results['machine']}",
+        "",
+        "| model | arm | engine mode | start-up s | tokens | generate s | tokens/s | nvfp4 / bf16 |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for model, arms in results["models"].items():
+        rates = {a: r.get("tokens_per_s") for a, r in arms.items()}
+        for arm, r in arms.items():
+            if "error" in r:
+                lines.append(f"| {model} | {arm} | failed: {r['error'][:160]} | | | | | |")
+                continue
+            ratio = (
+                f"{rates['nvfp4'] / rates['bf16']:.2f}x"
+                if arm == "nvfp4" and rates.get("nvfp4") and rates.get("bf16")
+                else ""
+            )
+            lines.append(
+                f"| {model} | {arm} | {r['mode']} | {r['startup_s']:.1f} | {r['tokens']} | "
+                f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {ratio} |"
+            )
+    lines += _plan_lines(results)
+    return "\n".join(lines) + "\n"
+
+
+def _plan_lines(results: dict[str, Any]) -> list[str]:
+    """``qerl plan``'s vLLM rows beside what vLLM logged, GiB (CUDA runs only)."""
+    rows = []
+    for model, arms in results["models"].items():
+        for arm, r in arms.items():
+            planned, seen = r.get("planned_gib") or {}, r.get("reported") or {}
+            for name in ("weights", "cuda_graphs", "kv_cache"):
+                if name in planned or name in seen:
+                    p, v = planned.get(name), seen.get(name)
+                    rows.append(
+                        f"| {model} | {arm} | {name} | {'' if p is None else f'{p:.2f}'} | "
+                        f"{'' if v is None else f'{v:.2f}'} |"
+                    )
+    if not rows:
+        return []
+    head = [
+        "",
+        "qerl plan's vLLM rows against what vLLM logged (GiB):",
+        "",
+        "| model | arm | row | plan | vLLM |",
+    ]
+    return head + ["|---|---|---|---:|---:|"] + rows
+
+
+def _write(results: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (("vllm.json", json.dumps(results, indent=1) + "\n"), ("vllm.md", report(results))):
+        tmp = out_dir / f"{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out_dir / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="0.5b", help=f"comma-separated, of {sorted(SHAPES)}")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--dry-run", action="store_true", help="the CPU, a tiny shape, eager, seconds")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args.model_dir, args.store, args)), flush=True)
+        return 0
+
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device: this benchmark measures a GPU (--dry-run runs its code on the CPU)")
+    unknown = sorted(set(args.models.split(",")) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {sorted(SHAPES)}")
+    if args.dry_run:
+        args.prompts, args.n, args.max_new_tokens = 2, 2, 8
+    out_dir = args.out_dir or (
+        Path(tempfile.gettempdir()) if args.dry_run else ROOT / "benchmarks" / "results"
+    )
+    shapes = {"tiny": TINY} if args.dry_run else {m: SHAPES[m] for m in args.models.split(",")}
+    child_argv = [
+        "--prompts",
+        str(args.prompts),
+        "--n",
+        str(args.n),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+    ]
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{platform.machine()} CPU"
+    results: dict[str, Any] = {
+        "mode": "dry-run-cpu" if args.dry_run else "cuda",
+        "machine": gpu,
+        "torch": torch.__version__,
+        "prompts": args.prompts,
+        "n": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "models": {},
+    }
+    from qerl.pipeline.demo.tiny_model import build_tiny_model
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.stages import quantize
+
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        for name, shape in shapes.items():
+            model_dir = build_tiny_model(
+                Path(tmp) / name,
+                vocab_size=512 if args.dry_run else 4096,
+                max_position_embeddings=4096,
+                **shape,
+            )
+            store = Path(tmp) / f"{name}-store"
+            quantize.run(QuantizeConfig(), model_dir, ArtifactStore(store))  # on the GPU when there is one
+            results["models"][name] = {}
+            for arm in ARMS:
+                print(f"bench_vllm: {name} {arm} ...", file=sys.stderr, flush=True)
+                results["models"][name][arm] = _run_arm(arm, model_dir, store, child_argv)
+                _write(results, out_dir)
+    text = report(results)
+    print(text)
+    failed = [f"{m}/{a}" for m, arms in results["models"].items() for a, r in arms.items() if "error" in r]
+    if failed:
+        print(f"bench_vllm: failed arms: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
