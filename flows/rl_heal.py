@@ -6,8 +6,9 @@ checkpoint the other must continue from, or an adapter its rollout or evaluation
 ``healing`` runs such a consumer and, when it raises ``PrunedInputError`` for the checkpoint the
 run continues from, rebuilds that checkpoint (``heal_chain``) and runs the consumer again.
 ``heal_chain`` rebuilds the checkpoints from the last whole one on through the store's heal
-(``ArtifactStore._heal``): the same bytes (the CPU trainer) put the files back under the same keys;
-other bytes (a GPU) are re-keyed, and the run record's step entry names the new key (``rekeyed``).
+(``ArtifactStore._heal``): the same bytes (the CPU trainer; the GPU trainer under
+``train.deterministic``) put the files back under the same keys; other bytes (another GPU or driver)
+are re-keyed, and the run record's step entry names the new key (``rekeyed``).
 """
 
 from __future__ import annotations
