@@ -24,7 +24,9 @@ The manifest's ``mode`` records which quantizer ran (``nvfp4/numba``, ``nvfp4/to
 
 ``quantize.method`` (``qerl.pipeline.nvfp4.recipe``): ``rtn`` runs that dispatch and keys its cache
 exactly as before the methods existed; ``mse`` runs the plain-PyTorch scale search per tensor group
-on the CPU (mode ``nvfp4/torch``); ``gptq`` tokenizes the calibration text first (its digest joins
+on the CPU (mode ``nvfp4/torch``); ``gptq`` (on the GPU where there is one: mode ``nvfp4/torch-cuda``,
+float32 sums that differ from the CPU's in the last bits, so the device is recorded, not keyed: either
+is GPTQ's answer) tokenizes the calibration text first (its digest joins
 the cache key, so a missing data file fails before any write; for ``samples`` the prompts' digest,
 the base model's completions being generated in the build:
 ``qerl.pipeline.data.calibration_tokens``), then the producers pull each layer's tensors from the
@@ -217,8 +219,11 @@ def run_with_status(
     calib_ids, calib = (
         calibration_tokens(cfg.calibration, src_dir, data) if cfg.method == "gptq" else (None, None)
     )
-    device = _device() if cfg.method == "rtn" else torch.device("cpu")  # mse, gptq: plain torch on CPU
-    backend = nvfp4_dispatch.quantize_backend(device) if cfg.method == "rtn" else "torch"
+    device = _device() if cfg.method in ("rtn", "gptq") else torch.device("cpu")  # mse: plain torch on CPU
+    if cfg.method == "rtn":
+        backend = nvfp4_dispatch.quantize_backend(device)
+    else:  # plain torch; GPTQ on the GPU where there is one (its last bits differ from the CPU's)
+        backend = "torch" if device.type == "cpu" else f"torch-{device.type}"
     # the quality section (qerl.pipeline.nvfp4.quality): held-out texts resolved before the build
     # the held-out texts are read before the build: their digest and quantize.quality key the artifact
     q_cfg = cfg.quality
@@ -237,7 +242,7 @@ def run_with_status(
         config["quantization_config"] = quantization_config(cfg, kept)
         atomic_write_json(tmp / "config.json", config)
         if cfg.method == "gptq":
-            quant = _gptq_producers(gptq_layers(src_dir, specs, plan, cfg, calib_ids()))
+            quant = _gptq_producers(gptq_layers(src_dir, specs, plan, cfg, calib_ids(), device))
         else:
             quant = lambda g: _quant_producer(g, device, cfg)  # noqa: E731
         groups = [(g.outputs, quant(g) if g.quantize else copy_producer(g.sources[0])) for g in plan]

@@ -337,6 +337,37 @@ def _lora_grads(model, mb) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.gpu
+def test_gptq_on_cuda_agrees_with_the_cpu(cuda, tiny_model_factory, tmp_path, monkeypatch):
+    """``quantize.method: gptq`` runs on the GPU where there is one (mode ``nvfp4/torch-cuda``). Its
+    float32 sums differ from the CPU's in the last bits, so a few codes may round the other way; the
+    checkpoints must otherwise agree (>= 99% of packed code bytes and of block scales)."""
+    from qerl.pipeline.data.datasets import DataConfig
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.nvfp4.safetensors_io import iter_quantized_linears
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.stages import quantize as stage
+
+    cfg = QuantizeConfig.model_validate(
+        {
+            "method": "gptq",
+            "calibration": {"source": "train", "count": 24, "max_tokens": 48, "act_order": True},
+        }
+    )
+    src = tiny_model_factory(arch="llama", dtype=torch.float32)
+    gpu = stage.run(cfg, src, ArtifactStore(tmp_path / "gpu"), DataConfig())
+    monkeypatch.setattr(stage, "_device", lambda: torch.device("cpu"))
+    cpu = stage.run(cfg, src, ArtifactStore(tmp_path / "cpu"), DataConfig())
+    assert (gpu.mode, cpu.mode) == ("nvfp4/torch-cuda", "nvfp4/torch")
+    ours, theirs = dict(iter_quantized_linears(gpu.dir)), dict(iter_quantized_linears(cpu.dir))
+    assert ours.keys() == theirs.keys() and ours
+    for i, what in ((0, "packed codes"), (1, "block scales")):
+        a = [ours[k][i].contiguous().view(torch.uint8) for k in ours]
+        b = [theirs[k][i].contiguous().view(torch.uint8) for k in ours]
+        same = sum(int((x == y).sum()) for x, y in zip(a, b, strict=True))
+        assert same / sum(x.numel() for x in a) >= 0.99, (what, same)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_nvfp4_linear_and_lora_grads_on_cuda_equal_dense_bf16(
     cuda, cuda_checkpoints, tmp_path, checkpointing

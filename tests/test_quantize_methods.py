@@ -206,7 +206,7 @@ def test_layer_by_layer_forward_equals_the_model(llama_dir):
     hidden = [read_tensor(specs["model.embed_tokens.weight"]).float()[torch.tensor(ids)].unsqueeze(0)]
     with torch.no_grad():
         for i in range(len(skel.model.layers)):
-            hidden = cal._run_layer(cal._load_layer(skel, i, specs), rotary, hidden)
+            hidden = cal._run_layer(cal._load_layer(skel, i, specs, torch.device("cpu")), rotary, hidden)
             if i + 1 < len(skel.model.layers):  # the last entry of hidden_states is after the final norm
                 torch.testing.assert_close(hidden[0], want[i + 1], rtol=1e-5, atol=1e-5)
 

@@ -15,7 +15,10 @@ share their input) while the hidden states - already produced by the *quantized*
 pass through it; GPTQ quantizes each group (one global scale per fused group, as for RTN); the
 layer's weights are replaced by the dequantized values and the hidden states run through it again
 to become layer i+1's input (sequential GPTQ). Each sequence runs alone (batch 1, no padding).
-All compute is float32 on CPU.
+All compute is float32 (the factorisations float64) on ``device``: the CPU, or the GPU where the
+quantize stage runs on one, which turns a 7B model's hours into minutes. The GPU's results differ
+from the CPU's in the last bits of float32 sums, so which device ran is in the manifest; the tensors
+are moved to the CPU as each layer finishes, for the writer.
 
 Memory: the hidden states (tokens x hidden, float32), one layer's weights and one ``in x in``
 Hessian per group; never the model.
@@ -57,7 +60,9 @@ def model_skeleton(src_dir: Path) -> torch.nn.Module:
     return model
 
 
-def _load_layer(model: torch.nn.Module, i: int, specs: dict[str, TensorSpec]) -> torch.nn.Module:
+def _load_layer(
+    model: torch.nn.Module, i: int, specs: dict[str, TensorSpec], device: torch.device
+) -> torch.nn.Module:
     layer = model.model.layers[i]
     prefix = f"model.layers.{i}."
     state = {}
@@ -65,7 +70,7 @@ def _load_layer(model: torch.nn.Module, i: int, specs: dict[str, TensorSpec]) ->
         spec = specs.get(prefix + key)
         if spec is None:
             raise ValueError(f"the source model has no tensor '{prefix + key}' that layer {i} needs")
-        state[key] = read_tensor(spec).float()
+        state[key] = read_tensor(spec).float().to(device)
     layer.load_state_dict(state, strict=True, assign=True)
     return layer
 
@@ -75,7 +80,7 @@ def _run_layer(
 ) -> list[torch.Tensor]:
     out = []
     for h in hidden:
-        pos = torch.arange(h.shape[1]).unsqueeze(0)
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         emb = rotary(h, position_ids=pos)
         y = layer(h, attention_mask=None, position_ids=pos, position_embeddings=emb)
         out.append(y[0] if isinstance(y, tuple) else y)
@@ -124,9 +129,9 @@ def _quantize_group(
         rows = slice(row, row + w.shape[0])
         row += w.shape[0]
         base = name[: -len(".weight")]
-        out[f"{base}.weight_packed"] = pack_codes(codes[rows])
-        out[f"{base}.weight_scale"] = scales[rows].to(torch.float8_e4m3fn)
-        out[f"{base}.weight_global_scale"] = gs.clone()
+        out[f"{base}.weight_packed"] = pack_codes(codes[rows]).cpu()
+        out[f"{base}.weight_scale"] = scales[rows].to(torch.float8_e4m3fn).cpu()
+        out[f"{base}.weight_global_scale"] = gs.cpu().clone()
         mod.weight.data = lut_values[rows].clone()  # the next layers see the quantized weights
     return out
 
@@ -145,23 +150,27 @@ def gptq_layers(
     plan: list[Group],
     cfg: QuantizeConfig,
     token_ids: list[list[int]],
+    device: torch.device | str = "cpu",
 ) -> Iterator[tuple[int, LayerTensors]]:
-    """Yield ``(layer index, {output tensor name: tensor})`` for every decoder layer in order."""
+    """Yield ``(layer index, {output tensor name: CPU tensor})`` for every decoder layer in order,
+    computed on ``device``."""
+    device = torch.device(device)
     model = model_skeleton(src_dir)
     inner = model.model
-    rotary = type(inner.rotary_emb)(inner.config)  # rebuilt off the meta device: its buffers are computed
+    # rebuilt off the meta device: its buffers are computed
+    rotary = type(inner.rotary_emb)(inner.config).to(device)
     emb_spec = specs.get("model.embed_tokens.weight")
     if emb_spec is None:
         raise ValueError(f"{src_dir}: no model.embed_tokens.weight to embed the calibration text with")
     emb = read_tensor(emb_spec).float()
-    hidden = [emb[torch.tensor(ids)].unsqueeze(0) for ids in token_ids]
+    hidden = [emb[torch.tensor(ids)].unsqueeze(0).to(device) for ids in token_ids]
     del emb
     by_layer: dict[int, list[Group]] = {}
     for g in plan:
         if g.quantize:
             by_layer.setdefault(layer_index(g.sources[0].name), []).append(g)
     for i in range(len(inner.layers)):
-        layer = _load_layer(model, i, specs)
+        layer = _load_layer(model, i, specs, device)
         prefix = f"model.layers.{i}."
         groups = [[s.name[len(prefix) : -len(".weight")] for s in g.sources] for g in by_layer.get(i, [])]
         out: LayerTensors = {}
