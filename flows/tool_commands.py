@@ -65,7 +65,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from qerl.stages.quantize import export, run_with_status
 
     t0 = time.perf_counter()
-    cfg = load_config(QuantizeConfig, args.config, args.set)
+    # `method=gptq` or, as in a run config and `qerl eval`, `quantize.method=gptq`
+    prefixed = any(s.startswith("quantize.") for s in args.set)
+    sets = [s.removeprefix("quantize.") for s in args.set]
+    cfg = load_config(QuantizeConfig, args.config, sets, prefix="quantize" if prefixed else "")
     work = Path(work_dir(args))
     store = ArtifactStore(work / STORE_DIR)
     manifest, cached = run_with_status(cfg, resolve_base(args.src, store), store)

@@ -139,6 +139,8 @@ if [[ -f .gpu-vllm-site/.bundle-sha256 ]] && ((!DRY)); then
 fi
 export OUT  # the vLLM tests write vllm-gap.json there
 if ((STAGE_ONLY)); then
+  # what the machine is, for the call's output (seconds; the next call does the rest)
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG" >&2
   [[ "$VLLM_STATE" == *corrupt* ]] && exit 4
   exit 0
 fi

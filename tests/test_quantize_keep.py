@@ -165,3 +165,18 @@ def test_cli_prints_what_keeping_costs(tiny_model_dir, tmp_path, capsys):
     dense = sum(src[f"{n}.weight"].numel() * 2 for n in LAST) / 2**20
     extra = dense - sum(src[f"{n}.weight"].numel() * (1 / 2 + 1 / 16) + 4 for n in LAST) / 2**20
     assert lines[2] == f"kept dense: 7 linears, {dense:.1f} MiB (+{extra:.1f} MiB over NVFP4)"
+
+
+def test_cli_takes_settings_with_or_without_the_quantize_prefix(tiny_model_dir, tmp_path, capsys):
+    """`qerl quantize --set keep=...` and `--set quantize.keep=...` (the run config's and `qerl eval`'s
+    spelling) are the same setting; an unknown key is named as it was typed."""
+    from qerl.flows.cli import main
+
+    work, out = str(tmp_path / "w"), str(tmp_path / "out")
+    args = ["quantize", str(tiny_model_dir), "--out", out, "--work-dir", work, "--set", "quality.texts=0"]
+    assert main([*args, "--set", "quantize.keep=[last:1]"]) == 0
+    assert "kept dense: 7 linears" in capsys.readouterr().out
+    assert main([*args, "--set", "keep=[last:1]"]) == 0
+    assert capsys.readouterr().out.startswith("cache hit")
+    assert main([*args, "--set", "quantize.kep=[last:1]"]) == 2
+    assert "unknown config key 'quantize.kep'" in capsys.readouterr().err
