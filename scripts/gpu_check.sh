@@ -298,7 +298,8 @@ if ((BENCH)) && ((!NO_VLLM)); then
   if ((DRY)); then
     run_part bench_vllm "$PY" benchmarks/bench_vllm.py --dry-run --out-dir "$OUT" >>"$LOG" 2>&1
     VLLM_BENCH_RC=$?
-  elif [[ -n "${QERL_SYS_PATH_AFTER:-}" ]]; then
+  elif "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
+    # the carried bundle, or a GPU install's own vLLM (requirements/gpu.txt)
     run_part bench_vllm "$PY" benchmarks/bench_vllm.py --models "$VLLM_MODELS" --out-dir benchmarks/results \
       >>"$LOG" 2>&1
     VLLM_BENCH_RC=$?
