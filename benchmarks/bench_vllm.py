@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             store = Path(tmp) / f"{name}-store"
             quantize.run(QuantizeConfig(), model_dir, ArtifactStore(store))  # on the GPU when there is one
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the arms' engines measure the GPU's free memory at start-up
             results["models"][name] = {}
             for arm in ARMS:
                 print(f"bench_vllm: {name} {arm} ...", file=sys.stderr, flush=True)
