@@ -138,6 +138,9 @@ if [[ -f .gpu-vllm-site/.bundle-sha256 ]] && ((!DRY)); then
   export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1  # nothing outside the machine can be reached
 fi
 export OUT  # the vLLM tests write vllm-gap.json there
+# as `qerl` sets it at start-up (qerl.pipeline.runtime.determinism): cuBLAS reads it once, at its first
+# use in a process, and the determinism test runs after other CUDA tests in the same pytest process
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 if ((STAGE_ONLY)); then
   # what the machine is, for the call's output (seconds; the next call does the rest)
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG" >&2
