@@ -27,8 +27,8 @@ enabled, in-process (the worker is reachable through ``collective_rpc``):
   with AQN on, vLLM's noisy logprobs must sit as close to the trainer given the same noise as the clean
   ones do to the clean trainer (so the graphs replay the noised weights, by the realised amount).
 
-Left for the GPU session (not here): tokens/s of Marlin NVFP4 vs bf16 at 0.5B and 7B shapes, and
-``qerl plan``'s vLLM rows compared with what vLLM reports.
+Not here: tokens/s of Marlin NVFP4 vs bf16, and ``qerl plan``'s vLLM rows against what vLLM
+reports, are ``benchmarks/bench_vllm.py``'s (the kit's third part).
 """
 
 from __future__ import annotations

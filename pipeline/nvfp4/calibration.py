@@ -16,9 +16,10 @@ pass through it; GPTQ quantizes each group (one global scale per fused group, as
 layer's weights are replaced by the dequantized values and the hidden states run through it again
 to become layer i+1's input (sequential GPTQ). Each sequence runs alone (batch 1, no padding).
 All compute is float32 (the factorisations float64) on ``device``: the CPU, or the GPU where the
-quantize stage runs on one, which turns a 7B model's hours into minutes. The GPU's results differ
-from the CPU's in the last bits of float32 sums, so which device ran is in the manifest; the tensors
-are moved to the CPU as each layer finishes, for the writer.
+quantize stage runs on one (GPTQ's column loop is the cost: hours for a 7B model on
+a CPU, BENCHMARKS.md). The GPU's results differ from the CPU's in the last bits of float32 sums, so which
+device ran is in the manifest; the tensors are moved to the CPU as each layer finishes, for the
+writer.
 
 Memory: the hidden states (tokens x hidden, float32), one layer's weights and one ``in x in``
 Hessian per group; never the model.

@@ -14,12 +14,12 @@ vLLM engine (the flow keeps the engine across RL steps, so both live in one proc
 It then says whether that fits and, if not, what to change (``Plan.advice``): the
 ``gpu_memory_utilization`` window that fits both sides, else the trainer's knobs.
 
-Departures and why: vLLM's side has not been measured on a GPU yet, so its activation peak and
-CUDA-graph pool are estimates from its profiling rule (``max_num_batched_tokens`` tokens through the
-model, ``max_num_seqs`` rows of sampler logits), and are labelled as estimates in the table. The GPU
-kit's ``benchmarks/bench_vllm.py`` sets ``vllm_share`` beside what vLLM logs at start-up for the same
-model and config, so its first run on a GPU says how far off they are. The KV need assumes every sequence of a step is resident
-at once at ``max_model_len``, an upper bound (vLLM preempts and recomputes when it runs short).
+Departures and why: vLLM's activation peak and CUDA-graph pool are estimates from its profiling
+rule (``max_num_batched_tokens`` tokens through the model, ``max_num_seqs`` rows of sampler logits),
+labelled as estimates in the table. ``benchmarks/bench_vllm.py`` sets ``vllm_share`` beside what vLLM
+logs at start-up for the same model and config (BENCHMARKS.md), which is how they are checked. The
+KV need assumes every sequence of a step is resident at once at ``max_model_len``, an upper bound
+(vLLM preempts and recomputes when it runs short).
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ settings after (the same process may serve rollouts, which need none of it):
   is on our path;
 - cuDNN deterministic, no autotuning (``benchmark`` picks by timing, which can differ run to run);
 - cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG`` (``:4096:8``) in the environment before its first call in
-  the process: ``prepare_process`` sets it (the CLI calls it at start-up), and a step that finds it
-  unset after CUDA has started warns that the bytes may differ.
+  the process: ``prepare_process`` sets it unless the user set one (the CLI calls it at start-up;
+  a library caller must call it before any CUDA matmul, since a late setting has no effect), and a
+  step that finds another value warns that the bytes may differ.
 
 On the CPU nothing changes (the CPU kernels are already deterministic, and their bytes are what the
 tests and the caches hold). What was in force is returned, for the train manifest's ``extra``.
