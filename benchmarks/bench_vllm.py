@@ -47,10 +47,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-SHAPES = {  # Qwen2.5's (pipeline.planning.model_shape.KNOWN_SHAPES), Marlin's tiles hold for both
-    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864),
-    "7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944),
-}
+MODELS = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}  # KNOWN_SHAPES names; Marlin's tiles hold for both
 TINY = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)
 ARMS = ("nvfp4", "bf16")
 # what vLLM logs about its memory at start-up (vLLM 0.26-0.32 wording), in GiB unless named
@@ -106,9 +103,8 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
         engine.close()
     tokens = sum(len(c.completion_ids) for row in rows for c in row)
     planned = {}
-    if (
-        not dry
-    ):  # qerl plan's rows for this model and config, beside what vLLM reports (the parent reads its log)
+    # qerl plan's rows for this model and config, beside what vLLM reports (the parent reads its log)
+    if not dry:
         import torch
         from qerl.pipeline.planning.memory_plan import vllm_share
         from qerl.pipeline.planning.model_shape import resolve_model
@@ -150,6 +146,17 @@ def _run_arm(arm: str, model_dir: Path, store: Path, argv: list[str]) -> dict[st
             }
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
     return {"arm": arm, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def tiny_model_sizes(name: str) -> dict[str, Any]:
+    """``build_tiny_model``'s sizes for a known Qwen2.5 shape (its vocabulary stays the local one)."""
+    from qerl.pipeline.planning.model_shape import KNOWN_SHAPES
+
+    shape = KNOWN_SHAPES[MODELS[name]]
+    return dict(
+        hidden_size=shape.hidden, num_layers=shape.layers, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate, tie_word_embeddings=shape.tie_embeddings,
+    )  # fmt: skip
 
 
 def report(results: dict[str, Any]) -> str:
@@ -216,7 +223,7 @@ def _write(results: dict[str, Any], out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="0.5b", help=f"comma-separated, of {sorted(SHAPES)}")
+    parser.add_argument("--models", default="0.5b", help=f"comma-separated, of {sorted(MODELS)}")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -234,15 +241,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark measures a GPU (--dry-run runs its code on the CPU)")
-    unknown = sorted(set(args.models.split(",")) - set(SHAPES))
+    unknown = sorted(set(args.models.split(",")) - set(MODELS))
     if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {sorted(SHAPES)}")
+        parser.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
     if args.dry_run:
         args.prompts, args.n, args.max_new_tokens = 2, 2, 8
     out_dir = args.out_dir or (
         Path(tempfile.gettempdir()) if args.dry_run else ROOT / "benchmarks" / "results"
     )
-    shapes = {"tiny": TINY} if args.dry_run else {m: SHAPES[m] for m in args.models.split(",")}
+    shapes = {"tiny": TINY} if args.dry_run else {m: tiny_model_sizes(m) for m in args.models.split(",")}
     child_argv = [
         "--prompts",
         str(args.prompts),

@@ -50,7 +50,7 @@ def test_bench_vllm_reads_vllms_memory_log_and_sets_the_plan_beside_it():
     from qerl.pipeline.planning.model_shape import KNOWN_SHAPES
     from qerl.pipeline.rollout.config import RolloutConfig
 
-    from benchmarks.bench_vllm import report, vllm_reported
+    from benchmarks.bench_vllm import MODELS, report, tiny_model_sizes, vllm_reported
 
     log = (
         "INFO 11-26 [gpu_model_runner.py:5150] Model loading took 0.98 GiB memory and 2.100000 seconds\n"
@@ -63,6 +63,11 @@ def test_bench_vllm_reads_vllms_memory_log_and_sets_the_plan_beside_it():
         "weights": 0.98, "kv_cache": 31.25, "cuda_graphs": 0.24, "kv_cache_tokens": 2752512.0
     }  # fmt: skip
     assert vllm_reported("no memory lines") == {}
+    for name in MODELS:  # FP4 Marlin's tiles: every projection's output % 64, input % 128
+        z = tiny_model_sizes(name)
+        kv_out = z["num_kv_heads"] * z["hidden_size"] // z["num_heads"]
+        assert all(d % 64 == 0 for d in (z["hidden_size"], kv_out, z["intermediate_size"])), name
+        assert all(d % 128 == 0 for d in (z["hidden_size"], z["intermediate_size"])), name
     shape, gpu = KNOWN_SHAPES["qwen2.5-0.5b"], 80 * 2**30
     cfg = RolloutConfig(gpu_memory_utilization=0.5, enforce_eager=False)
     nvfp4, bf16 = vllm_share(shape, cfg, gpu, "nvfp4"), vllm_share(shape, cfg, gpu, "bf16")
