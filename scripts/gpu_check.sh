@@ -125,8 +125,10 @@ elif [[ -f .gpu-vllm/manifest.json || -f .gpu-vllm-chunks/manifest.json ]]; then
     fi
   elif ((STAGE_RC == 3)); then
     VLLM_STATE="vLLM part skipped: chunks missing: $(grep -o 'MISSING.*' "$LOG" | tail -1)"
-  else
+  elif ((STAGE_RC == 4)); then
     VLLM_STATE="vLLM part skipped: a chunk is corrupt: $(grep -o 'CORRUPT.*' "$LOG" | tail -1)"
+  else  # a Python error, not the chunks: say so rather than blame a chunk
+    VLLM_STATE="vLLM part skipped: staging failed (exit $STAGE_RC): $(grep -v '^\[gpu_check\]' "$LOG" | tail -1)"
   fi
 fi
 say "$VLLM_STATE"
@@ -145,6 +147,7 @@ if ((STAGE_ONLY)); then
   # what the machine is, for the call's output (seconds; the next call does the rest)
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG" >&2
   [[ "$VLLM_STATE" == *corrupt* ]] && exit 4
+  [[ "$VLLM_STATE" == *"staging failed"* ]] && exit 1
   exit 0
 fi
 

@@ -12,7 +12,6 @@ wheel set's pins; the drop list never removes what the scan found imported ungua
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -24,11 +23,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_bundle.py"
-_spec = importlib.util.spec_from_file_location("gpu_bundle", SCRIPT)
-gb = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_bundle"] = gb
-_spec.loader.exec_module(gb)
+SCRIPTS = ROOT / "scripts"
+SCRIPT = SCRIPTS / "gpu_bundle.py"
+sys.path.insert(0, str(SCRIPTS))  # the scripts import their siblings, as they do when run
+import gpu_bundle as gb  # noqa: E402
+import gpu_chunks as gc  # noqa: E402
+import gpu_imports as gi  # noqa: E402
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -50,7 +50,7 @@ def synthetic(tmp_path):
     (src / "pkg" / "__pycache__").mkdir()
     (src / "pkg" / "__pycache__" / "x.pyc").write_bytes(b"stale")
     out = tmp_path / "out"
-    manifest = gb.pack(src, out, chunk_bytes=100_000, preset=1, meta={"vllm_version": "test"})
+    manifest = gc.pack(src, out, chunk_bytes=100_000, preset=1, meta={"vllm_version": "test"})
     return src, out, manifest
 
 
@@ -69,7 +69,7 @@ def test_pack_splits_into_numbered_chunks_with_a_manifest(synthetic):
     assert (
         on_disk == manifest and on_disk["format"] == "qerl-gpu-bundle/1" and on_disk["vllm_version"] == "test"
     )
-    assert not (out / gb.ARCHIVE).exists(), "only the chunks travel"
+    assert not (out / gc.ARCHIVE).exists(), "only the chunks travel"
 
 
 def test_reassembled_archive_extracts_to_the_same_files(synthetic, tmp_path):
@@ -91,10 +91,10 @@ def test_a_missing_chunk_is_named_and_nothing_extracts(synthetic, tmp_path, caps
     last = manifest["chunks"][-1]["name"]
     (out / "part-02").unlink()
     (out / last).unlink()
-    assert gb.verify(out, manifest) == (["part-02", last], [])
+    assert gc.verify(out, manifest) == (["part-02", last], [])
     rc = gb.main(["unpack", "--dir", str(out), "--dest", str(tmp_path / "x")])
     err = capsys.readouterr().err
-    assert rc == gb.EXIT_MISSING
+    assert rc == gc.EXIT_MISSING
     assert f"MISSING 2 of {len(manifest['chunks'])} chunks" in err and f"part-02 {last}" in err
     assert '".gpu-vllm/part-02"' in err, "the next call's carry is spelled out"
     assert not (tmp_path / "x").exists()
@@ -106,9 +106,9 @@ def test_a_flipped_byte_is_detected_and_the_chunk_named(synthetic, tmp_path, cap
     data = bytearray(path.read_bytes())
     data[12345] ^= 0x01
     path.write_bytes(bytes(data))
-    assert gb.verify(out, manifest) == ([], ["part-02"])
+    assert gc.verify(out, manifest) == ([], ["part-02"])
     rc = gb.main(["unpack", "--dir", str(out), "--dest", str(tmp_path / "x")])
-    assert rc == gb.EXIT_CORRUPT
+    assert rc == gc.EXIT_CORRUPT
     assert "CORRUPT chunk" in capsys.readouterr().err and "part-02" in str(path)
     assert not (tmp_path / "x").exists()
 
@@ -118,7 +118,7 @@ def test_chunks_from_another_build_fail_the_whole_archive_check(synthetic, tmp_p
     _, out, manifest = synthetic
     manifest["archive"]["sha256"] = "0" * 64
     (out / "manifest.json").write_text(json.dumps(manifest))
-    assert gb.main(["unpack", "--dir", str(out), "--dest", str(tmp_path / "x")]) == gb.EXIT_CORRUPT
+    assert gb.main(["unpack", "--dir", str(out), "--dest", str(tmp_path / "x")]) == gc.EXIT_CORRUPT
     assert "CORRUPT archive" in capsys.readouterr().err
 
 
@@ -137,13 +137,73 @@ def test_stage_collects_one_chunk_per_call_into_the_kept_folder(synthetic, tmp_p
         err = capsys.readouterr().err
         assert not (carried / name).exists() and (kept / name).exists()
         if k < len(names):
-            assert rc == gb.EXIT_MISSING and f"MISSING {len(names) - k} of {len(names)}" in err
+            assert rc == gc.EXIT_MISSING and f"MISSING {len(names) - k} of {len(names)}" in err
             assert " ".join(names[k:]) in err
         else:
             assert rc == 0 and "all" in err
     dest = tmp_path / "site"
     assert gb.main(["unpack", "--dir", str(kept), "--dest", str(dest)]) == 0
     assert (dest / "pkg" / "__init__.py").exists()
+
+
+KIT_FILES = ("gpu_check.sh", "gpu_bundle.py", "gpu_chunks.py", "gpu_imports.py", "gpu_image_packages.txt")
+
+
+def _device_root(tmp_path: Path, leave_out: str = "") -> tuple[Path, dict]:
+    """A throwaway repository root holding the kit's scripts, and the environment to run it in."""
+    root = tmp_path / "device-root"
+    (root / "scripts").mkdir(parents=True)
+    for name in KIT_FILES:
+        if name != leave_out:
+            (root / "scripts" / name).write_bytes((SCRIPTS / name).read_bytes())
+    return root, {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "results")}
+
+
+def _stage_only(root: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh"), "--dry-run", "--stage-only"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+
+
+def test_the_kit_stages_one_chunk_a_call_then_extracts(synthetic, tmp_path):
+    """gpu_check.sh --stage-only as the device calls run it, in a throwaway root holding the kit's
+    scripts: each call carries the manifest and one chunk into .gpu-vllm/; the kit keeps them in
+    .gpu-vllm-chunks/, names what is missing, and extracts once every chunk is there and sound."""
+    _, out, manifest = synthetic
+    root, env = _device_root(tmp_path)
+    names = [c["name"] for c in manifest["chunks"]]
+    for k, name in enumerate(names):
+        carried = root / ".gpu-vllm"
+        carried.mkdir(exist_ok=True)
+        for f in ("manifest.json", name):  # what one call's carry brings
+            (carried / f).write_bytes((out / f).read_bytes())
+        proc = _stage_only(root, env)
+        assert proc.returncode == 0, proc.stderr
+        if k < len(names) - 1:
+            assert f"staged so far: {' '.join(names[: k + 1])}" in proc.stderr
+            assert f'".gpu-vllm/{names[k + 1]}"' in proc.stderr, "the next call's carry is named"
+            assert "vLLM part skipped: chunks missing" in proc.stderr
+            assert not (root / ".gpu-vllm-site").exists()
+    assert "vLLM bundle extracted in .gpu-vllm-site" in proc.stderr
+    site = root / ".gpu-vllm-site"
+    assert (site / ".bundle-sha256").read_text().strip() == manifest["archive"]["sha256"]
+    assert (site / "pkg" / "sub" / "blob.so").is_file() and (
+        site / "pkg-1.0.dist-info" / "METADATA"
+    ).is_file()
+
+
+def test_the_kit_says_staging_failed_not_that_a_chunk_is_corrupt(synthetic, tmp_path):
+    """A broken kit (here a module left out of the tree) is reported as such, with the error."""
+    _, out, _ = synthetic
+    root, env = _device_root(tmp_path, leave_out="gpu_chunks.py")
+    (root / ".gpu-vllm").mkdir()
+    for f in ("manifest.json", "part-01"):
+        (root / ".gpu-vllm" / f).write_bytes((out / f).read_bytes())
+    proc = _stage_only(root, env)
+    assert proc.returncode == 1
+    assert "staging failed (exit 1): ModuleNotFoundError: No module named 'gpu_chunks'" in proc.stderr
+    assert "corrupt" not in proc.stderr
 
 
 def test_stage_drops_chunks_of_an_older_bundle(synthetic, tmp_path, capsys):
@@ -154,14 +214,14 @@ def test_stage_drops_chunks_of_an_older_bundle(synthetic, tmp_path, capsys):
     carried.mkdir()
     (carried / "manifest.json").write_bytes((out / "manifest.json").read_bytes())
     (carried / "part-01").write_bytes((out / "part-01").read_bytes())
-    assert gb.main(["stage", "--from", str(carried), "--to", str(kept)]) == gb.EXIT_MISSING
+    assert gb.main(["stage", "--from", str(carried), "--to", str(kept)]) == gc.EXIT_MISSING
     (src / "pkg" / "new.py").write_text("changed = True\n")
     out2 = tmp_path / "out2"
-    gb.pack(src, out2, chunk_bytes=100_000, preset=1)
+    gc.pack(src, out2, chunk_bytes=100_000, preset=1)
     (carried / "manifest.json").write_bytes((out2 / "manifest.json").read_bytes())
     (carried / "part-02").write_bytes((out2 / "part-02").read_bytes())
     capsys.readouterr()
-    assert gb.main(["stage", "--from", str(carried), "--to", str(kept)]) == gb.EXIT_MISSING
+    assert gb.main(["stage", "--from", str(carried), "--to", str(kept)]) == gc.EXIT_MISSING
     err = capsys.readouterr().err
     assert "another bundle" in err and "staged so far: part-02" in err
     assert not (kept / "part-01").exists()
@@ -174,7 +234,7 @@ def test_stage_refuses_a_corrupt_carried_chunk(synthetic, tmp_path, capsys):
     (carried / "manifest.json").write_bytes((out / "manifest.json").read_bytes())
     (carried / "part-01").write_bytes(b"\0" + (out / "part-01").read_bytes()[1:])
     rc = gb.main(["stage", "--from", str(carried), "--to", str(tmp_path / "kept")])
-    assert rc == gb.EXIT_CORRUPT
+    assert rc == gc.EXIT_CORRUPT
     assert "CORRUPT carried chunk" in capsys.readouterr().err
     assert not (tmp_path / "kept" / "part-01").exists()
 
@@ -225,7 +285,7 @@ def tiny_pkg(tmp_path):
 
 def test_scan_finds_module_level_imports_and_ignores_function_level(tiny_pkg):
     tree, wheels = tiny_pkg
-    result = gb.scan([tree], ["tinypkg"])
+    result = gi.scan([tree], ["tinypkg"])
     ext = result["externals"]
     assert {"numpy", "yaml", "zmq", "msgspec"} <= set(ext)
     assert ext["yaml"]["kind"] == ext["zmq"]["kind"] == ext["msgspec"]["kind"] == "needed"
@@ -241,7 +301,7 @@ def test_scan_finds_module_level_imports_and_ignores_function_level(tiny_pkg):
 
 def test_scan_maps_names_to_distributions_and_subtracts_the_image(tiny_pkg):
     tree, wheels = tiny_pkg
-    result = gb.map_externals(gb.scan([tree], ["tinypkg"]), {"numpy", "pyyaml"}, wheels, use_env=False)
+    result = gi.map_externals(gi.scan([tree], ["tinypkg"]), {"numpy", "pyyaml"}, wheels, use_env=False)
     ext = result["externals"]
     assert (ext["zmq"]["dist"], ext["zmq"]["mapped_by"]) == ("pyzmq", "wheel")
     assert (ext["yaml"]["dist"], ext["yaml"]["mapped_by"]) == ("pyyaml", "table")
@@ -307,12 +367,23 @@ def test_requirements_are_exact_pins_consistent_with_the_small_wheel_set():
     reqs = gb.parse_requirements(ROOT / "scripts" / "gpu_vllm_requirements.txt")
     pins = {r["dist"]: r["version"] for r in reqs}
     assert pins["vllm"] == "0.26.0" and all(r["reason"] for r in reqs), "each line says why"
-    image = {gb.norm(x) for x in gb.IMAGE_PACKAGES}
+    image = gi.image_packages()
     assert not set(pins) & image, "carrying an image package would shadow the image's (torch above all)"
     small = (ROOT / "scripts" / "fetch_gpu_wheels.sh").read_text()
     for dist in ("pydantic", "pydantic-core", "annotated-types", "typing-inspection"):
         m = re.search(rf"(?<![-\w]){re.escape(dist)}==([\w.]+)", small)
         assert m and m.group(1) == pins[dist], f"{dist}: both bundles may share one sys.path"
+
+
+def test_the_image_list_reads_names_and_skips_comments(tmp_path):
+    listing = tmp_path / "image.txt"
+    listing.write_text(
+        "# the image's packages, read today\ntorch Typing_Extensions  # pinned\n\nvllm-flash\n"
+    )
+    assert gi.image_packages(listing) == {"torch", "typing-extensions", "vllm-flash"}
+    committed = gi.image_packages()
+    assert {"torch", "triton", "transformers", "peft"} <= committed
+    assert not {"the", "gpu", "image's"} & committed, "a comment's words are not distributions"
 
 
 def test_drop_list_spares_the_extensions_the_dense_path_loads():
@@ -386,10 +457,10 @@ def test_the_qerl_side_of_the_vllm_part_needs_only_the_image_and_the_bundle(tmp_
         }
     )
     roots += ["qerl.pipeline.rollout.vllm_engine", "qerl.pipeline.rollout.aqn_vllm"]
-    result = gb.map_externals(gb.scan([src.parent], roots), set(), None, use_env=True)
+    result = gi.map_externals(gi.scan([src.parent], roots), set(), None, use_env=True)
     assert not result["missing"], result["missing"]
     assert len(result["reached"]) > 20
-    provided = {gb.norm(x) for x in gb.IMAGE_PACKAGES}
+    provided = gi.image_packages()
     provided |= {r["dist"] for r in gb.parse_requirements(ROOT / "scripts" / "gpu_vllm_requirements.txt")}
     needed = {
         top: (e["dist"], " > ".join(e["chain"]))
