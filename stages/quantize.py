@@ -219,13 +219,8 @@ def run_with_status(
     calib_ids, calib = (
         calibration_tokens(cfg.calibration, src_dir, data) if cfg.method == "gptq" else (None, None)
     )
-    device = _device() if cfg.method in ("rtn", "gptq") else torch.device("cpu")  # mse: plain torch on CPU
-    if cfg.method == "rtn":
-        backend = nvfp4_dispatch.quantize_backend(device)
-    else:  # plain torch; GPTQ on the GPU where there is one (its last bits differ from the CPU's)
-        backend = "torch" if device.type == "cpu" else f"torch-{device.type}"
-    # the quality section (qerl.pipeline.nvfp4.quality): held-out texts resolved before the build
-    # the held-out texts are read before the build: their digest and quantize.quality key the artifact
+    device, backend = _device_and_backend(cfg)
+    # the quality section's held-out texts are read before the build: their digest keys the artifact
     q_cfg = cfg.quality
     held_out = (
         held_out_texts(q_cfg.source, q_cfg.texts, q_cfg.data_root or (data.root if data else None))
@@ -233,7 +228,6 @@ def run_with_status(
         else None
     )  # a run's data.root is where GSM8K is found when quantize.quality.data_root is unset
     quality_inputs = quality_key(q_cfg, held_out)
-    # --- end quality section ------------------------------------------------------------------------
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
@@ -258,17 +252,11 @@ def run_with_status(
         bytes_out = sum(s.nbytes for g in plan for s in g.outputs)
         log.info(
             "quantized %d linears of %s (method %s) with the %s backend in %.1fs",
-            n_quant,
-            src_dir,
-            cfg.method,
-            backend,
-            seconds,
+            *(n_quant, src_dir, cfg.method, backend, seconds),
         )
-        # the quality section, measured on the checkpoint just written
-        tq = time.perf_counter()
+        tq = time.perf_counter()  # the quality section, measured on the checkpoint just written
         quality = {"quality": quality_section(q_cfg, src_dir, tmp, held_out)} if q_cfg.enabled else {}
         quality_s = {"quality_seconds": time.perf_counter() - tq} if quality else {}
-        # --- end quality section ----------------------------------------------------------------------
         return BuildResult(
             mode=f"nvfp4/{backend}",
             metrics={"seconds": seconds, "bytes_in": bytes_in, "bytes_out": bytes_out, **quality_s},
@@ -292,6 +280,16 @@ def run_with_status(
 
     inputs = {"base": base_digest, **quality_inputs}
     return store.produce(STAGE, _recipe_key(cfg, calib), inputs, code, build)
+
+
+def _device_and_backend(cfg: QuantizeConfig) -> tuple[torch.device, str]:
+    """Where the quantizer runs and the backend the manifest names: RTN dispatches to the kernels of
+    the device; GPTQ is plain torch, on the GPU where there is one (its last bits differ from the
+    CPU's); MSE is plain torch on the CPU."""
+    device = _device() if cfg.method in ("rtn", "gptq") else torch.device("cpu")
+    if cfg.method == "rtn":
+        return device, nvfp4_dispatch.quantize_backend(device)
+    return device, "torch" if device.type == "cpu" else f"torch-{device.type}"
 
 
 def _recipe_key(cfg: QuantizeConfig, calibration: dict | None = None) -> dict:
