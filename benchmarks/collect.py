@@ -27,13 +27,18 @@ machine is the project's CPU box (2 cores, 24 GiB) unless a section says otherwi
 """
 
 
-def main() -> str:
+def assemble() -> str:
+    """BENCHMARKS.md's text: the header, then each section of benchmarks/results/ in ORDER."""
     results = ROOT / "benchmarks" / "results"
     names = sorted(
         (p.stem for p in results.glob("*.md")),
         key=lambda n: (n not in ORDER, ORDER.index(n) if n in ORDER else 0, n),
     )
-    text = HEADER + "".join("\n" + (results / f"{n}.md").read_text().strip() + "\n" for n in names)
+    return HEADER + "".join("\n" + (results / f"{n}.md").read_text().strip() + "\n" for n in names)
+
+
+def main() -> str:
+    text = assemble()
     from qerl.pipeline.store.files import atomic_write_text
 
     atomic_write_text(ROOT / "BENCHMARKS.md", text)

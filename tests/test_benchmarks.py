@@ -90,3 +90,14 @@ def test_bench_vllm_reads_vllms_memory_log_and_sets_the_plan_beside_it():
     text = report(results)
     assert "| 0.5b | nvfp4 | vllm-nvfp4-marlin | 40.0 | 4000 | 2.00 | 2000 | 2.00x |" in text
     assert f"| 0.5b | nvfp4 | kv_cache | {nvfp4['kv_cache'] / 2**30:.2f} | 31.25 |" in text
+
+
+def test_benchmarks_md_is_what_the_sections_assemble_to():
+    """BENCHMARKS.md is generated: a hand edit there is lost at the next `qerl bench`. Edit the
+    section in benchmarks/results/ and run `python -m benchmarks.collect`."""
+    from benchmarks.collect import ROOT, assemble
+
+    assert (ROOT / "BENCHMARKS.md").read_text() == assemble(), (
+        "BENCHMARKS.md differs from benchmarks/results/*.md: edit the section there, then run "
+        "`python -m benchmarks.collect`"
+    )
