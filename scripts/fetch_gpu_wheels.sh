@@ -31,6 +31,14 @@
 #   To redo the scan by hand (here, or on the GPU image with --installed instead of the built-in list):
 #     python3 scripts/gpu_bundle.py scan --tree .gpu-vllm-build/site --roots-file scripts/gpu_vllm_roots.txt
 #   (build with --keep-stage via GPU_BUNDLE_KEEP_STAGE=1 to keep .gpu-vllm-build/site).
+#
+# --run: build the run bundle (after --vllm): what `qerl run` needs on the GPU image beyond it and the
+#   vLLM bundle (Prefect, MLflow, math-verify, pinned in scripts/gpu_run_requirements.txt, which says
+#   why the whole resolved closure travels rather than a scanned one). pip resolves the pins for
+#   Python 3.12 manylinux with the vLLM bundle's versions as constraints, into .gpu-run-build/wheels;
+#   the build leaves out the image's distributions and the vLLM bundle's, drops the web UIs
+#   (scripts/gpu_run_drop.txt) and packs the rest into .gpu-run/ (part-01, ..., manifest.json).
+#   Options with --run: --run-dest DIR (default .gpu-run), --chunk-mib, --xz-preset as above.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,10 +56,14 @@ VLLM_DEST=.gpu-vllm
 CHUNK_MIB=50
 XZ_PRESET=6
 VLLM_WHEEL=""
+RUN=0
+RUN_DEST=.gpu-run
 while (($#)); do
   case "$1" in
     --vllm) VLLM=1; shift ;;
     --vllm-dest) VLLM_DEST=$2; shift 2 ;;
+    --run) RUN=1; shift ;;
+    --run-dest) RUN_DEST=$2; shift 2 ;;
     --chunk-mib) CHUNK_MIB=$2; shift 2 ;;
     --xz-preset) XZ_PRESET=$2; shift 2 ;;
     --vllm-wheel) VLLM_WHEEL=$2; shift 2 ;;
@@ -91,6 +103,31 @@ if ((VLLM)); then
   exec nice -n 10 "$PY" scripts/gpu_bundle.py build --wheels "$BUILD/wheels" --requirements "$REQ" \
     --drop scripts/gpu_vllm_drop.txt --roots scripts/gpu_vllm_roots.txt --stage "$BUILD/site" \
     --out "$VLLM_DEST" --chunk-mib "$CHUNK_MIB" --preset "$XZ_PRESET" "${KEEP[@]}"
+fi
+
+if ((RUN)); then
+  REQ=scripts/gpu_run_requirements.txt
+  BUILD=.gpu-run-build
+  [[ -f "$VLLM_DEST/manifest.json" ]] || {
+    echo "fetch_gpu_wheels: build the vLLM bundle first (--vllm): the run bundle leaves out what it carries" >&2
+    exit 2
+  }
+  mkdir -p "$BUILD/wheels"
+  # the vLLM bundle's versions constrain the resolution: both bundles sit on one sys.path
+  "$PY" - "$VLLM_DEST/manifest.json" >"$BUILD/constraints.txt" <<'PYEOF'
+import json, sys
+for d in json.load(open(sys.argv[1]))["dependencies"]:
+    print(d["dist"] + "==" + d["version"])
+PYEOF
+  mapfile -t RSPECS < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' "$REQ" | grep -v '^$')
+  echo "fetch_gpu_wheels: ${RSPECS[*]} and their dependencies (run bundle) into $BUILD/wheels" >&2
+  "$PY" -m pip download --quiet --disable-pip-version-check "${PLATFORM_ARGS[@]}" \
+    -c "$BUILD/constraints.txt" -d "$BUILD/wheels" "${RSPECS[@]}" || exit 1
+  KEEP=()
+  [[ -n "${GPU_BUNDLE_KEEP_STAGE:-}" ]] && KEEP=(--keep-stage)
+  exec nice -n 10 "$PY" scripts/gpu_bundle.py build --resolved --provided "$VLLM_DEST/manifest.json" \
+    --wheels "$BUILD/wheels" --requirements "$REQ" --drop scripts/gpu_run_drop.txt --stage "$BUILD/site" \
+    --out "$RUN_DEST" --chunk-mib "$CHUNK_MIB" --preset "$XZ_PRESET" "${KEEP[@]}"
 fi
 
 SPECS=()

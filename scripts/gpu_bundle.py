@@ -121,7 +121,8 @@ def parse_requirements(path: Path) -> list[dict]:
         name, sep, version = spec.partition("==")
         if not sep or not version.strip():
             raise SystemExit(f"gpu_bundle: {path}: '{spec}' is not an exact pin (name==version)")
-        rows.append({"dist": norm(name.strip()), "version": version.strip(), "reason": reason.strip()})
+        name = name.split("[")[0].strip()  # extras choose dependencies, not the distribution
+        rows.append({"dist": norm(name), "version": version.strip(), "reason": reason.strip()})
     return rows
 
 
@@ -143,28 +144,61 @@ def match_wheels(reqs: list[dict], wheel_dir: Path) -> list[Path]:
     return out
 
 
-def cmd_build(args: argparse.Namespace) -> int:
-    """unwheel + drop + scan check + pack, with everything the manifest records."""
-    reqs = parse_requirements(Path(args.requirements))
-    wheels = match_wheels(reqs, Path(args.wheels))
-    image = image_packages()
-    clash = [r["dist"] for r in reqs if r["dist"] in image]
-    if clash and not args.allow_image_dists:
-        raise SystemExit(f"gpu_bundle: {clash} are in the GPU image: carrying them would shadow the image's "
-                         "(vLLM must use the image's torch and friends)")  # fmt: skip
-    stage = Path(args.stage)
-    if stage.exists():
-        shutil.rmtree(stage)
-    t0 = time.perf_counter()
-    rows = unwheel(wheels, stage)
-    patterns = read_list(Path(args.drop))
+def provided_dists(manifests: list[str]) -> dict[str, str]:
+    """Distribution -> version of what other bundles carry (their manifests' dependency lists)."""
+    out: dict[str, str] = {}
+    for path in manifests:
+        manifest = json.loads(Path(path).read_text())
+        if manifest.get("format") != "qerl-gpu-bundle/1":
+            raise SystemExit(f"gpu_bundle: {path} is not a qerl-gpu-bundle/1 manifest")
+        out.update({d["dist"]: d["version"] for d in manifest.get("dependencies", [])})
+    return out
+
+
+def resolved_wheels(
+    reqs: list[dict], wheel_dir: Path, image: set[str], provided: dict[str, str]
+) -> tuple[list[Path], dict[str, list[str]]]:
+    """Every wheel of a resolved folder (pip download of the pins, dependencies included) except the
+    image's distributions and those another bundle provides: (wheels to carry, what is left out)."""
+    by_dist: dict[str, list[Path]] = {}
+    for whl in sorted(wheel_dir.glob("*.whl")):
+        by_dist.setdefault(norm(whl.name.split("-")[0]), []).append(whl)
+    several = {d: [w.name for w in ws] for d, ws in by_dist.items() if len(ws) > 1}
+    if several:
+        raise SystemExit(f"gpu_bundle: several versions in {wheel_dir} (a pin changed? empty the folder "
+                         f"and fetch again): {several}")  # fmt: skip
+    version = {d: ws[0].name.split("-")[1] for d, ws in by_dist.items()}
+    problems = [f"{r['dist']}=={r['version']} (found {version.get(r['dist'], 'none')})"
+                for r in reqs if version.get(r["dist"]) != r["version"]]  # fmt: skip
+    clash = [f"{d} {version[d]} (the other bundle has {provided[d]})"
+             for d in by_dist if d in provided and provided[d] != version[d]]  # fmt: skip
+    if problems or clash:
+        raise SystemExit(f"gpu_bundle: the resolved folder {wheel_dir} does not match: pins {problems}, "
+                         f"versions another bundle provides differently {clash}")  # fmt: skip
+    left_out = {
+        "image": sorted(f"{d}=={version[d]}" for d in by_dist if d in image),
+        "other bundles": sorted(f"{d}=={version[d]}" for d in by_dist if d in provided and d not in image),
+    }
+    carry = [ws[0] for d, ws in sorted(by_dist.items()) if d not in image and d not in provided]
+    return carry, left_out
+
+
+def _drop_checked(stage: Path, drop_list: Path) -> tuple[list[str], list[dict]]:
+    """Apply the drop list; a pattern that matches nothing is an error (the packages changed)."""
+    patterns = read_list(drop_list)
     dropped = drop(stage, patterns)
     unused = [p for p in patterns if not any(fnmatch.fnmatchcase(d["path"], p) for d in dropped)]
     if unused:
-        raise SystemExit(f"gpu_bundle: drop patterns that matched nothing (a changed vLLM?): {unused}")
-    roots = read_list(Path(args.roots))
+        raise SystemExit(f"gpu_bundle: drop patterns that matched nothing (a changed package?): {unused}")
+    return patterns, dropped
+
+
+def _scan_check(stage: Path, roots_file: Path, reqs: list[dict], image: set[str], wheel_dir: Path) -> dict:
+    """The import scan of the staged tree from the roots: fails unless it is closed (nothing needed
+    that neither the tree nor the image holds); returns what the manifest records of it."""
+    roots = read_list(roots_file)
     result = scan([stage], roots)
-    map_externals(result, image, Path(args.wheels), False)
+    map_externals(result, image, wheel_dir, False)
     needed = sorted(
         {e["dist"] for e in result["externals"].values() if not e["in_image"] and e["kind"] == "needed"}
     )
@@ -173,9 +207,42 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"gpu_bundle: the staged tree is not closed: needed {needed}, absent modules {absent}"
         )
-    top_to_dist = dist_map_from_wheels(Path(args.wheels))
+    top_to_dist = dist_map_from_wheels(wheel_dir)
     reached_dists = {top_to_dist.get(top, norm(top)) for top in result["packages"]}
-    unreached = sorted(r["dist"] for r in reqs if r["dist"] not in reached_dists)
+    return {
+        "roots": roots,
+        "modules_reached": len(result["reached"]),
+        "extensions_unguarded": result["core_extensions"],
+        "extensions_reached": result["extensions"],
+        "image_dists_used": sorted({e["dist"] for e in result["externals"].values() if e["in_image"]}),
+        "conditional": {k: e["guards"] for k, e in result["externals"].items() if e["kind"] == "conditional"},
+        "not_reached_at_import": sorted(r["dist"] for r in reqs if r["dist"] not in reached_dists),
+    }
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """unwheel + drop + scan check + pack, with everything the manifest records. Two ways to choose
+    the wheels: exact pins (each line of --requirements, vLLM's bundle, checked by the import scan),
+    or --resolved (the whole folder pip resolved from the pins, less the image and --provided)."""
+    reqs = parse_requirements(Path(args.requirements))
+    image = image_packages()
+    wheel_dir = Path(args.wheels)
+    left_out: dict[str, list[str]] = {}
+    if args.resolved:
+        wheels, left_out = resolved_wheels(reqs, wheel_dir, image, provided_dists(args.provided))
+    else:
+        wheels = match_wheels(reqs, wheel_dir)
+        clash = [r["dist"] for r in reqs if r["dist"] in image]
+        if clash and not args.allow_image_dists:
+            raise SystemExit(f"gpu_bundle: {clash} are in the GPU image: carrying them would shadow the "
+                             "image's (vLLM must use the image's torch and friends)")  # fmt: skip
+    stage, out = Path(args.stage), Path(args.out)
+    if stage.exists():
+        shutil.rmtree(stage)
+    t0 = time.perf_counter()
+    rows = unwheel(wheels, stage)
+    patterns, dropped = _drop_checked(stage, Path(args.drop))
+    scanned = _scan_check(stage, Path(args.roots), reqs, image, wheel_dir) if args.roots else None
     print(f"gpu_bundle: staged {len(rows)} wheels in {time.perf_counter() - t0:.0f} s; "
           f"dropped {len(dropped)} files, {human(sum(d['bytes'] for d in dropped))}", file=sys.stderr)  # fmt: skip
     reasons = {r["dist"]: r["reason"] for r in reqs}
@@ -183,21 +250,14 @@ def cmd_build(args: argparse.Namespace) -> int:
         "vllm_version": next((r["version"] for r in rows if r["dist"] == "vllm"), None),
         "python": args.python,
         "dependencies": [{**r, "reason": reasons.get(r["dist"], "")} for r in rows],
-        "not_reached_at_import": unreached,
         "dropped": {"patterns": patterns, "bytes": sum(d["bytes"] for d in dropped), "files": dropped},
-        "scan": {
-            "roots": roots,
-            "modules_reached": len(result["reached"]),
-            "extensions_unguarded": result["core_extensions"],
-            "extensions_reached": result["extensions"],
-            "image_dists_used": sorted({e["dist"] for e in result["externals"].values() if e["in_image"]}),
-            "conditional": {
-                k: e["guards"] for k, e in result["externals"].items() if e["kind"] == "conditional"
-            },
-        },
+        **({"not_reached_at_import": scanned.pop("not_reached_at_import"), "scan": scanned} if scanned else {}),
+        **({"resolved_from": [f"{r['dist']}=={r['version']}" for r in reqs], "left_out": left_out}
+           if args.resolved else {}),
+        "carry_dir": out.as_posix() if not out.is_absolute() else out.name,  # the device calls' carry
         "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    print_summary(pack(stage, Path(args.out), int(args.chunk_mib * MiB), args.preset, meta))
+    }  # fmt: skip
+    print_summary(pack(stage, out, int(args.chunk_mib * MiB), args.preset, meta))
     if not args.keep_stage:
         shutil.rmtree(stage)
     return 0
@@ -225,7 +285,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wheels", required=True, help="folder holding the pinned wheels")
     p.add_argument("--requirements", required=True, help="name==version  # reason lines")
     p.add_argument("--drop", required=True, help="globs of files to leave out")
-    p.add_argument("--roots", required=True, help="root modules of the import scan")
+    p.add_argument("--roots", help="root modules of the import scan (without: no scan)")
+    p.add_argument(
+        "--resolved",
+        action="store_true",
+        help="carry every wheel of --wheels (pip's resolution of the pins) but the image's",
+    )
+    p.add_argument(
+        "--provided",
+        action="append",
+        default=[],
+        metavar="MANIFEST",
+        help="with --resolved: another bundle's manifest; its distributions are not carried",
+    )
     p.add_argument("--stage", required=True, help="staging folder (emptied first)")
     p.add_argument("--out", required=True, help="chunks and manifest.json go here")
     p.add_argument("--chunk-mib", type=float, default=50.0)

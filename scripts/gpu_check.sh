@@ -17,7 +17,8 @@
 # The exit status is 1 when a test or a benchmark failed, 5 when nothing failed but the budget cut a
 # part.
 #
-# Options: --dry-run  --tests-only  --bench-only  --models 7b,14b,32b  --arms nvfp4,bf16
+# Options: --dry-run  --tests-only  --bench-only  --run-e2e  --run-only  --run-config CFG
+#          --models 7b,14b,32b  --arms nvfp4,bf16
 #          --steps N  --prompt N  --completion N  --skip-kernels  --merge  (these go to bench_gpu.py;
 #          --merge keeps the other models' arms already in benchmarks/results/gpu.json)
 #          --vllm-models 0.5b[,7b]  (bench_vllm.py's shapes; default 0.5b)
@@ -61,6 +62,19 @@
 #   --stage-only   stage the carried chunks (extract when complete), report, stop
 #   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py)
 #   --no-vllm      the kit without the vLLM parts (1 and 3)
+#
+# `qerl run` on the GPU (--run-e2e adds it after the tests; --run-only runs it alone): the user's own
+# command end to end in a fresh work folder (.gpu-run-work), with --run-config CFG (default the
+# demo-gpu preset: the demo's tiny model at head_dim 64 in bf16, NVFP4 on FP4 Marlin with CUDA graphs,
+# 20 steps). It needs the run bundle (`bash scripts/fetch_gpu_wheels.sh --run`, after --vllm: Prefect,
+# MLflow, math-verify and their dependencies less the image's and the vLLM bundle's; one chunk of
+# 21.8 MiB, .gpu-run/part-01 + .gpu-run/manifest.json), which fits beside vLLM's part-02 in one call.
+# The report gives the run's status, engine mode, accuracies, tokens/s, registration and console.
+# A lease for it (after one that ran the sequence above):
+#   call 1  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"], timeout_s 120, --stage-only
+#   call 2  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-02", ".gpu-run/manifest.json",
+#           ".gpu-run/part-01"], timeout_s budget_left_s - 60,
+#           `bash scripts/gpu_check.sh --run-only --budget-s <timeout_s - 30>` (or --run-e2e --no-vllm ...)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -74,6 +88,8 @@ BENCH=1
 BENCH_ARGS=()
 BUDGET_S=0
 VLLM_MODELS=0.5b
+RUN_E2E=0
+RUN_CONFIG=demo-gpu
 PART_MIN_S=${QERL_GPU_PART_MIN_S:-45}          # a part that would get less is not started
 REPORT_RESERVE_S=${QERL_GPU_REPORT_RESERVE_S:-15}  # kept for the report and the copy back
 while (($#)); do
@@ -84,6 +100,9 @@ while (($#)); do
     --stage-only) STAGE_ONLY=1; shift ;;
     --vllm-only) VLLM_ONLY=1; BENCH=0; shift ;;
     --no-vllm) NO_VLLM=1; shift ;;
+    --run-e2e) RUN_E2E=1; shift ;;
+    --run-only) RUN_E2E=1; TESTS=0; BENCH=0; shift ;;
+    --run-config) RUN_CONFIG=$2; shift 2 ;;
     --models|--arms|--steps|--prompt|--completion) BENCH_ARGS+=("$1" "$2"); shift 2 ;;
     --merge|--skip-kernels) BENCH_ARGS+=("$1"); shift ;;
     --budget-s) BUDGET_S=$2; shift 2 ;;
@@ -100,6 +119,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/gpu-check.log"
 : >"$LOG"
+rm -f "$LOG".vllm "$LOG".run  # the bundles' staging output, kept apart while it runs
 say() { echo "[gpu_check] $*" | tee -a "$LOG" >&2; }
 
 PY=${PYTHON:-}
@@ -109,35 +129,51 @@ fi
 MODE=$( ((DRY)) && echo dry-run || echo cuda)
 say "mode: $MODE, python: $PY ($("$PY" --version 2>&1)), results: $OUT"
 
-# 0. the vLLM bundle: carried chunks -> .gpu-vllm-chunks (kept between calls) -> .gpu-vllm-site (standard
-# library only: a --stage-only call imports nothing else and takes seconds)
-VLLM_STATE="no vLLM bundle carried (see --help: scripts/fetch_gpu_wheels.sh --vllm, one chunk a call)"
-if ((DRY)) && ((!STAGE_ONLY)); then
-  VLLM_STATE="dry run: the vLLM bundle is not unpacked (the vLLM tests skip without CUDA)"
-elif [[ -f .gpu-vllm/manifest.json || -f .gpu-vllm-chunks/manifest.json ]]; then
-  "$PY" scripts/gpu_bundle.py stage --from .gpu-vllm --to .gpu-vllm-chunks 2>&1 | tee -a "$LOG" >&2
-  STAGE_RC=${PIPESTATUS[0]}
-  if ((STAGE_RC == 0)); then
-    if "$PY" scripts/gpu_bundle.py unpack --dir .gpu-vllm-chunks --dest .gpu-vllm-site 2>&1 | tee -a "$LOG" >&2; then
-      VLLM_STATE="vLLM bundle extracted in .gpu-vllm-site"
-    else
-      VLLM_STATE="vLLM part skipped: the bundle did not extract (see $LOG)"
-    fi
-  elif ((STAGE_RC == 3)); then
-    VLLM_STATE="vLLM part skipped: chunks missing: $(grep -o 'MISSING.*' "$LOG" | tail -1)"
-  elif ((STAGE_RC == 4)); then
-    VLLM_STATE="vLLM part skipped: a chunk is corrupt: $(grep -o 'CORRUPT.*' "$LOG" | tail -1)"
-  else  # a Python error, not the chunks: say so rather than blame a chunk
-    VLLM_STATE="vLLM part skipped: staging failed (exit $STAGE_RC): $(grep -v '^\[gpu_check\]' "$LOG" | tail -1)"
+# 0. the bundles: carried chunks -> .gpu-NAME-chunks (kept between calls) -> .gpu-NAME-site (standard
+# library only: a --stage-only call imports nothing else and takes seconds). NAME is vllm (the engine)
+# or run (what `qerl run` adds: Prefect, MLflow, math-verify); each is staged when its chunks are carried.
+stage_bundle() {  # stage_bundle NAME LABEL: prints the bundle's state (one line)
+  local name=$1 label=$2 rc
+  if ((DRY)) && ((!STAGE_ONLY)); then
+    echo "dry run: the $label bundle is not unpacked (the CPU environment has everything)"
+    return
   fi
-fi
+  if [[ ! -f ".gpu-$name/manifest.json" && ! -f ".gpu-$name-chunks/manifest.json" ]]; then
+    echo "no $label bundle carried (see --help: scripts/fetch_gpu_wheels.sh --$name, one chunk a call)"
+    return
+  fi
+  "$PY" scripts/gpu_bundle.py stage --from ".gpu-$name" --to ".gpu-$name-chunks" >>"$LOG.$name" 2>&1
+  rc=$?
+  if ((rc == 0)); then
+    if "$PY" scripts/gpu_bundle.py unpack --dir ".gpu-$name-chunks" --dest ".gpu-$name-site" >>"$LOG.$name" 2>&1; then
+      echo "$label bundle extracted in .gpu-$name-site"
+    else
+      echo "$label part skipped: the bundle did not extract (see $LOG)"
+    fi
+  elif ((rc == 3)); then
+    echo "$label part skipped: chunks missing: $(grep -o 'MISSING.*' "$LOG.$name" | tail -1)"
+  elif ((rc == 4)); then
+    echo "$label part skipped: a chunk is corrupt: $(grep -o 'CORRUPT.*' "$LOG.$name" | tail -1)"
+  else  # a Python error, not the chunks: say so rather than blame a chunk
+    echo "$label part skipped: staging failed (exit $rc): $(tail -1 "$LOG.$name")"
+  fi
+}
+VLLM_STATE=$(stage_bundle vllm vLLM)
+RUN_STATE=$(stage_bundle run run)
+for b in vllm run; do [[ -f "$LOG.$b" ]] && { tee -a "$LOG" <"$LOG.$b" >&2; rm -f "$LOG.$b"; }; done
 say "$VLLM_STATE"
+say "$RUN_STATE"
 export QERL_VLLM_BUNDLE_STATE="$VLLM_STATE"  # the vLLM tests' skip reason names it
-if [[ -f .gpu-vllm-site/.bundle-sha256 ]] && ((!DRY)); then
+if ((!DRY)); then
   # after the image's site-packages, not before (the image's torch must win): .gpu-src/sitecustomize.py
-  # appends these paths; the bundle also brings pydantic, so qerl imports without .gpu-wheels
-  export QERL_SYS_PATH_AFTER="$ROOT/.gpu-vllm-site"
-  export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1  # nothing outside the machine can be reached
+  # appends these paths; the vLLM bundle also brings pydantic, so qerl imports without .gpu-wheels
+  AFTER=()
+  for b in vllm run; do [[ -f ".gpu-$b-site/.bundle-sha256" ]] && AFTER+=("$ROOT/.gpu-$b-site"); done
+  if ((${#AFTER[@]})); then
+    QERL_SYS_PATH_AFTER=$(IFS=:; echo "${AFTER[*]}")
+    export QERL_SYS_PATH_AFTER
+    export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1  # nothing outside the machine can be reached
+  fi
 fi
 export OUT  # the vLLM tests write vllm-gap.json there
 # as `qerl` sets it at start-up (qerl.pipeline.runtime.determinism): cuBLAS reads it once, at its first
@@ -146,8 +182,8 @@ export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 if ((STAGE_ONLY)); then
   # what the machine is, for the call's output (seconds; the next call does the rest)
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG" >&2
-  [[ "$VLLM_STATE" == *corrupt* ]] && exit 4
-  [[ "$VLLM_STATE" == *"staging failed"* ]] && exit 1
+  [[ "$VLLM_STATE$RUN_STATE" == *corrupt* ]] && exit 4
+  [[ "$VLLM_STATE$RUN_STATE" == *"staging failed"* ]] && exit 1
   exit 0
 fi
 
@@ -245,6 +281,7 @@ fi
 # (SIGINT first: pytest then still writes its summary and junit file; bench_gpu.py has already written
 # every finished arm), and one that would get under PART_MIN_S seconds is not started.
 PARTS=()
+SCRATCH=$(mktemp -d)  # pytest's output, junit files, the run's console: the tool brings back only 8 files from $OUT
 run_part() {  # run_part NAME CMD...: appends "NAME|seconds|outcome" to PARTS, returns the command's status
   local name=$1 left t0 rc
   shift
@@ -281,7 +318,6 @@ if ((TESTS)); then
   ((NO_VLLM)) || TEST_FILES+=(tests/test_gpu_vllm.py)
   ((VLLM_ONLY)) || TEST_FILES+=(tests/test_gpu.py)
   TEST_RC=0
-  SCRATCH=$(mktemp -d)  # pytest's output and junit files: the tool brings back only 8 files from $OUT
   : >"$SCRATCH/gpu-tests.txt"
   for f in "${TEST_FILES[@]}"; do
     name=$(basename "$f" .py)
@@ -296,6 +332,51 @@ if ((TESTS)); then
   cat "$SCRATCH/gpu-tests.txt" >>"$LOG"
   TEST_SUMMARY=$(grep -E "(PASSED|FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped|error)" "$SCRATCH/gpu-tests.txt" | tail -40)
   say "tests: exit $TEST_RC"
+fi
+
+# the `qerl run` part (--run-e2e): the user's own command, end to end on this machine, in a fresh work
+# folder: every stage builds (the demo base, quantize on the GPU, vLLM on FP4 Marlin with CUDA graphs,
+# the Triton trainer, evaluation, the MLflow registration). Needs the run bundle here (or a GPU
+# install's own Prefect and MLflow); the dry run runs --run-config on the CPU.
+RUN_RC=skipped
+RUN_SUMMARY="not run (no --run-e2e)"
+if ((RUN_E2E)); then
+  if ((DRY)) || [[ -f .gpu-run-site/.bundle-sha256 ]] || "$PY" -c "import prefect, mlflow, math_verify" 2>/dev/null; then
+    rm -rf .gpu-run-work
+    say "qerl run --config $RUN_CONFIG (work folder .gpu-run-work)"
+    run_part qerl_run env PREFECT_UI_ENABLED=false "$PY" -m qerl.flows.cli run --config "$RUN_CONFIG" \
+      --work-dir "$ROOT/.gpu-run-work" >"$SCRATCH/qerl-run.txt" 2>&1
+    RUN_RC=$?
+    cat "$SCRATCH/qerl-run.txt" >>"$LOG"
+    RUN_SUMMARY=$("$PY" - .gpu-run-work "$SCRATCH/qerl-run.txt" <<'PYEOF' 2>&1
+import json, sys
+from pathlib import Path
+
+work, console = Path(sys.argv[1]), Path(sys.argv[2]).read_text().splitlines()
+records = sorted(work.glob("runs/*/run.json"))
+if not records:
+    print("no run record (the run stopped before its plan); the console's last lines:")
+    print("\n".join(console[-15:]))
+    sys.exit()
+r = json.loads(records[-1].read_text())
+steps = r.get("steps", [])
+rates = [s["rollout_tokens_per_s"] for s in steps if s.get("rollout_tokens_per_s")]
+print(f"run {r['run_id']}: status {r['status']}, engine mode {r.get('engine_mode')}, {len(steps)} steps")
+print(f"accuracy: base {r.get('baseline_accuracy')}, adapter {r.get('final_accuracy')}")
+if rates:
+    print(f"rollout tokens/s: median {sorted(rates)[len(rates) // 2]:.0f} over {len(rates)} steps")
+reg = r.get("registration") or {}
+print(f"registration: {reg.get('model_name')} v{reg.get('version')}, promoted {reg.get('promoted')}")
+if r.get("error"):
+    print(f"error: {r['error']}")
+print("console:")
+print("\n".join(console[-25:]))
+PYEOF
+)
+  else
+    PARTS+=("qerl_run|0|not started: $RUN_STATE")
+  fi
+  say "qerl run: exit $RUN_RC"
 fi
 
 BENCH_RC=skipped
@@ -333,7 +414,7 @@ for p in "${PARTS[@]}"; do [[ "$p" == *"|cut off"* || "$p" == *"|not started"* ]
 {
   echo "# GPU check ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
   echo
-  echo "mode: $MODE; tests exit $TEST_RC; vLLM benchmark exit $VLLM_BENCH_RC; benchmark exit $BENCH_RC; budget $( ((BUDGET_S)) && echo "${BUDGET_S}s, used $((SECONDS - T_START))s" || echo none)"
+  echo "mode: $MODE; tests exit $TEST_RC; qerl run exit $RUN_RC; vLLM benchmark exit $VLLM_BENCH_RC; benchmark exit $BENCH_RC; budget $( ((BUDGET_S)) && echo "${BUDGET_S}s, used $((SECONDS - T_START))s" || echo none)"
   ((INCOMPLETE)) && echo && echo "INCOMPLETE: a part was cut off or not started within the budget (table below)"
   echo
   echo '```'
@@ -354,6 +435,16 @@ for p in "${PARTS[@]}"; do [[ "$p" == *"|cut off"* || "$p" == *"|not started"* ]
   echo "$TEST_SUMMARY"
   echo '```'
   echo
+  if ((RUN_E2E)); then
+    echo "## qerl run --config $RUN_CONFIG"
+    echo
+    echo "run bundle: $RUN_STATE"
+    echo
+    echo '```'
+    echo "$RUN_SUMMARY"
+    echo '```'
+    echo
+  fi
   [[ -f "$OUT/vllm.md" ]] && cat "$OUT/vllm.md" && echo
   [[ -f "$OUT/gpu.md" ]] && cat "$OUT/gpu.md" || echo "(no bench_gpu results)"
 } >"$OUT/gpu-check.md.tmp" && mv "$OUT/gpu-check.md.tmp" "$OUT/gpu-check.md"
@@ -361,6 +452,7 @@ say "report: $OUT/gpu-check.md"
 
 FAILED=0
 [[ "$TEST_RC" == 0 || "$TEST_RC" == skipped || "$TEST_RC" == 124 ]] || FAILED=1
+[[ "$RUN_RC" == 0 || "$RUN_RC" == skipped || "$RUN_RC" == 124 ]] || FAILED=1
 [[ "$BENCH_RC" == 0 || "$BENCH_RC" == skipped || "$BENCH_RC" == 124 ]] || FAILED=1
 [[ "$VLLM_BENCH_RC" == 0 || "$VLLM_BENCH_RC" == skipped || "$VLLM_BENCH_RC" == 124 ]] || FAILED=1
 ((FAILED)) && exit 1

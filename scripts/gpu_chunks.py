@@ -146,9 +146,10 @@ def report(folder: Path, manifest: dict, missing: list[str], corrupt: list[str])
             f"gpu_bundle: MISSING {len(missing)} of {n} chunks in {folder}: {' '.join(missing)}",
             file=sys.stderr,
         )
+        carry = manifest.get("carry_dir", ".gpu-vllm")  # where the build put the chunks
         print(
             "gpu_bundle: carry next: "
-            + json.dumps([f".gpu-vllm/{m}" for m in missing[:1]] + [f".gpu-vllm/{MANIFEST}"]),
+            + json.dumps([f"{carry}/{m}" for m in missing[:1]] + [f"{carry}/{MANIFEST}"]),
             file=sys.stderr,
         )
     if corrupt:

@@ -193,6 +193,39 @@ def test_the_kit_stages_one_chunk_a_call_then_extracts(synthetic, tmp_path):
     ).is_file()
 
 
+def test_the_kit_stages_the_run_bundle_beside_the_vllm_one(synthetic, tmp_path):
+    """The run bundle (Prefect, MLflow, ...) travels in .gpu-run/ the same way, in a call that also
+    carries a vLLM chunk; each bundle is staged and extracted into its own site folder."""
+    src, out, manifest = synthetic
+    run_src = tmp_path / "run-site"
+    (run_src / "prefect").mkdir(parents=True)
+    (run_src / "prefect" / "__init__.py").write_text("flow = None\n")
+    run_out = tmp_path / "run-out"
+    run_manifest = gc.pack(run_src, run_out, chunk_bytes=100_000, preset=1)
+    root, env = _device_root(tmp_path)
+    names = [c["name"] for c in manifest["chunks"]]
+    for k, name in enumerate(names):
+        (root / ".gpu-vllm").mkdir(exist_ok=True)
+        for f in ("manifest.json", name):
+            (root / ".gpu-vllm" / f).write_bytes((out / f).read_bytes())
+        if k == len(names) - 1:  # the last call brings the run bundle too
+            (root / ".gpu-run").mkdir()
+            for f in ("manifest.json", "part-01"):
+                (root / ".gpu-run" / f).write_bytes((run_out / f).read_bytes())
+        proc = _stage_only(root, env)
+        assert proc.returncode == 0, proc.stderr
+        if k < len(names) - 1:
+            assert "no run bundle carried" in proc.stderr
+    assert "vLLM bundle extracted in .gpu-vllm-site" in proc.stderr
+    assert "run bundle extracted in .gpu-run-site" in proc.stderr
+    stamp = (root / ".gpu-run-site" / ".bundle-sha256").read_text().strip()
+    assert stamp == run_manifest["archive"]["sha256"]
+    assert (root / ".gpu-run-site" / "prefect" / "__init__.py").read_text() == "flow = None\n"
+    assert (root / ".gpu-vllm-site" / "pkg" / "sub" / "blob.so").read_bytes() == (
+        src / "pkg" / "sub" / "blob.so"
+    ).read_bytes()
+
+
 def test_the_kit_says_staging_failed_not_that_a_chunk_is_corrupt(synthetic, tmp_path):
     """A broken kit (here a module left out of the tree) is reported as such, with the error."""
     _, out, _ = synthetic
@@ -360,6 +393,53 @@ def test_unwheel_lays_out_purelib_and_platlib_like_an_installer(tmp_path):
     ]
 
 
+def _fake_wheel(folder: Path, dist: str, version: str, files: dict[str, str]) -> Path:
+    whl = folder / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+        zf.writestr(
+            f"{dist.replace('-', '_')}-{version}.dist-info/METADATA", f"Name: {dist}\nVersion: {version}\n"
+        )
+    return whl
+
+
+def test_build_resolved_carries_the_closure_less_the_image_and_the_other_bundle(tmp_path, capsys):
+    """``build --resolved`` (the run bundle): every wheel pip resolved, except the image's and those
+    the vLLM bundle's manifest lists; the drop list applies; the manifest says what was left out."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _fake_wheel(
+        wheels, "prefect", "3.7.7", {"prefect/__init__.py": "x = 1\n", "prefect/server/ui/app.js": "js"}
+    )
+    _fake_wheel(wheels, "sqlalchemy", "2.0.1", {"sqlalchemy/__init__.py": ""})
+    _fake_wheel(wheels, "pydantic", "2.14.3", {"pydantic/__init__.py": ""})  # the vLLM bundle has it
+    _fake_wheel(wheels, "numpy", "2.3.0", {"numpy/__init__.py": ""})  # the image has it
+    reqs = tmp_path / "req.txt"
+    reqs.write_text("prefect==3.7.7  # the flow\n")
+    drop_list = tmp_path / "drop.txt"
+    drop_list.write_text("prefect/server/ui/*\n")
+    vllm_manifest = tmp_path / "vllm-manifest.json"
+    vllm_manifest.write_text(json.dumps({"format": "qerl-gpu-bundle/1", "dependencies": [
+        {"dist": "pydantic", "version": "2.14.3"}, {"dist": "vllm", "version": "0.26.0"}]}))  # fmt: skip
+    args = ["build", "--resolved", "--provided", str(vllm_manifest), "--wheels", str(wheels),
+            "--requirements", str(reqs), "--drop", str(drop_list), "--stage", str(tmp_path / "stage"),
+            "--out", str(tmp_path / "out"), "--preset", "1"]  # fmt: skip
+    assert gb.main(args) == 0
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert sorted(d["dist"] for d in m["dependencies"]) == ["prefect", "sqlalchemy"]
+    assert m["left_out"] == {"image": ["numpy==2.3.0"], "other bundles": ["pydantic==2.14.3"]}
+    assert m["resolved_from"] == ["prefect==3.7.7"] and "scan" not in m and m["carry_dir"] == "out"
+    assert [f["path"] for f in m["dropped"]["files"]] == ["prefect/server/ui/app.js"]
+    # a version the other bundle provides differently, or a second version of a dist, is refused
+    _fake_wheel(wheels, "pydantic", "2.12.0", {"pydantic/__init__.py": ""})
+    with pytest.raises(SystemExit, match="several versions"):
+        gb.main(args)
+    (wheels / "pydantic-2.14.3-py3-none-any.whl").unlink()
+    with pytest.raises(SystemExit, match=r"pydantic 2\.12\.0 \(the other bundle has 2\.14\.3\)"):
+        gb.main(args)
+
+
 # -- the committed lists ----------------------------------------------------------------------------
 
 
@@ -384,6 +464,22 @@ def test_the_image_list_reads_names_and_skips_comments(tmp_path):
     committed = gi.image_packages()
     assert {"torch", "triton", "transformers", "peft"} <= committed
     assert not {"the", "gpu", "image's"} & committed, "a comment's words are not distributions"
+
+
+def test_run_bundle_pins_are_the_cpu_environments():
+    """The run bundle carries what the CPU environment runs: the same Prefect, MLflow, math-verify."""
+    cpu = {}
+    for line in (ROOT / "requirements" / "cpu.txt").read_text().splitlines():
+        spec = line.split("#", 1)[0].strip()
+        if "==" in spec:
+            name, version = spec.split("==", 1)
+            cpu[gi.norm(name.split("[")[0])] = version.strip()
+    reqs = gb.parse_requirements(ROOT / "scripts" / "gpu_run_requirements.txt")
+    assert {r["dist"] for r in reqs} == {"prefect", "mlflow", "math-verify"} and all(
+        r["reason"] for r in reqs
+    )
+    for r in reqs:
+        assert cpu.get(r["dist"]) == r["version"], (r, cpu.get(r["dist"]))
 
 
 def test_drop_list_spares_the_extensions_the_dense_path_loads():
