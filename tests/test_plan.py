@@ -227,6 +227,9 @@ def test_cli_prints_the_table_and_exits_by_verdict(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["plan", "no-such-model", "--gpu-mem", "80"]) == 2
     assert "no-such-model" in capsys.readouterr().err
+    # the demo's model is built at run time; its shape comes from model.demo
+    assert main(["plan", "--config", "demo-gpu", "--gpu-mem", "80"]) == 0
+    assert "demo, hidden 256, 4 layers, 4/2 heads, intermediate 384, vocab 384" in capsys.readouterr().out
 
 
 def test_bad_inputs_name_the_problem(tmp_path):

@@ -256,17 +256,16 @@ def plan_for_run(
     base: str = "nvfp4",
 ) -> Plan:
     """``qerl plan``: load the run config (YAML or preset, then ``--set``), resolve the model (default:
-    the config's ``model.source``), check tensor parallelism against its heads, and plan one GPU."""
+    the config's ``model.source``; the demo's shape comes from ``model.demo``), check tensor
+    parallelism against its heads, and plan one GPU."""
+    from qerl.pipeline.planning.disk_plan import model_shape
     from qerl.pipeline.planning.run_checks import check_parallelism
     from qerl.pipeline.planning.run_config import load_run_config
 
     run = load_run_config(config, overrides or [])
     spec = model or run.model.source
-    if spec == "demo":
-        raise ValueError(
-            "the demo's model is built at run time: name a model (config.json, hub id or known shape)"
-        )
-    shape, _ = resolve_model(spec)
+    shape = model_shape(run) if spec == "demo" else resolve_model(spec)[0]
+    assert shape is not None  # the demo's shape is always known
     heads = {"num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads}
     check_parallelism(run.rollout, heads, cuda=True)  # the plan is for a CUDA machine
     return plan_memory(shape, parse_memory(gpu_memory), run, prompt_tokens=prompt_tokens, base=base)
