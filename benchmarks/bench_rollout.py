@@ -101,6 +101,50 @@ def decode_gemm_floor(batch: int, vocab: int, passes: int = 5) -> dict[str, floa
     return floors
 
 
+def _report(rows: dict, floors: dict, args: argparse.Namespace, vocab: int) -> str:
+    """The section's markdown: the engines' table, their ratio and, on a CPU, the decode GEMM floor."""
+    (v_s, v_tok, _), (h_s, h_tok, _) = rows["vLLM (in-process LLM)"], rows["transformers generate"]
+    ratio = (v_tok / v_s) / (h_tok / h_s)
+    lines = [
+        "## Rollout engine throughput (vLLM vs transformers generate)",
+        "",
+        f"Random bf16 model shaped like Qwen2.5-0.5B ({SHAPE['num_layers']} layers, hidden {SHAPE['hidden_size']}, "
+        f"14/2 heads, intermediate {SHAPE['intermediate_size']}) with a locally trained {vocab}-token vocabulary "
+        "(not Qwen's 151,936). CPU modes: vLLM serves the bf16 twin (`vllm-nvfp4-emulated`), transformers "
+        f"runs the same directory (`hf-nvfp4-emulated`). {args.prompts} prompts x {args.n} samples, temperature 1, "
+        f"max_new_tokens {args.max_new_tokens}, one timed run after a warm-up call each (same batch, 8 new tokens). "
+        f"vLLM {'eager (compilation mode 0)' if args.eager else 'compiled (the production default)'}, "
+        "in-process engine core.",
+        "",
+        "| engine | completion tokens | generate s | tokens/s | start-up s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, (seconds, tokens, startup) in rows.items():
+        lines.append(f"| {name} | {tokens} | {seconds:.1f} | {tokens / seconds:.1f} | {startup:.1f} |")
+    verdict = "meets" if ratio >= 4 else "misses"
+    lines += [
+        "",
+        f"**vLLM / transformers: {ratio:.2f}x** tokens/s ({verdict} the >= 4x goal).",
+        "",
+    ]
+    if floors:
+        hf_rate, v_rate = h_tok / h_s, v_tok / v_s
+        best = max(floors.values())
+        lines += [
+            f"Decode GEMM floor, same run ({args.prompts * args.n} sequences per step, the linear layers alone): "
+            + ", ".join(f"{name} {rate:.0f} tokens/s" for name, rate in floors.items())
+            + f". An engine doing nothing but these GEMMs would reach **{best / hf_rate:.2f}x** transformers; "
+            f"vLLM runs at {v_rate / best:.0%} of that floor.",
+            "",
+        ]
+    lines += [
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}; one run, so absolute numbers vary between runs (the ratio is what is compared).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
@@ -143,46 +187,7 @@ def main(argv: list[str] | None = None) -> str:
         gc.collect()
     floors = {} if torch.cuda.is_available() else decode_gemm_floor(args.prompts * args.n, vocab)
 
-    (v_s, v_tok, _), (h_s, h_tok, _) = rows["vLLM (in-process LLM)"], rows["transformers generate"]
-    ratio = (v_tok / v_s) / (h_tok / h_s)
-    lines = [
-        "## Rollout engine throughput (vLLM vs transformers generate)",
-        "",
-        f"Random bf16 model shaped like Qwen2.5-0.5B ({SHAPE['num_layers']} layers, hidden {SHAPE['hidden_size']}, "
-        f"14/2 heads, intermediate {SHAPE['intermediate_size']}) with a locally trained {vocab}-token vocabulary "
-        "(not Qwen's 151,936). CPU modes: vLLM serves the bf16 twin (`vllm-nvfp4-emulated`), transformers "
-        f"runs the same directory (`hf-nvfp4-emulated`). {args.prompts} prompts x {args.n} samples, temperature 1, "
-        f"max_new_tokens {args.max_new_tokens}, one timed run after a warm-up call each (same batch, 8 new tokens). "
-        f"vLLM {'eager (compilation mode 0)' if args.eager else 'compiled (the production default)'}, "
-        "in-process engine core.",
-        "",
-        "| engine | completion tokens | generate s | tokens/s | start-up s |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for name, (seconds, tokens, startup) in rows.items():
-        lines.append(f"| {name} | {tokens} | {seconds:.1f} | {tokens / seconds:.1f} | {startup:.1f} |")
-    verdict = "meets" if ratio >= 4 else "misses"
-    lines += [
-        "",
-        f"**vLLM / transformers: {ratio:.2f}x** tokens/s ({verdict} the >= 4x goal).",
-        "",
-    ]
-    if floors:
-        hf_rate, v_rate = h_tok / h_s, v_tok / v_s
-        best = max(floors.values())
-        lines += [
-            f"Decode GEMM floor, same run ({args.prompts * args.n} sequences per step, the linear layers alone): "
-            + ", ".join(f"{name} {rate:.0f} tokens/s" for name, rate in floors.items())
-            + f". An engine doing nothing but these GEMMs would reach **{best / hf_rate:.2f}x** transformers; "
-            f"vLLM runs at {v_rate / best:.0%} of that floor.",
-            "",
-        ]
-    lines += [
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}; one run, so absolute numbers vary between runs (the ratio is what is compared).",
-        "",
-    ]
-    text = "\n".join(lines)
+    text = _report(rows, floors, args, vocab)
     from benchmarks import write_section
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
