@@ -48,12 +48,17 @@ class DiskSpaceError(RunPlanError):
     """The run's estimated writes do not fit the work dir's free space."""
 
 
+def demo_shape(cfg: RunConfig) -> ModelShape:
+    """The shape the demo base is built with (``model.demo``; 4 heads over 2 KV heads)."""
+    d = cfg.model.demo
+    return ModelShape("demo", d.hidden_size, d.num_layers, 4, 2, d.intermediate_size, d.vocab_size)
+
+
 def model_shape(cfg: RunConfig) -> ModelShape | None:
     """The base model's shape when it is known without the network (demo, local dir, known shape)."""
     source = cfg.model.source
     if source == "demo":
-        d = cfg.model.demo
-        return ModelShape("demo", d.hidden_size, d.num_layers, 4, 2, d.intermediate_size, d.vocab_size)
+        return demo_shape(cfg)
     if Path(source).expanduser().exists() or _shape_key(source) in KNOWN_SHAPES:
         return resolve_model(source)[0]
     return None
