@@ -240,7 +240,7 @@ else
 fi
 
 # 2b. the extracted vLLM bundle goes on sys.path after the image's site-packages
-if [[ -n "${QERL_SYS_PATH_AFTER:-}" ]]; then
+if [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* ]]; then
   if ! "$PY" -c "import torch, vllm, sys; sys.exit('.gpu-vllm-site' in torch.__file__ or '.gpu-vllm-site' not in vllm.__file__)" 2>>"$LOG"; then
     say "vLLM from .gpu-vllm-site is not importable next to the image's torch (see $LOG)"
   fi
