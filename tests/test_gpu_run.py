@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,19 @@ def test_the_gpu_demo_preset_fits_fp4_marlin_and_fa3():
         assert out_dim % 64 == 0 and in_dim % 128 == 0, (out_dim, in_dim)
     assert cfg.rollout.dtype == cfg.train.dtype == "bfloat16" and not cfg.rollout.enforce_eager
     assert cfg.quantize.scheme == "nvfp4"
+
+
+def test_qerl_imports_from_an_uninstalled_checkout():
+    """The GPU image has no install of qerl, and the benchmarks put the checkout first on sys.path, so
+    ``import qerl`` there finds ./qerl, whose sub-packages live in the top-level folders. That failed on
+    an H200 (``No module named 'qerl.pipeline'``); ``python -S`` here leaves out the editable install's
+    finder (a .pth file) the same way."""
+    import sysconfig
+
+    code = "import qerl.kernels, qerl.pipeline.planning.model_shape, qerl.stages, qerl; print(qerl.__file__)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), sysconfig.get_paths()["purelib"]])}
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(ROOT / "qerl" / "__init__.py")
