@@ -38,6 +38,15 @@ _BLOCK = 64
 
 
 @triton.jit
+def _signed(mag, negative):
+    """``mag`` (>= +0.0) with its sign bit set where ``negative``, by an integer OR, so that zero keeps
+    its sign. The float forms (``-x``, a select between ``x`` and ``-x``) decoded code 8 to +0.0 on an
+    H200, where the interpreter gives -0.0 (the GPU kit's truth table)."""
+    sign = tl.where(negative, -2147483648, 0)
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _round_fp8_e4m3(s):
     """float32 -> nearest E4M3 value (float32), ties to even, saturating at 448; s >= 0."""
     a = tl.minimum(s, 448.0)
@@ -55,7 +64,7 @@ def _round_fp8_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     r = _round_fp8_e4m3(tl.abs(x))
-    r = tl.where(x < 0, -r, r)
+    r = _signed(r, x < 0)
     tl.store(out_ptr + offs, r, mask=mask)
 
 
@@ -91,7 +100,8 @@ def _quantize_kernel(w_ptr, gs_ptr, packed_ptr, scale_ptr, n_groups, BLOCK: tl.c
 
 
 @triton.jit
-def _fp4_value(code):
+def _fp4_magnitude(code):
+    """|value| of an FP4 code; the caller applies the sign (``_signed``) after scaling."""
     mag = code & 7
     v = tl.where(mag == 1, 0.5, 0.0)
     v = tl.where(mag == 2, 1.0, v)
@@ -100,7 +110,7 @@ def _fp4_value(code):
     v = tl.where(mag == 5, 3.0, v)
     v = tl.where(mag == 6, 4.0, v)
     v = tl.where(mag == 7, 6.0, v)
-    return tl.where((code & 8) != 0, -v, v)  # code 8 is -0.0, as the library decodes it
+    return v
 
 
 @triton.jit
@@ -114,8 +124,12 @@ def _dequantize_kernel(
     s = tl.load(scale_ptr + groups, mask=gmask, other=0.0)
     gs = tl.load(gs_ptr)
     mult = tl.math.div_rn(s, gs)[:, None]
-    lo = _fp4_value(byte & 15) * mult
-    hi = _fp4_value(byte >> 4) * mult
+    # |q| * |mult|, then the product's sign (the code's XOR the multiplier's: a checkpoint's scale may
+    # be negative) by an integer OR, so code 8 decodes to -0.0 as the library does
+    neg_mult = mult.to(tl.int32, bitcast=True) < 0
+    mag_mult = tl.abs(mult)
+    lo = _signed(_fp4_magnitude(byte & 15) * mag_mult, ((byte & 8) != 0) != neg_mult)
+    hi = _signed(_fp4_magnitude(byte >> 4) * mag_mult, ((byte & 128) != 0) != neg_mult)
     vals = tl.reshape(tl.join(lo, hi), (BLOCK, 16))
     if BF16:
         # round half to even to bf16 by hand: the interpreter's float32 -> bf16 cast truncates

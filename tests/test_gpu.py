@@ -95,7 +95,8 @@ def test_compiled_kernels_divide_with_ieee_rounding(tmp_path):
     off; triton-lang/triton#10661), which the interpreter never shows. Compile the kernels for an
     H100 (sm_90) here, no GPU needed (ptxas included), and read the PTX: only correctly rounded division
     may remain. Before the kernels used ``tl.math.div_rn`` this found div.full.f32 in all three and
-    div.approx.f32 in the quantizer."""
+    div.approx.f32 in the quantizer. Nor may a float negation: signs go on by an integer OR, since
+    ``tl.where(code & 8, -v, v)`` (neg.f32) decoded code 8 to +0.0 on an H200 (the interpreter: -0.0)."""
     code = """
 import json, re
 from triton import compile
@@ -114,7 +115,7 @@ for name, (sig, const) in sigs.items():
     asm = compile(ASTSource(fn=getattr(k, name), signature=sig, constexprs=const),
                   target=GPUTarget("cuda", 90, 32)).asm
     assert asm.get("cubin"), name  # ptxas assembled it for sm_90 too
-    ops[name] = sorted(set(re.findall(r"\\b(?:div|rcp)\\.[a-z0-9.]+", asm["ptx"])))
+    ops[name] = sorted(set(re.findall(r"\\b(?:div|rcp|neg)\\.[a-z0-9.]+", asm["ptx"])))
 print(json.dumps(ops))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

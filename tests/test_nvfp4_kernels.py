@@ -208,6 +208,12 @@ def test_triton_dequantize_bit_exact(dtype):
     assert _same(
         dequantize_nvfp4(packed, scale, gs, dtype), dequantize_nvfp4_triton(packed, scale, gs, dtype)
     )
+    # every code, negative/zero/subnormal/saturated scales, huge and tiny global scales: a negative
+    # scale flips the sign of every code, -0.0 included (missed here until an H200 showed it)
+    for packed, scale, gs in _adversarial_packed(0)[-6:]:
+        assert _same(
+            dequantize_nvfp4(packed, scale, gs, dtype), dequantize_nvfp4_triton(packed, scale, gs, dtype)
+        )
 
 
 def test_non_finite_weight_with_shared_global_scale_still_fails():
