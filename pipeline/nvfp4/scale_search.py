@@ -83,12 +83,13 @@ def scale_candidates(x: torch.Tensor, gs: torch.Tensor, sweep: int = 2) -> torch
 def quantize_with_scales(x: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """FP4 codes (uint8, ``x``'s shape ``[..., blocks, 16]``) of ``x`` under the given block scales
     (``[..., blocks]``), with the reference's operation order."""
-    return fp4_codes(x.float() / (scales / gs).unsqueeze(-1))
+    return fp4_codes(x.float() / (scales / gs.to(scales.device)).unsqueeze(-1))
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """``q * (s / gs)`` in float32: the values a checkpoint holding these codes dequantizes to."""
-    return _lut(codes.device)[codes.long()] * (scales / gs).unsqueeze(-1)
+    # gs may stay on the CPU while the codes are on the GPU (GPTQ keeps the checkpoint's copy there)
+    return _lut(codes.device)[codes.long()] * (scales / gs.to(scales.device)).unsqueeze(-1)
 
 
 # E2M1 rounding as a sum of steps: |y| passes boundary b -> the value grows by the step there
