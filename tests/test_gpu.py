@@ -219,7 +219,7 @@ def test_deterministic_kernels_switch_on_cuda_only_and_restore_what_was_there(mo
         assert record == {} and flags() == before
     monkeypatch.delenv(CUBLAS_ENV, raising=False)
     with deterministic_kernels("cuda", True) as record:
-        assert flags() == (True, True, True, False)
+        assert flags() == (True, False, True, False)  # warn_only would leave attention's backward as is
         assert record == {"deterministic": True, CUBLAS_ENV: ":4096:8"}
     assert flags() == before
     with deterministic_kernels("cuda", False) as record:
@@ -508,26 +508,29 @@ def test_two_grpo_steps_at_realistic_lengths_give_identical_bytes_with_determini
             )
         return out, times
 
-    runs = {flag: [two_steps(flag) for _ in range(2)] for flag in (True, False)}
-    same = {
-        flag: all(_same(a, runs[flag][1][0][k]) for k, a in runs[flag][0][0].items())
-        for flag in (True, False)
-    }
+    runs, errors = {}, {}
+    for flag in (True, False):
+        try:
+            runs[flag] = [two_steps(flag) for _ in range(2)]
+        except RuntimeError as exc:  # an op with no deterministic variant names itself here
+            errors[flag] = str(exc)[:800]
+    same = {f: all(_same(a, r[1][0][k]) for k, a in r[0][0].items()) for f, r in runs.items()}
     # the second step of each run: the first carries allocator and Triton warm-up
-    step_s = {flag: statistics.median(t[1] for _, t in runs[flag]) for flag in (True, False)}
+    step_s = {f: statistics.median(t[1] for _, t in r) for f, r in runs.items()}
     record = {
         "sequences": n,
         "tokens_per_sequence": prompt + completion,
         "model": sizes,
-        "identical_bytes": {"deterministic": same[True], "default_kernels": same[False]},
-        "step_s": {"deterministic": step_s[True], "default_kernels": step_s[False]},
-        "cost_ratio": step_s[True] / step_s[False],
+        "identical_bytes": {"deterministic": same.get(True), "default_kernels": same.get(False)},
+        "step_s": {"deterministic": step_s.get(True), "default_kernels": step_s.get(False)},
+        "cost_ratio": step_s[True] / step_s[False] if len(step_s) == 2 else None,
+        "errors": {("deterministic" if f else "default_kernels"): e for f, e in errors.items()},
         "device": torch.cuda.get_device_name(0),
     }
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / "determinism.json").write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record))
-    assert same[True], record
+    assert not errors and same[True], record
 
 
 @pytest.mark.gpu

@@ -11,10 +11,11 @@ whose order depends on its workspace.
 What ``deterministic_kernels`` does on CUDA, for the duration of one train step, restoring the previous
 settings after (the same process may serve rollouts, which need none of it):
 
-- ``torch.use_deterministic_algorithms(True, warn_only=True)``: the deterministic variant of every op
-  that has one; an op that has none warns (naming itself) instead of failing the step, and the GPU
-  kit's check (two GRPO steps at realistic lengths give identical bytes) says whether any such op
-  is on our path;
+- ``torch.use_deterministic_algorithms(True)``, not ``warn_only``: the deterministic variant of every
+  op that has one, and an error naming any op on the path that has none. ``warn_only=True`` is not a
+  milder form of the same: the fused attention backwards (flash, memory-efficient, cuDNN) check it
+  and keep their non-deterministic algorithm, only warning. On an H200 that gave different bytes for
+  two identical GRPO steps (the GPU kit's check, two steps at realistic lengths);
 - cuDNN deterministic, no autotuning (``benchmark`` picks by timing, which can differ run to run);
 - cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG`` (``:4096:8``) in the environment before its first call in
   the process: ``prepare_process`` sets it unless the user set one (the CLI calls it at start-up;
@@ -74,7 +75,7 @@ def deterministic_kernels(device: str, enabled: bool) -> Iterator[dict[str, Any]
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
     )
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=False)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
         yield {"deterministic": True, CUBLAS_ENV: cublas}
