@@ -18,7 +18,8 @@
 #   offline LLM(...).generate with LoRA on an NVFP4A16 checkpoint imports, each with its reason) into
 #   .gpu-vllm-build/wheels (kept: a second run downloads nothing), unpack them into a staging folder,
 #   delete what Hopper's dense path never loads (scripts/gpu_vllm_drop.txt, each with what was
-#   checked), re-run the static import scan on the staged tree (scripts/gpu_bundle.py scan, roots in
+#   checked), give the modules in scripts/gpu_vllm_defer_annotations.txt `from __future__ import
+#   annotations` (scripts/gpu_lazy.py), re-run the static import scan on the staged tree (scripts/gpu_bundle.py scan, roots in
 #   scripts/gpu_vllm_roots.txt: it fails if a needed distribution or module is missing), then tar + xz
 #   it and split it into chunks of at most 50 MiB in .gpu-vllm/ (part-01, part-02, ...) with
 #   .gpu-vllm/manifest.json (each chunk's size and sha256, the archive's, the dependency list, the
@@ -101,7 +102,8 @@ if ((VLLM)); then
   [[ -n "${GPU_BUNDLE_KEEP_STAGE:-}" ]] && KEEP=(--keep-stage)
   # xz over ~300 MiB on a shared machine: be nice to the neighbours
   exec nice -n 10 "$PY" scripts/gpu_bundle.py build --wheels "$BUILD/wheels" --requirements "$REQ" \
-    --drop scripts/gpu_vllm_drop.txt --roots scripts/gpu_vllm_roots.txt --stage "$BUILD/site" \
+    --drop scripts/gpu_vllm_drop.txt --defer-annotations scripts/gpu_vllm_defer_annotations.txt \
+    --roots scripts/gpu_vllm_roots.txt --stage "$BUILD/site" \
     --out "$VLLM_DEST" --chunk-mib "$CHUNK_MIB" --preset "$XZ_PRESET" "${KEEP[@]}"
 fi
 

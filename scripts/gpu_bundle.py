@@ -6,8 +6,9 @@ nothing installed for it). Its sibling modules hold the two halves that run apar
 
 Subcommands:
   build     what `fetch_gpu_wheels.sh --vllm` runs: unwheel the pinned wheels, drop the globs of the
-            drop list (failing on a pattern that matches nothing: a changed vLLM), check with the
-            import scan that the staged tree is closed (nothing needed that neither it nor the image
+            drop list (failing on a pattern that matches nothing: a changed vLLM), defer the
+            annotations of the listed modules (gpu_lazy.py: lazily loaded packages they name only
+            in annotations stay out), check with the import scan that the staged tree is closed (nothing needed that neither it nor the image
             holds), and pack it, recording wheels, dropped files and the scan in the manifest.
   unwheel   unpack wheels into a staging folder the way an installer lays them out (purelib/platlib
             data folders merged, scripts and headers left out), with their .dist-info.
@@ -23,6 +24,7 @@ corrupt, 2 usage or manifest errors.
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
 import json
 import os
@@ -36,6 +38,7 @@ import gpu_chunks
 import gpu_imports
 from gpu_chunks import MiB, human, pack, print_summary
 from gpu_imports import dist_map_from_wheels, image_packages, map_externals, norm, scan
+from gpu_lazy import defer_annotations, defers_annotations, eager_lazy_modules
 
 
 def unwheel(wheels: list[Path], dest: Path) -> list[dict]:
@@ -193,6 +196,27 @@ def _drop_checked(stage: Path, drop_list: Path) -> tuple[list[str], list[dict]]:
     return patterns, dropped
 
 
+def _defer_checked(stage: Path, listing: Path) -> list[str]:
+    """``from __future__ import annotations`` into each listed module (scripts/gpu_lazy.py), each of
+    which must exist, lack it, and use its lazy modules in annotations only."""
+    done = []
+    for rel in read_list(listing):
+        path = stage / rel
+        if not path.is_file():
+            raise SystemExit(f"gpu_bundle: {listing}: {rel} is not in the staged tree (a changed package?)")
+        tree = ast.parse(path.read_bytes())
+        if defers_annotations(tree):
+            raise SystemExit(f"gpu_bundle: {listing}: {rel} already defers its annotations")
+        uses = eager_lazy_modules(tree)
+        if not uses or not all(uses.values()):
+            raise SystemExit(f"gpu_bundle: {listing}: {rel} uses lazy modules {uses or 'none'} at import "
+                             "time beyond annotations (True = annotations only): deferring would not help")  # fmt: skip
+        defer_annotations(path)
+        done.append(rel)
+    print(f"gpu_bundle: deferred the annotations of {len(done)} modules", file=sys.stderr)
+    return done
+
+
 def _scan_check(stage: Path, roots_file: Path, reqs: list[dict], image: set[str], wheel_dir: Path) -> dict:
     """The import scan of the staged tree from the roots: fails unless it is closed (nothing needed
     that neither the tree nor the image holds); returns what the manifest records of it."""
@@ -242,6 +266,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rows = unwheel(wheels, stage)
     patterns, dropped = _drop_checked(stage, Path(args.drop))
+    deferred = _defer_checked(stage, Path(args.defer_annotations)) if args.defer_annotations else []
     scanned = _scan_check(stage, Path(args.roots), reqs, image, wheel_dir) if args.roots else None
     print(f"gpu_bundle: staged {len(rows)} wheels in {time.perf_counter() - t0:.0f} s; "
           f"dropped {len(dropped)} files, {human(sum(d['bytes'] for d in dropped))}", file=sys.stderr)  # fmt: skip
@@ -251,6 +276,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "python": args.python,
         "dependencies": [{**r, "reason": reasons.get(r["dist"], "")} for r in rows],
         "dropped": {"patterns": patterns, "bytes": sum(d["bytes"] for d in dropped), "files": dropped},
+        **({"deferred_annotations": deferred} if deferred else {}),
         **({"not_reached_at_import": scanned.pop("not_reached_at_import"), "scan": scanned} if scanned else {}),
         **({"resolved_from": [f"{r['dist']}=={r['version']}" for r in reqs], "left_out": left_out}
            if args.resolved else {}),
@@ -285,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wheels", required=True, help="folder holding the pinned wheels")
     p.add_argument("--requirements", required=True, help="name==version  # reason lines")
     p.add_argument("--drop", required=True, help="globs of files to leave out")
+    p.add_argument(
+        "--defer-annotations", help="modules (paths in the tree) to give `from __future__ import annotations`"
+    )
     p.add_argument("--roots", help="root modules of the import scan (without: no scan)")
     p.add_argument(
         "--resolved",

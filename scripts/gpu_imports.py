@@ -13,7 +13,9 @@ absent: a file the drop list removed that is still needed shows up here.
 Each external name is classed: "needed" (an unguarded import in a module that unguarded imports
 reach), "conditional" (under a module-level `if`, or only in modules reached through one: the scan
 reports the condition, a person decides), "optional" (only inside `try` blocks that catch
-ImportError). A static scan cannot see `importlib.import_module(name)` with a computed name; the GPU
+ImportError). A module bound lazily (vLLM's ``LazyLoader``) counts as imported where the module uses it
+at import time, in an annotation that Python evaluates, say (scripts/gpu_lazy.py). A static scan
+cannot see `importlib.import_module(name)` with a computed name; the GPU
 kit's first vLLM import on the machine is the check that it missed nothing.
 """
 
@@ -29,6 +31,8 @@ import zipfile
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+
+from gpu_lazy import eager_lazy_modules
 
 IMAGE_FILE = Path(__file__).with_name("gpu_image_packages.txt")
 
@@ -156,6 +160,9 @@ def module_imports(path: Path, modname: str, is_package: bool) -> list[tuple[str
                     visit(case.body, guard or "match")
 
     visit(tree.body, "")
+    # a lazily bound module that an annotation, decorator or module-level statement uses is imported
+    # when this module is (scripts/gpu_lazy.py)
+    found += [(mod, [], "") for mod in eager_lazy_modules(tree)]
     return found
 
 

@@ -146,7 +146,14 @@ def test_stage_collects_one_chunk_per_call_into_the_kept_folder(synthetic, tmp_p
     assert (dest / "pkg" / "__init__.py").exists()
 
 
-KIT_FILES = ("gpu_check.sh", "gpu_bundle.py", "gpu_chunks.py", "gpu_imports.py", "gpu_image_packages.txt")
+KIT_FILES = (
+    "gpu_check.sh",
+    "gpu_bundle.py",
+    "gpu_chunks.py",
+    "gpu_imports.py",
+    "gpu_lazy.py",
+    "gpu_image_packages.txt",
+)
 
 
 def _device_root(tmp_path: Path, leave_out: str = "") -> tuple[Path, dict]:
@@ -564,3 +571,112 @@ def test_the_qerl_side_of_the_vllm_part_needs_only_the_image_and_the_bundle(tmp_
         if e["kind"] == "needed" and e["dist"] not in provided
     }
     assert not needed, needed
+
+
+LAZY_MODULE = '''"""A vLLM-style module: optional packages bound lazily."""
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.utils.import_utils import LazyLoader
+
+if TYPE_CHECKING:
+    import llguidance
+else:
+    llguidance = LazyLoader("llguidance", globals(), "llguidance")
+    xgr = LazyLoader("xgr", globals(), "xgrammar")
+    oc = LazyLoader("oc", globals(), "outlines_core")
+
+
+@dataclass
+class Grammar:
+    matcher: llguidance.LLMatcher  # evaluated when the class is defined (Python 3.12)
+
+    def fill(self, n: int) -> None:
+        return oc.fill(n)  # a function body: runs when called
+
+
+def compile_all(grammar: xgr.Grammar) -> None:  # a signature's annotation: evaluated at def time
+    pass
+'''
+
+
+def test_lazy_modules_used_at_import_time_are_found_and_deferral_removes_them(tmp_path):
+    """On an H200 ``import vllm.v1.structured_output`` failed with "No module named 'llguidance'": a
+    class-body annotation names a LazyLoader-bound module, which Python evaluates at import. The scan
+    now counts such uses as unguarded imports (function bodies and TYPE_CHECKING stay out), and
+    ``from __future__ import annotations`` removes them where annotations are the only use."""
+    import ast
+
+    import gpu_lazy
+
+    pkg = tmp_path / "tree" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    mod = pkg / "backend.py"
+    mod.write_text(LAZY_MODULE)
+    assert gpu_lazy.eager_lazy_modules(ast.parse(LAZY_MODULE)) == {"llguidance": True, "xgrammar": True}
+    imported = {base for base, _, guard in gi.module_imports(mod, "vllm.backend", False) if not guard}
+    assert {"llguidance", "xgrammar"} <= imported and "outlines_core" not in imported
+    real_use = LAZY_MODULE + "\nDEFAULT = xgr.Grammar.builtin()\n"  # evaluated, not an annotation
+    assert gpu_lazy.eager_lazy_modules(ast.parse(real_use)) == {"llguidance": True, "xgrammar": False}
+
+    assert gpu_lazy.defer_annotations(mod) and not gpu_lazy.defer_annotations(mod)
+    text = mod.read_text()
+    assert text.splitlines()[1].startswith("from __future__ import annotations")  # after the docstring
+    assert gpu_lazy.eager_lazy_modules(ast.parse(text)) == {}
+    assert "llguidance" not in {b for b, _, g in gi.module_imports(mod, "vllm.backend", False) if not g}
+
+    listing = tmp_path / "defer.txt"
+    (pkg / "other.py").write_text(real_use)
+    for rel, says in [
+        ("vllm/absent.py", "not in the staged tree"),
+        ("vllm/backend.py", "already defers"),
+        ("vllm/other.py", "beyond annotations"),
+    ]:
+        listing.write_text(f"# comment\n{rel}  # why\n")
+        with pytest.raises(SystemExit, match=says):
+            gb._defer_checked(tmp_path / "tree", listing)
+    fresh = tmp_path / "tree2" / "vllm"
+    fresh.mkdir(parents=True)
+    (fresh / "backend.py").write_text(LAZY_MODULE)
+    listing.write_text("vllm/backend.py\n")
+    assert gb._defer_checked(tmp_path / "tree2", listing) == ["vllm/backend.py"]
+    compile((fresh / "backend.py").read_text(), "backend.py", "exec")  # still valid Python
+
+
+def test_the_defer_list_names_only_what_the_vllm_wheel_needs_deferred():
+    """Each listed module exists in the vLLM wheel (when it is here) and uses lazy modules only in
+    annotations; the build applies the list before its scan, which then must find the tree closed."""
+    import ast
+
+    import gpu_lazy
+
+    listed = gb.read_list(SCRIPTS / "gpu_vllm_defer_annotations.txt")
+    assert listed and all(p.startswith("vllm/") and p.endswith(".py") for p in listed)
+    wheels = sorted((ROOT / ".gpu-vllm-build" / "wheels").glob("vllm-*.whl"))
+    if not wheels:
+        pytest.skip("no vLLM wheel here (scripts/fetch_gpu_wheels.sh --vllm downloads it)")
+    with zipfile.ZipFile(wheels[-1]) as zf:
+        for rel in listed:
+            uses = gpu_lazy.eager_lazy_modules(ast.parse(zf.read(rel)))
+            assert uses and all(uses.values()), (rel, uses)
+
+
+def test_the_kit_turns_off_the_sampler_that_needs_flashinfer():
+    """The bundle leaves FlashInfer out; vLLM's sampler imports it at engine start unless
+    VLLM_USE_FLASHINFER_SAMPLER=0 (the engine failed to start on an H200 without it). The kit sets it,
+    and the vLLM wheel (when it is here) still reads that switch before the import."""
+    assert (
+        "export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}"
+        in (SCRIPTS / "gpu_check.sh").read_text()
+    )
+    wheels = sorted((ROOT / ".gpu-vllm-build" / "wheels").glob("vllm-*.whl"))
+    if not wheels:
+        pytest.skip("no vLLM wheel here (scripts/fetch_gpu_wheels.sh --vllm downloads it)")
+    with zipfile.ZipFile(wheels[-1]) as zf:
+        src = zf.read("vllm/v1/sample/ops/topk_topp_sampler.py").decode()
+    switch, needs = (
+        src.find("if not envs.VLLM_USE_FLASHINFER_SAMPLER:"),
+        src.find("backends.flashinfer import"),
+    )
+    assert 0 < switch < needs, "vLLM's sampler no longer checks the switch before importing FlashInfer"
