@@ -144,8 +144,18 @@ def _run_arm(arm: str, model_dir: Path, store: Path, argv: list[str]) -> dict[st
                 **json.loads(line[len("RESULT ") :]),
                 "reported": vllm_reported(proc.stdout + proc.stderr),
             }
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-    return {"arm": arm, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    return {"arm": arm, "error": f"exit {proc.returncode}: {root_cause(proc.stderr or proc.stdout)}"}
+
+
+def root_cause(log: str) -> str:
+    """The first exception line of a failed child, and the last: vLLM's engine core fails in its own
+    process, and the parent's last lines only say "Engine core initialization failed"."""
+    errors = [
+        ln.strip() for ln in log.splitlines() if re.search(r"(?:^|[\s)])[\w.]*(?:Error|Exception): ", ln)
+    ]
+    if not errors:
+        return " | ".join(log.strip().splitlines()[-5:])
+    return errors[0] if len(errors) == 1 else f"{errors[0]} ... {errors[-1]}"
 
 
 def tiny_model_sizes(name: str) -> dict[str, Any]:
@@ -174,7 +184,7 @@ def report(results: dict[str, Any]) -> str:
         rates = {a: r.get("tokens_per_s") for a, r in arms.items()}
         for arm, r in arms.items():
             if "error" in r:
-                lines.append(f"| {model} | {arm} | failed: {r['error'][:160]} | | | | | |")
+                lines.append(f"| {model} | {arm} | failed: {r['error'][:300]} | | | | | |")
                 continue
             ratio = (
                 f"{rates['nvfp4'] / rates['bf16']:.2f}x"

@@ -101,3 +101,22 @@ def test_benchmarks_md_is_what_the_sections_assemble_to():
         "BENCHMARKS.md differs from benchmarks/results/*.md: edit the section there, then run "
         "`python -m benchmarks.collect`"
     )
+
+
+def test_bench_vllm_names_the_root_cause_of_a_failed_engine():
+    """vLLM's engine core fails in its own process; the parent's last lines only say "Engine core
+    initialization failed" (what an H200 run reported, hiding a missing module)."""
+    from benchmarks.bench_vllm import root_cause
+
+    log = (
+        "(EngineCore pid=7) Traceback (most recent call last):\n"
+        '(EngineCore pid=7)   File "sampler.py", line 44, in flashinfer_sampler_supported\n'
+        "(EngineCore pid=7) ModuleNotFoundError: No module named 'flashinfer'\n"
+        "Traceback (most recent call last):\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    assert root_cause(log) == (
+        "(EngineCore pid=7) ModuleNotFoundError: No module named 'flashinfer' ... "
+        "RuntimeError: Engine core initialization failed. See root cause above."
+    )
+    assert root_cause("line 1\nkilled\n") == "line 1 | killed"
