@@ -246,10 +246,15 @@ else
 fi
 
 # 2b. the extracted vLLM bundle goes on sys.path after the image's site-packages
+VLLM_IMPORTS=""
 if [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* ]]; then
   if ! "$PY" -c "import torch, vllm, sys; sys.exit('.gpu-vllm-site' in torch.__file__ or '.gpu-vllm-site' not in vllm.__file__)" 2>>"$LOG"; then
     say "vLLM from .gpu-vllm-site is not importable next to the image's torch (see $LOG)"
   fi
+  # every root of the bundle's import scan, each on its own: all the modules the scan missed show in
+  # this call, not only the first one an engine start hits
+  VLLM_IMPORTS=$("$PY" scripts/gpu_import_roots.py scripts/gpu_vllm_roots.txt 2>>"$LOG")
+  say "vLLM $VLLM_IMPORTS"
 fi
 
 # 3. environment
@@ -437,6 +442,7 @@ for p in "${PARTS[@]}"; do [[ "$p" == *"|cut off"* || "$p" == *"|not started"* ]
   echo
   echo "vLLM: $VLLM_STATE"
   echo
+  [[ -n "$VLLM_IMPORTS" ]] && { echo '```'; echo "$VLLM_IMPORTS"; echo '```'; echo; }
   echo '```'
   echo "$TEST_SUMMARY"
   echo '```'

@@ -680,3 +680,36 @@ def test_the_kit_turns_off_the_sampler_that_needs_flashinfer():
         src.find("backends.flashinfer import"),
     )
     assert 0 < switch < needs, "vLLM's sampler no longer checks the switch before importing FlashInfer"
+
+
+def test_the_root_import_check_names_every_failing_root(tmp_path):
+    """After extracting the bundle the kit imports each root of the scan on its own
+    (scripts/gpu_import_roots.py), so one call shows every module the scan missed (on the first H200
+    run each missing module cost a try)."""
+    pkg = tmp_path / "site" / "fake"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "good.py").write_text("import json\n")
+    (pkg / "absent.py").write_text("import not_a_real_package_xyz\n")
+    (pkg / "annotated.py").write_text("class A:\n    x: undefined_name.Thing\n")
+    roots = tmp_path / "roots.txt"
+    roots.write_text("# roots\nfake.good\nfake.absent  # needs a package\nfake.annotated\nfake.nothing\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "gpu_import_roots.py"), str(roots)],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("imports: 1 of 4 roots import")
+    assert lines[1:] == [
+        "  fake.absent: ModuleNotFoundError: No module named 'not_a_real_package_xyz'",
+        "  fake.annotated: NameError: name 'undefined_name' is not defined",
+        "  fake.nothing: ModuleNotFoundError: No module named 'fake.nothing'",
+    ]
+    roots.write_text("fake.good\n")
+    ok = subprocess.run(
+        [sys.executable, str(SCRIPTS / "gpu_import_roots.py"), str(roots)],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert ok.returncode == 0 and ok.stdout.startswith("imports: 1 of 1 roots import")
