@@ -72,9 +72,12 @@ def _import_time_exprs(stmts: list[ast.stmt], deferred: bool) -> list[tuple[ast.
             ]
             out += _import_time_exprs(node.body, deferred)
         elif isinstance(node, ast.If):
-            if "TYPE_CHECKING" not in ast.unparse(node.test):
-                out += [(node.test, False)] + _import_time_exprs(node.body, deferred)
-            out += _import_time_exprs(node.orelse, deferred)
+            test = ast.unparse(node.test)
+            checking = test in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+            negated = test in ("not TYPE_CHECKING", "not typing.TYPE_CHECKING")
+            out += [] if checking or negated else [(node.test, False)]
+            out += [] if checking else _import_time_exprs(node.body, deferred)
+            out += [] if negated else _import_time_exprs(node.orelse, deferred)
         elif isinstance(node, ast.Try):
             for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
                 out += _import_time_exprs(block, deferred)
