@@ -20,7 +20,8 @@ truncates where CUDA rounds to nearest even); the final cast then only drops zer
 division is ``tl.math.div_rn`` (IEEE round-to-nearest), not ``/``: Triton lowers ``/`` on NVIDIA GPUs to
 ``div.full.f32`` / ``div.approx.f32`` (up to 2 ulp off, triton-lang/triton#10661), which moves quotients
 across the FP4 tie boundaries; the interpreter divides exactly either way, so only the compiled PTX
-shows it (tests/test_gpu.py checks the PTX on a CPU).
+shows it (tests/test_gpu.py checks the PTX on a CPU). Signs go on by an integer OR of the sign bit,
+never a float negation: compiled, ``tl.where(code & 8, -v, v)`` decoded code 8 to +0.0 on an H200.
 """
 
 # ruff: noqa: ANN001 - @triton.jit arguments are pointers and scalars typed by Triton, not Python
