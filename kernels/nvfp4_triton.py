@@ -21,7 +21,8 @@ division is ``tl.math.div_rn`` (IEEE round-to-nearest), not ``/``: Triton lowers
 ``div.full.f32`` / ``div.approx.f32`` (up to 2 ulp off, triton-lang/triton#10661), which moves quotients
 across the FP4 tie boundaries; the interpreter divides exactly either way, so only the compiled PTX
 shows it (tests/test_gpu.py checks the PTX on a CPU). Signs go on by an integer OR of the sign bit,
-never a float negation: compiled, ``tl.where(code & 8, -v, v)`` decoded code 8 to +0.0 on an H200.
+never a float negation: compiled for the GPU, ``tl.where(code & 8, -v, v)`` decodes code 8 to +0.0
+(measured on an H200), where the interpreter and the library give -0.0.
 """
 
 # ruff: noqa: ANN001 - @triton.jit arguments are pointers and scalars typed by Triton, not Python
@@ -41,8 +42,8 @@ _BLOCK = 64
 @triton.jit
 def _signed(mag, negative):
     """``mag`` (>= +0.0) with its sign bit set where ``negative``, by an integer OR, so that zero keeps
-    its sign. The float forms (``-x``, a select between ``x`` and ``-x``) decoded code 8 to +0.0 on an
-    H200, where the interpreter gives -0.0 (the GPU kit's truth table)."""
+    its sign: compiled for the GPU, the float forms (``-x``, a select between ``x`` and ``-x``) give
+    +0.0 for code 8 where the interpreter gives -0.0."""
     sign = tl.where(negative, -2147483648, 0)
     return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 

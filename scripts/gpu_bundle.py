@@ -8,8 +8,9 @@ Subcommands:
   build     what `fetch_gpu_wheels.sh --vllm` runs: unwheel the pinned wheels, drop the globs of the
             drop list (failing on a pattern that matches nothing: a changed vLLM), defer the
             annotations of the listed modules (gpu_lazy.py: lazily loaded packages they name only
-            in annotations stay out), check with the import scan that the staged tree is closed (nothing needed that neither it nor the image
-            holds), and pack it, recording wheels, dropped files and the scan in the manifest.
+            in annotations stay out), check with the import scan that the staged tree is closed
+            (nothing needed that neither it nor the image holds), and pack it, recording wheels,
+            dropped files, deferred modules and the scan in the manifest.
   unwheel   unpack wheels into a staging folder the way an installer lays them out (purelib/platlib
             data folders merged, scripts and headers left out), with their .dist-info.
   drop      delete files matching globs (one per line in a file, `#` comments) from a staged tree.

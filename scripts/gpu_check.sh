@@ -47,8 +47,8 @@
 # went back between calls (the chunks staged so far are listed each time), start again at call 1.
 #
 # The sequence for a 15-minute lease (device time counts from the start, ~1-2 min, to the give-back;
-# make each call the moment the last returns (calls 1 and 2 in one message: reading a log between
-# them let the machine go back, and the staged chunk with it), and give the machine back after the last):
+# make each call the moment the last returns, calls 1 and 2 in one message: a pause over ~30 s gives
+# the machine back, and the staged chunk with it; give the machine back after the last call):
 #   call 1  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"], timeout_s 120
 #           `bash scripts/gpu_check.sh --stage-only`            stages part-01, names part-02 missing
 #   call 2  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-02"], timeout_s 390
@@ -181,9 +181,9 @@ export OUT  # the vLLM tests write vllm-gap.json there
 # use in a process, and the determinism test runs after other CUDA tests in the same pytest process
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 # the vLLM bundle leaves FlashInfer out (scripts/gpu_vllm_requirements.txt), and vLLM's sampler imports
-# it at engine start unless told not to (vllm/v1/sample/ops/topk_topp_sampler.py): on an H200 the
-# engine failed to start with "No module named 'flashinfer'". With it off, vLLM's own PyTorch top-k/top-p
-# sampling runs (qerl's defaults, top_p 1 and top_k -1, use neither).
+# it at engine start unless told not to (vllm/v1/sample/ops/topk_topp_sampler.py), so the engine would
+# not start ("No module named 'flashinfer'"). With it off, vLLM's own PyTorch top-k/top-p sampling
+# runs (qerl's defaults, top_p 1 and top_k -1, use neither).
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 if ((STAGE_ONLY)); then
   # what the machine is, for the call's output (seconds; the next call does the rest)

@@ -3,8 +3,8 @@
 
 The GPU kit runs this right after it extracts the vLLM bundle (seconds). The static scan
 (gpu_imports.py) cannot see every import a module runs when imported, and an engine start stops at
-the first one it misses: on the first H200 run that cost a try per missing module. Importing each
-root on its own, failures caught, shows every one in a single call. Standard library only.
+the first one it misses, so each missing module would cost a lease's try. Importing each root on its
+own, failures caught, shows every one in a single call. Standard library only.
 
 Usage: gpu_import_roots.py ROOTS_FILE    (one module a line, `#` comments; exit 1 if any fails)
 """
@@ -17,11 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-
-def read_roots(path: Path) -> list[str]:
-    """Module names, one a line, with `#` comments and blanks removed."""
-    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
-    return [line for line in lines if line]
+from gpu_bundle import read_list
 
 
 def import_each(roots: list[str]) -> dict[str, str]:
@@ -42,7 +38,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    roots = read_roots(Path(argv[0]))
+    roots = read_list(Path(argv[0]))
     t0 = time.perf_counter()
     result = import_each(roots)
     failed = {k: v for k, v in result.items() if v}

@@ -13,10 +13,10 @@ absent: a file the drop list removed that is still needed shows up here.
 Each external name is classed: "needed" (an unguarded import in a module that unguarded imports
 reach), "conditional" (under a module-level `if`, or only in modules reached through one: the scan
 reports the condition, a person decides), "optional" (only inside `try` blocks that catch
-ImportError). A module bound lazily (vLLM's ``LazyLoader``) counts as imported where the module uses it
-at import time, in an annotation that Python evaluates, say (scripts/gpu_lazy.py). A static scan
-cannot see `importlib.import_module(name)` with a computed name; the GPU
-kit's first vLLM import on the machine is the check that it missed nothing.
+ImportError). A module bound lazily (vLLM's ``LazyLoader``) counts as imported where the module uses
+it at import time, in an annotation that Python evaluates, say (scripts/gpu_lazy.py). A static scan
+cannot see `importlib.import_module(name)` with a computed name; the GPU kit's import of every root
+on the machine (scripts/gpu_import_roots.py) is the check that it missed nothing.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ statements only sees no need for them. But Python 3.12 evaluates some expression
 imported: class-body and module-level annotations and function signatures' annotations (unless the
 module has ``from __future__ import annotations``), decorators, base classes, default values and
 module-level statements. ``ll_matcher: llguidance.LLMatcher`` in a class body then loads llguidance
-at ``import vllm.v1.structured_output``, which the offline engine imports unconditionally. This
-failed on an H200 (``No module named 'llguidance'``): the scan had not seen it.
+at ``import vllm.v1.structured_output``, which the offline engine imports unconditionally, so an
+import scan that misses it sends a bundle that fails on the GPU (``No module named 'llguidance'``).
 
 ``eager_lazy_modules`` finds such uses, so the scan counts them as unguarded imports. Where every use
 is an annotation, ``defer_annotations`` adds ``from __future__ import annotations`` to the module

@@ -14,8 +14,8 @@ settings after (the same process may serve rollouts, which need none of it):
 - ``torch.use_deterministic_algorithms(True)``, not ``warn_only``: the deterministic variant of every
   op that has one, and an error naming any op on the path that has none. ``warn_only=True`` is not a
   milder form of the same: the fused attention backwards (flash, memory-efficient, cuDNN) check it
-  and keep their non-deterministic algorithm, only warning. On an H200 that gave different bytes for
-  two identical GRPO steps (the GPU kit's check, two steps at realistic lengths);
+  and keep their non-deterministic algorithm, only warning, so two identical GRPO steps give
+  different bytes (the GPU kit's check, two steps at realistic lengths);
 - cuDNN deterministic, no autotuning (``benchmark`` picks by timing, which can differ run to run);
 - cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG`` (``:4096:8``) in the environment before its first call in
   the process: ``prepare_process`` sets it unless the user set one (the CLI calls it at start-up;
