@@ -47,6 +47,20 @@ CUDA = torch.cuda.is_available()
 SIZES = {"hidden_size": 512, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 1024, "num_layers": 2}
 PROMPTS = ["1 + 2 =", "What is 7 - 3?", "Name a colour.", "Count to five:"]
 DIGEST = "ab" * 32  # the adapter's version (any 64 hex digits)
+# the engine's RolloutConfig (scripts/gpu_replica_check.py starts the same one on the CPU replica)
+ENGINE = dict(
+    engine="vllm",
+    temperature=1.0,
+    max_new_tokens=16,
+    max_model_len=256,
+    dtype="bfloat16",
+    enable_lora=True,
+    max_lora_rank=8,
+    enforce_eager=False,  # CUDA graphs (and torch.compile) on, as in a run
+    in_process=True,  # the worker lives here: collective_rpc can take a function
+    gpu_memory_utilization=0.3,
+    max_num_seqs=16,
+)
 
 # The sampler/trainer gap bound (per token, nats). Both sides hold the same NVFP4 weights and the same
 # LoRA; they differ in bf16 activation rounding (2^-8 relative), accumulation order (Marlin vs our
@@ -111,20 +125,7 @@ def engine(marlin_base):
     from qerl.pipeline.rollout.config import RolloutConfig
     from qerl.pipeline.rollout.factory import build_engine
 
-    cfg = RolloutConfig(
-        engine="vllm",
-        temperature=1.0,
-        max_new_tokens=16,
-        max_model_len=256,
-        dtype="bfloat16",
-        enable_lora=True,
-        max_lora_rank=8,
-        enforce_eager=False,  # CUDA graphs (and torch.compile) on, as in a run
-        in_process=True,  # the worker lives here: collective_rpc can take a function
-        gpu_memory_utilization=0.3,
-        max_num_seqs=16,
-    )
-    eng = build_engine(cfg, marlin_base, None)
+    eng = build_engine(RolloutConfig(**ENGINE), marlin_base, None)
     yield eng
     eng.close()
 

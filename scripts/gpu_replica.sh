@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# A pre-flight for a GPU lease, on this CPU machine: build the CPU replica of the GPU image in
+# .gpu-replica/ (git-ignored) and run scripts/gpu_replica_check.py in it (what it checks, and where it
+# stops: its docstring). A lease's try costs minutes of a 15-minute budget; whatever fails here before
+# the GPU is needed would fail there too.
+#
+# The replica: a Python 3.12 venv with the image's torch 2.11.0+cu130 and the image's packages that
+# vLLM and qerl read (scripts/gpu_replica_requirements.txt), less anything pip pulled in that the image
+# lacks (scripts/gpu_image_packages.txt); the vLLM bundle (.gpu-vllm, from
+# `scripts/fetch_gpu_wheels.sh --vllm`) staged and extracted by scripts/gpu_bundle.py as the kit does,
+# appended after site-packages (a .pth file, where the kit uses its sitecustomize); a libcuda.so.1 built
+# here whose every entry point answers "no device" (scripts/gpu_stub_driver.py); and
+# scripts/gpu_replica_platform.py installed as two vLLM plugins (an H200's capability 9.0; a stop at
+# the worker's init_device, where the GPU is first needed).
+#
+# Usage: bash scripts/gpu_replica.sh [--python PATH] [--rebuild] [--build-only]
+#   --python PATH   a Python 3.12 (default: python3.12 on PATH, else pyenv's newest 3.12)
+#   --rebuild       build the venv anew (else only the bundle, the stub and the plugin are refreshed)
+#   --build-only    build, do not check
+# Costs: ~5.5 GB of disk (torch's CUDA libraries), ~1.5 min to install from a near registry, the
+# check ~1.5 min. Output: the findings on the console; vLLM's log in .gpu-replica/check.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+REP=$ROOT/.gpu-replica
+PY312=""
+REBUILD=0
+BUILD_ONLY=0
+while (($#)); do
+  case $1 in
+    --python) PY312=$2; shift 2 ;;
+    --rebuild) REBUILD=1; shift ;;
+    --build-only) BUILD_ONLY=1; shift ;;
+    -h | --help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_replica: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+say() { echo "[gpu_replica] $*" >&2; }
+
+if [[ ! -f .gpu-vllm/manifest.json ]]; then
+  say "no vLLM bundle in .gpu-vllm: build it first with 'bash scripts/fetch_gpu_wheels.sh --vllm'"
+  exit 1
+fi
+PY=$REP/bin/python
+is_312() { [[ -n "$1" ]] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; }
+if ((REBUILD)) || [[ ! -x "$PY" ]]; then
+  if [[ -z "$PY312" ]]; then  # python3.12 on PATH (a pyenv shim may not answer), else pyenv's newest 3.12
+    for cand in "$(command -v python3.12 2>/dev/null)" \
+      $(command -v pyenv >/dev/null && ls -d "$(pyenv root)"/versions/3.12*/bin/python3.12 2>/dev/null | sort -rV); do
+      if is_312 "$cand"; then PY312=$cand; break; fi
+    done
+  fi
+  if ! is_312 "$PY312"; then
+    say "no Python 3.12 found (the GPU image's): give one with --python PATH"
+    exit 1
+  fi
+  rm -rf "$REP"
+  say "venv from $PY312 ($("$PY312" --version)); installing the image's packages (~5.5 GB)"
+  "$PY312" -m venv "$REP"
+  if ! "$PY" -m pip install --disable-pip-version-check -r scripts/gpu_replica_requirements.txt >"$REP/build.log" 2>&1; then
+    tail -5 "$REP/build.log" >&2
+    say "pip could not install the image's packages (the whole output: $REP/build.log)"
+    exit 1
+  fi
+  # no more than the image: what pip pulled in beyond its list goes (names normalised as pip's)
+  EXTRA=$("$PY" -I - <<'PYEOF'
+import sys
+from importlib.metadata import distributions
+
+sys.path.insert(0, "scripts")
+from gpu_imports import image_packages, norm
+
+print(" ".join(sorted({norm(d.metadata["Name"]) for d in distributions()} - image_packages() - {"pip"})))
+PYEOF
+  )
+  if [[ -n "$EXTRA" ]]; then
+    say "removing what the image lacks: $EXTRA"
+    # shellcheck disable=SC2086
+    "$PY" -m pip uninstall --yes $EXTRA >>"$REP/build.log" 2>&1
+  fi
+fi
+SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+# the vLLM bundle, as the kit stages it (a chunk at a time, then one archive with its sha256 checked)
+SHA=$("$PY" -c 'import json; print(json.load(open(".gpu-vllm/manifest.json"))["archive"]["sha256"])')
+if [[ "$(cat "$REP/vllm-site/.bundle-sha256" 2>/dev/null)" != "$SHA" ]]; then
+  rm -rf "$REP/vllm-carried" "$REP/vllm-chunks" "$REP/vllm-site"
+  # staging moves what a call carried: it gets links to .gpu-vllm's chunks (a copy across file systems)
+  cp -al .gpu-vllm "$REP/vllm-carried" 2>/dev/null || cp -a .gpu-vllm "$REP/vllm-carried"
+  "$PY" scripts/gpu_bundle.py stage --from "$REP/vllm-carried" --to "$REP/vllm-chunks" >&2
+  "$PY" scripts/gpu_bundle.py unpack --dir "$REP/vllm-chunks" --dest "$REP/vllm-site" >&2
+  rm -rf "$REP/vllm-carried" "$REP/vllm-chunks"
+fi
+echo "$REP/vllm-site" >"$SITE/zz-qerl-vllm-bundle.pth"  # after site-packages: the image's torch wins
+
+# the stub driver, for the driver entry points the bundle's extensions link
+"$PY" scripts/gpu_stub_driver.py --site "$REP/vllm-site" --out "$REP/driver" >&2
+
+# the plugins (the platform, the stop at the GPU): every process vLLM starts finds them by their entry points
+cp scripts/gpu_replica_platform.py "$SITE/qerl_replica_platform.py"
+mkdir -p "$SITE/qerl_replica_platform-0.dist-info"
+printf 'Metadata-Version: 2.1\nName: qerl-replica-platform\nVersion: 0\n' >"$SITE/qerl_replica_platform-0.dist-info/METADATA"
+printf '%s\n' '[vllm.platform_plugins]' 'replica_h200 = qerl_replica_platform:activate' '' \
+  '[vllm.general_plugins]' 'replica_stop_at_device = qerl_replica_platform:stop_at_device' \
+  >"$SITE/qerl_replica_platform-0.dist-info/entry_points.txt"
+printf 'qerl_replica_platform.py,,\n' >"$SITE/qerl_replica_platform-0.dist-info/RECORD"
+say "replica ready: $PY ($(du -sh "$REP" | cut -f1))"
+((BUILD_ONLY)) && exit 0
+
+# CUDA_VISIBLE_DEVICES="": vLLM then keeps Triton with no active driver (as it would with one) and so
+# picks the model runner the H200 gets. The sampler switch is the kit's (scripts/gpu_check.sh).
+say "checking (vLLM's log: $REP/check.log)"
+set +e
+LD_LIBRARY_PATH="$REP/driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_VISIBLE_DEVICES="" \
+  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 PYTHONPATH="$ROOT" \
+  "$PY" scripts/gpu_replica_check.py --report "$REP/report.txt" >"$REP/check.log" 2>&1
+RC=$?
+set -e
+if [[ -f "$REP/report.txt" ]]; then cat "$REP/report.txt"; else tail -20 "$REP/check.log"; fi
+exit $RC

@@ -1,0 +1,369 @@
+#!/usr/bin/env python3
+"""Before a GPU lease: vLLM 0.26's CUDA code paths with qerl's engine, as far as they go without a GPU.
+
+It runs in the CPU replica of the GPU image that ``scripts/gpu_replica.sh`` builds in ``.gpu-replica``:
+Python 3.12, the image's torch 2.11.0+cu130 and the image's packages that vLLM and qerl read, the vLLM
+bundle appended after them as the kit appends it, a ``libcuda.so.1`` whose every entry point answers
+"no device" (``scripts/gpu_stub_driver.py``), and the vLLM plugins of ``scripts/gpu_replica_platform.py``
+(an H200's capability 9.0; a stop at the worker's ``init_device``). Each check stops where a GPU is
+first needed: whatever fails before that point fails on the lease too, where a try costs minutes of
+a 15-minute budget, while here it costs seconds.
+
+1. imports: every root of the bundle's import scan imports under vLLM's CUDA platform.
+2. scheme: vLLM reads the quantize stage's checkpoint (the kit test's Marlin-sized Qwen2) and gives
+   every linear layer the W4A16 FP4 scheme on the Marlin kernel, and ``lm_head`` none.
+3. engine: qerl's vLLM engine, built by ``build_engine`` with the kit test's config (CUDA graphs,
+   LoRA, in-process) and with ``bench_vllm``'s for both its arms, passes vLLM's argument parsing,
+   config validation, model inspection and worker-extension injection and reaches the worker's
+   ``init_device``, the first call that needs the GPU, in-process and in vLLM's engine-core process.
+   It reports the model runner vLLM chose and the CUDA graph mode.
+4. requests: qerl's ``generate`` (group prefill, logprobs, a LoRA adapter) runs against an ``LLM``
+   stand-in that binds every call to vLLM 0.26's own ``LLM`` signatures and answers with vLLM's own
+   output classes, so the SamplingParams, TokensPrompt and LoRARequest qerl builds go through vLLM's
+   validation and the output fields it reads exist.
+5. model: vLLM builds the checkpoint's model on the meta device (its scheme objects included); the
+   AQN worker extension names an FP4 scheme, finds the norms the HF side noises, writes clean + the
+   same noise into them (made real on the CPU) in the model's dtype under compiled graphs, and sigma 0
+   restores them bit for bit.
+
+Not checked (a GPU is needed): weight loading and Marlin's repacking, CUDA graph capture, the
+sampler, anything the kit's ``tests/test_gpu_vllm.py`` measures.
+
+Usage: bash scripts/gpu_replica.sh (builds the replica, then runs this with its environment)
+       .gpu-replica/bin/python scripts/gpu_replica_check.py [--work DIR] [--report FILE]  (exit 1: findings)
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import re
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+log = logging.getLogger("gpu_replica_check")
+REPORT: list[Path] = []  # --report: the lines for people also go there (vLLM's log goes to stdout)
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+    for path in REPORT:
+        with path.open("a") as f:
+            f.write(line + "\n")
+
+
+def check_imports() -> list[str]:
+    from gpu_bundle import read_list
+    from gpu_import_roots import import_each
+
+    failed = import_each(read_list(ROOT / "scripts" / "gpu_vllm_roots.txt"))
+    return [f"import {name}: {err}" for name, err in failed.items() if err]
+
+
+def check_scheme(model_dir: Path) -> list[str]:
+    import json
+
+    import torch
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    qcfg = CompressedTensorsConfig.from_config(
+        json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    )
+    qcfg.packed_modules_mapping = dict(Qwen2ForCausalLM.packed_modules_mapping)  # as vLLM's loader sets it
+    findings = []
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "lm_head"):
+        layer = name if name == "lm_head" else f"model.layers.0.{name}"
+        scheme = qcfg.get_scheme(torch.nn.Linear(1, 1), layer_name=layer)
+        got = (
+            type(scheme).__name__,
+            getattr(scheme, "use_a16", None),
+            type(getattr(scheme, "kernel", None)).__name__,
+        )
+        want = (
+            ("NoneType", None, "NoneType")
+            if name == "lm_head"
+            else ("CompressedTensorsW4A4Fp4", True, "MarlinNvFp4LinearKernel")
+        )
+        say(f"  scheme {layer}: {got[0]} use_a16={got[1]} kernel={got[2]}")
+        if got != want:
+            findings.append(f"scheme for {layer}: {got}, expected {want}")
+    return findings
+
+
+def pretend_cuda() -> None:
+    """qerl plans the CUDA mode (vllm-nvfp4-marlin) in this process; vLLM stops at the GPU by itself
+    (the replica's general plugin, scripts/gpu_replica_platform.py)."""
+    import qerl.pipeline.rollout.vllm_engine as vllm_engine
+    from qerl.pipeline.runtime import device
+
+    device.cuda_available = lambda: True
+    vllm_engine.cuda_available = lambda: True
+
+
+def check_engine(label: str, cfg: Any, quantized: Any, work: Path) -> list[str]:
+    """Build qerl's engine for ``cfg``: it must stop at the worker's ``init_device`` and nowhere else."""
+    import json
+    import os
+
+    from qerl.pipeline.rollout.factory import build_engine
+
+    slug = re.sub(r"\W+", "-", label)
+    reached = work / f"reached-{slug}.json"
+    reached.unlink(missing_ok=True)
+    os.environ["QERL_REPLICA_REACHED"] = str(reached)
+    try:
+        build_engine(cfg, quantized, None).close()
+        error = "started (the replica has no GPU: its plugins are not loaded)"
+    except BaseException as exc:  # noqa: BLE001 - whatever stops the start before the GPU is the finding
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        error = _error(exc)
+    if reached.exists():
+        say(f"  engine {label}: reached init_device: {json.loads(reached.read_text())}")
+        return []
+    return [f"engine {label} stopped before the GPU: {error}"]
+
+
+class RecordingLLM:
+    """Binds each call to vLLM's own ``LLM`` signature; answers ``generate`` with vLLM's output classes."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def _bind(self, name: str, *args: Any, **kwargs: Any) -> None:
+        from vllm import LLM
+
+        inspect.signature(getattr(LLM, name)).bind(None, *args, **kwargs)  # TypeError names the argument
+        self.calls.append(name)
+
+    def generate(self, prompts: Any, params: Any, **kwargs: Any) -> list[Any]:
+        from vllm import SamplingParams
+        from vllm.logprobs import Logprob
+        from vllm.lora.request import LoRARequest
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        self._bind("generate", prompts, params, **kwargs)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        assert all(isinstance(p, SamplingParams) for p in plist), plist
+        assert kwargs.get("lora_request") is None or isinstance(kwargs["lora_request"], LoRARequest)
+        outputs = []
+        for k, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            ids = list(range(3, 3 + min(p.max_tokens, 4)))
+            logprobs = [{t: Logprob(logprob=-0.5)} for t in ids] if p.logprobs is not None else None
+            done = CompletionOutput(
+                index=0,
+                text="",
+                token_ids=ids,
+                cumulative_logprob=None,
+                logprobs=logprobs,
+                finish_reason="length",
+            )
+            outputs.append(
+                RequestOutput(
+                    str(k), None, prompt["prompt_token_ids"], None, [done], True, num_cached_tokens=0
+                )
+            )
+        return outputs
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        self._bind("reset_prefix_cache", *args, **kwargs)
+        return True
+
+    def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        self._bind("collective_rpc", method, *args, **kwargs)
+        return []
+
+
+def check_requests(cfg: Any, model_dir: Path, adapter: Path) -> list[str]:
+    from qerl.pipeline.rollout.protocol import SamplingSpec
+    from qerl.pipeline.rollout.vllm_engine import VLLMEngine, logprobs_mode_for
+    from transformers import AutoTokenizer
+
+    eng = object.__new__(VLLMEngine)  # no engine start: the requests only
+    eng.cfg, eng.mode, eng.model_dir = cfg, "vllm-nvfp4-marlin", model_dir
+    eng.logprobs_mode = logprobs_mode_for(cfg.sampling())
+    eng.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eng.block_size, eng.last_prefix_stats, eng._lora_ids, eng._lora = 2, {}, {}, None
+    eng.llm = RecordingLLM()
+    try:
+        eng.set_adapter(adapter, "ab" * 32)
+        rows = eng.generate(
+            ["1 + 2 =", "Count to five:"], 2, SamplingSpec(temperature=1.0, max_new_tokens=4), seed=0
+        )
+        eng.set_adapter(None, None)
+    except BaseException as exc:  # noqa: BLE001
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return [f"requests: {_error(exc)}"]
+    got = [len(c.logprobs) for row in rows for c in row]
+    say(
+        f"  requests: {len(eng.llm.calls)} LLM calls bound to vLLM's signatures ({', '.join(sorted(set(eng.llm.calls)))}); logprobs per completion {got}"
+    )
+    return [] if got == [4, 4, 4, 4] else [f"requests: completions {got}, expected 4 logprobs each"]
+
+
+def check_model(model_dir: Path, work: Path) -> list[str]:
+    """vLLM 0.26 builds the checkpoint's model (meta device, as its loader would before the weights);
+    the AQN worker extension finds the norms the HF side noises, names an FP4 scheme, and writes
+    clean + the same noise into them (the layer norms made real on the CPU), and sigma 0 restores them."""
+    import torch
+    from qerl.pipeline.rollout.aqn import layer_noise, noise_targets
+    from qerl.pipeline.rollout.aqn_vllm import AQNWorkerExtension
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    cfg = EngineArgs(model=str(model_dir), dtype="bfloat16", max_model_len=256).create_engine_config()
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(1, 0, f"file://{work / 'dist-init'}", 0, "gloo")
+        initialize_model_parallel(1, 1)
+        with torch.device("meta"):
+            model = initialize_model(vllm_config=cfg, prefix="")
+
+    class Worker(AQNWorkerExtension):  # what vLLM's worker gives the extension
+        vllm_config = cfg
+
+        def get_model(self) -> torch.nn.Module:
+            return model
+
+    worker, findings = Worker(), []
+    schemes = worker.qerl_describe_quant()
+    if not any("Fp4" in s for s in schemes):
+        findings.append(f"model: no FP4 scheme among {schemes} (the engine would refuse vllm-nvfp4-marlin)")
+    targets = worker._qerl_norm_modules()
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    hf_keys = sorted((i, k) for i, k, _ in noise_targets(hf.named_modules()).values())
+    if sorted((i, k) for i, k, _ in targets.values()) != hf_keys:
+        findings.append(f"model: AQN targets {sorted(targets)} differ from the HF side's {hf_keys}")
+    weights = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(f))
+    clean = {}
+    for name, (_, _, module) in targets.items():
+        clean[name] = weights[f"{name}.weight"]
+        module.weight = torch.nn.Parameter(clean[name].clone(), requires_grad=False)
+    stats = worker.qerl_set_norm_noise(0.05, 11)
+    for name, (layer, kind, module) in targets.items():
+        want = (clean[name].float() + layer_noise(11, layer, clean[name].numel(), 0.05)[kind]).to(
+            torch.bfloat16
+        )
+        if module.weight.dtype != torch.bfloat16 or not torch.equal(module.weight, want):
+            findings.append(f"model: {name} after set_noise is not clean + the HF side's noise in bf16")
+    worker.qerl_set_norm_noise(0.0, 11)
+    if not all(torch.equal(m.weight, clean[n]) for n, (_, _, m) in targets.items()):
+        findings.append("model: sigma 0 did not restore the clean norm weights exactly")
+    say(
+        f"  model: {type(model).__name__} on meta, schemes {schemes}; {len(targets)} AQN norms "
+        f"(= the HF side's), graphs_frozen={stats['graphs_frozen']}, noisy weights bf16 = clean + z, sigma 0 restores"
+    )
+    return findings
+
+
+def lora_adapter(model_dir: Path, out: Path) -> Path:
+    """A PEFT LoRA adapter for ``model_dir`` as the trainer saves it (CPU, its own twin)."""
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.train_config import TrainConfig
+
+    state = init_state(model_dir, TrainConfig(lora_r=8, lora_alpha=16, seed=7), device="cpu")
+    state.model.save_pretrained(out)
+    return out
+
+
+def _error(exc: BaseException) -> str:
+    return traceback.format_exception_only(type(exc), exc)[-1].strip()
+
+
+def run_checks(work: Path) -> list[str]:
+    """The four checks in order; the first whose set-up fails ends the run (a finding, not a trace)."""
+    findings = check_imports()
+    say(f"1. imports: {len(findings)} of the scan's roots failed")
+    if findings:
+        return findings  # what follows imports them
+    from qerl.pipeline.demo.tiny_model import build_tiny_model
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.rollout.config import RolloutConfig
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.stages import quantize
+
+    from tests.test_gpu_vllm import ENGINE, SIZES
+
+    store = ArtifactStore(work / "store")
+    base = build_tiny_model(work / "marlin-qwen2", arch="qwen2", norm_jitter=0.05, **SIZES)
+    quantized = quantize.run(QuantizeConfig(), str(base), store)
+    steps = [
+        ("2. scheme", lambda: check_scheme(quantized.dir)),
+        (
+            "3. engine",
+            lambda: check_engines(
+                work, quantized, quantize.run(QuantizeConfig(scheme="none"), str(base), store)
+            ),
+        ),
+        (
+            "4. requests",
+            lambda: check_requests(
+                RolloutConfig(**ENGINE), quantized.dir, lora_adapter(quantized.dir, work / "adapter")
+            ),
+        ),
+        ("5. model", lambda: check_model(quantized.dir, work)),
+    ]
+    for title, step in steps:
+        say(title)
+        try:
+            findings += step()
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run is a finding
+            log.exception("%s", title)
+            return findings + [f"{title} could not run: {_error(exc)} (traceback in the log)"]
+    return findings
+
+
+def check_engines(work: Path, quantized: Any, plain: Any) -> list[str]:
+    """The kit test's engine (in-process) and bench_vllm's two arms (engine-core process, as a run's)."""
+    from qerl.pipeline.rollout.config import RolloutConfig
+
+    import benchmarks.bench_vllm as bench_vllm
+    from tests.test_gpu_vllm import ENGINE
+
+    pretend_cuda()
+    bench_args = argparse.Namespace(prompts=16, n=8, max_new_tokens=256)  # bench_vllm's defaults
+    bench_cfg = bench_vllm._rollout_config(bench_args, dry=False)
+    return (
+        check_engine("kit test (in-process)", RolloutConfig(**ENGINE), quantized, work)
+        + check_engine("bench_vllm nvfp4 (engine-core process)", bench_cfg, quantized, work)
+        + check_engine("bench_vllm bf16 (engine-core process)", bench_cfg, plain, work)
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--work", type=Path, help="where the checkpoints go (default: a temporary folder)")
+    parser.add_argument("--report", type=Path, help="also write the lines for people here (replaced)")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.report:
+        args.report.write_text("")
+        REPORT.append(args.report)
+    with tempfile.TemporaryDirectory(prefix="qerl-replica-") as tmp:
+        findings = run_checks(args.work or Path(tmp))
+    say(f"replica check: {len(findings)} finding(s)")
+    for line in findings:
+        say(f"  {line}")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,122 @@
+"""The CPU replica of the GPU image (``scripts/gpu_replica.sh``, ``scripts/gpu_replica_check.py``).
+
+The replica itself (5.5 GB: the image's CUDA torch) is a developer's pre-flight before a lease and is
+not built here. What is tested here runs without it: the stub driver, the premise that the replica
+holds no more than the image, and the requests check against this environment's vLLM (0.32 on the
+CPU; the replica runs it against 0.26).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))  # the scripts import their siblings, as they do when run
+import gpu_imports as gi  # noqa: E402
+import gpu_replica_check as grc  # noqa: E402
+import gpu_stub_driver as gsd  # noqa: E402
+
+
+def test_the_stub_driver_defines_what_extensions_link_and_answers_no_device(tmp_path):
+    if not (shutil.which("cc") and shutil.which("nm")):
+        pytest.skip("needs a C compiler (cc) and nm to build the stub driver")
+    site = tmp_path / "site" / "pkg"
+    site.mkdir(parents=True)
+    (tmp_path / "ext.c").write_text(
+        "int cuTensorMapEncodeTiled(void); int cuPointerGetAttribute(void); int cudaMalloc(void);\n"
+        "int use(void) { return cuTensorMapEncodeTiled() + cuPointerGetAttribute() + cudaMalloc(); }\n"
+    )
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(site / "_ext.so"), str(tmp_path / "ext.c")], check=True
+    )
+    # the driver's entry points (cu + capital), not the runtime's (cuda...)
+    assert gsd.driver_symbols(tmp_path / "site") == ["cuPointerGetAttribute", "cuTensorMapEncodeTiled"]
+    lib = ctypes.CDLL(str(gsd.build_stub(tmp_path / "site", tmp_path / "driver")))
+    for name in ("cuInit", "cuPointerGetAttribute", "cuTensorMapEncodeTiled"):
+        assert getattr(lib, name)() == gsd.NO_DEVICE == 100  # CUDA_ERROR_NO_DEVICE
+    assert (tmp_path / "driver" / "libcuda.so.1").name == "libcuda.so.1"  # the name the extensions need
+
+
+def test_the_replica_installs_nothing_the_image_lacks():
+    image = gi.image_packages()
+    wanted = [
+        re.match(r"[A-Za-z0-9_.-]+", line).group(0)
+        for line in (SCRIPTS / "gpu_replica_requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert len(wanted) > 30
+    missing = [n for n in wanted if gi.norm(n) not in image]
+    assert not missing, f"not on the GPU image, so the replica must not have them: {missing}"
+    pins = dict(
+        re.findall(
+            r"^(torch|torchvision|torchaudio|triton)==(\S+)",
+            (SCRIPTS / "gpu_replica_requirements.txt").read_text(),
+            re.M,
+        )
+    )
+    assert pins == {"torch": "2.11.0", "torchvision": "0.26.0", "torchaudio": "2.11.0", "triton": "3.6.0"}
+
+
+def test_the_replica_script_names_a_bad_option():
+    out = subprocess.run(["bash", str(SCRIPTS / "gpu_replica.sh"), "--bogus"], capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown option --bogus" in out.stderr
+    out = subprocess.run(["bash", str(SCRIPTS / "gpu_replica.sh"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--python PATH" in out.stdout and "--build-only" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir, tmp_path_factory):
+    return grc.lora_adapter(tiny_model_dir, tmp_path_factory.mktemp("replica") / "adapter")
+
+
+def test_the_requests_check_passes_qerls_requests_through_vllms_signatures(tiny_model_dir, adapter):
+    pytest.importorskip("vllm")
+    from qerl.pipeline.rollout.config import RolloutConfig
+
+    from tests.test_gpu_vllm import ENGINE
+
+    assert grc.check_requests(RolloutConfig(**ENGINE), tiny_model_dir, adapter) == []
+
+
+def test_the_requests_check_names_an_argument_vllm_does_not_take(tiny_model_dir, adapter, monkeypatch):
+    pytest.importorskip("vllm")
+    from qerl.pipeline.rollout import vllm_engine
+    from qerl.pipeline.rollout.config import RolloutConfig
+
+    from tests.test_gpu_vllm import ENGINE
+
+    def prefill(self, encoded):
+        from vllm import SamplingParams
+
+        self.llm.generate([], SamplingParams(max_tokens=1), use_tqdm=False, lora=self._lora)
+
+    monkeypatch.setattr(vllm_engine.VLLMEngine, "_prefill_prompts_once", prefill)
+    findings = grc.check_requests(RolloutConfig(**ENGINE), tiny_model_dir, adapter)
+    assert len(findings) == 1 and "lora" in findings[0], findings
+
+
+def test_the_model_check_runs_against_this_vllm_and_names_a_missing_fp4_scheme(tiny_model_dir, tmp_path):
+    """check_model on this environment's vLLM and a plain bf16 model: the AQN part holds (targets, the
+    noise written, sigma 0), and the one finding is the missing FP4 scheme. In a subprocess: it
+    initialises vLLM's distributed state, which would outlive the test in this one."""
+    pytest.importorskip("vllm")
+    code = (
+        "import json, sys; from pathlib import Path; sys.path[:0] = sys.argv[1:3]; import gpu_replica_check as g; "
+        "print('FINDINGS=' + json.dumps(g.check_model(Path(sys.argv[3]), Path(sys.argv[4]))))"
+    )
+    args = [sys.executable, "-c", code, str(SCRIPTS), str(ROOT), str(tiny_model_dir), str(tmp_path)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("FINDINGS=")]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    findings = json.loads(lines[0].removeprefix("FINDINGS="))
+    assert len(findings) == 1 and "no FP4 scheme" in findings[0], findings
+    assert "4 AQN norms (= the HF side's)" in out.stdout
