@@ -9,7 +9,7 @@
 # lacks (scripts/gpu_image_packages.txt); the vLLM bundle (.gpu-vllm, from
 # `scripts/fetch_gpu_wheels.sh --vllm`) staged and extracted by scripts/gpu_bundle.py as the kit does,
 # appended after site-packages (a .pth file, where the kit uses its sitecustomize); a libcuda.so.1 built
-# here whose every entry point answers "no device" (scripts/gpu_stub_driver.py); and
+# here whose every entry point answers "no device" (scripts/gpu_replica_build.py); and
 # scripts/gpu_replica_platform.py installed as two vLLM plugins (an H200's capability 9.0; a stop at
 # the worker's init_device, where the GPU is first needed).
 #
@@ -17,7 +17,7 @@
 #   --python PATH   a Python 3.12 (default: python3.12 on PATH, else pyenv's newest 3.12)
 #   --rebuild       build the venv anew (else only the bundle, the stub and the plugin are refreshed)
 #   --build-only    build, do not check
-# Costs: ~5.5 GB of disk (torch's CUDA libraries), ~1.5 min to install from a near registry, the
+# Costs: ~6.3 GB of disk (torch's CUDA libraries), ~2 min to install from a near registry, the
 # check ~1.5 min. Output: the findings on the console; vLLM's log in .gpu-replica/check.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,15 +55,22 @@ if ((REBUILD)) || [[ ! -x "$PY" ]]; then
     exit 1
   fi
   rm -rf "$REP"
-  say "venv from $PY312 ($("$PY312" --version)); installing the image's packages (~5.5 GB)"
+  say "venv from $PY312 ($("$PY312" --version)); installing the image's packages (~6 GB)"
   "$PY312" -m venv "$REP"
-  if ! "$PY" -m pip install --disable-pip-version-check -r scripts/gpu_replica_requirements.txt >"$REP/build.log" 2>&1; then
-    tail -5 "$REP/build.log" >&2
-    say "pip could not install the image's packages (the whole output: $REP/build.log)"
-    exit 1
-  fi
-  # no more than the image: what pip pulled in beyond its list goes (names normalised as pip's)
-  EXTRA=$("$PY" -I - <<'PYEOF'
+fi
+SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+# the image's packages: the list, and those the bundles were built to find there (each run: a bundle
+# rebuilt since may need one more). The bundles and the plugins are off the path while pip runs.
+rm -rf "$SITE"/zz-qerl-*.pth "$SITE"/qerl_replica_platform.py "$SITE"/qerl_replica_platform-0.dist-info
+"$PY" scripts/gpu_replica_build.py needs --out "$REP/requirements.txt"
+if ! "$PY" -m pip install --disable-pip-version-check -r "$REP/requirements.txt" >>"$REP/build.log" 2>&1; then
+  tail -5 "$REP/build.log" >&2
+  say "pip could not install the image's packages (the whole output: $REP/build.log)"
+  exit 1
+fi
+# no more than the image: what pip pulled in beyond its list goes (names normalised as pip's)
+EXTRA=$("$PY" -I - <<'PYEOF'
 import sys
 from importlib.metadata import distributions
 
@@ -72,29 +79,37 @@ from gpu_imports import image_packages, norm
 
 print(" ".join(sorted({norm(d.metadata["Name"]) for d in distributions()} - image_packages() - {"pip"})))
 PYEOF
-  )
-  if [[ -n "$EXTRA" ]]; then
-    say "removing what the image lacks: $EXTRA"
-    # shellcheck disable=SC2086
-    "$PY" -m pip uninstall --yes $EXTRA >>"$REP/build.log" 2>&1
-  fi
+)
+if [[ -n "$EXTRA" ]]; then
+  say "removing what the image lacks: $EXTRA"
+  # shellcheck disable=SC2086
+  "$PY" -m pip uninstall --yes $EXTRA >>"$REP/build.log" 2>&1
 fi
-SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-# the vLLM bundle, as the kit stages it (a chunk at a time, then one archive with its sha256 checked)
-SHA=$("$PY" -c 'import json; print(json.load(open(".gpu-vllm/manifest.json"))["archive"]["sha256"])')
-if [[ "$(cat "$REP/vllm-site/.bundle-sha256" 2>/dev/null)" != "$SHA" ]]; then
-  rm -rf "$REP/vllm-carried" "$REP/vllm-chunks" "$REP/vllm-site"
-  # staging moves what a call carried: it gets links to .gpu-vllm's chunks (a copy across file systems)
-  cp -al .gpu-vllm "$REP/vllm-carried" 2>/dev/null || cp -a .gpu-vllm "$REP/vllm-carried"
-  "$PY" scripts/gpu_bundle.py stage --from "$REP/vllm-carried" --to "$REP/vllm-chunks" >&2
-  "$PY" scripts/gpu_bundle.py unpack --dir "$REP/vllm-chunks" --dest "$REP/vllm-site" >&2
-  rm -rf "$REP/vllm-carried" "$REP/vllm-chunks"
+# the bundles, as the kit stages them (a chunk at a time, then one archive with its sha256 checked),
+# after site-packages as the kit puts them (the image's torch wins), the vLLM bundle first
+stage() {  # stage NAME ORDER: .gpu-NAME -> $REP/NAME-site, once per archive
+  local name=$1 sha
+  sha=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["archive"]["sha256"])' ".gpu-$name/manifest.json")
+  if [[ "$(cat "$REP/$name-site/.bundle-sha256" 2>/dev/null)" != "$sha" ]]; then
+    rm -rf "$REP/$name-carried" "$REP/$name-chunks" "$REP/$name-site"
+    # staging moves what a call carried: it gets links to the chunks (a copy across file systems)
+    cp -al ".gpu-$name" "$REP/$name-carried" 2>/dev/null || cp -a ".gpu-$name" "$REP/$name-carried"
+    "$PY" scripts/gpu_bundle.py stage --from "$REP/$name-carried" --to "$REP/$name-chunks" >&2
+    "$PY" scripts/gpu_bundle.py unpack --dir "$REP/$name-chunks" --dest "$REP/$name-site" >&2
+    rm -rf "$REP/$name-carried" "$REP/$name-chunks"
+  fi
+  echo "$REP/$name-site" >"$SITE/zz-qerl-$2-$name-bundle.pth"
+}
+stage vllm 1
+if [[ -f .gpu-run/manifest.json ]]; then
+  stage run 2
+else
+  say "no run bundle in .gpu-run: the check's 'qerl run' part is skipped (scripts/fetch_gpu_wheels.sh --run)"
 fi
-echo "$REP/vllm-site" >"$SITE/zz-qerl-vllm-bundle.pth"  # after site-packages: the image's torch wins
 
 # the stub driver, for the driver entry points the bundle's extensions link
-"$PY" scripts/gpu_stub_driver.py --site "$REP/vllm-site" --out "$REP/driver" >&2
+"$PY" scripts/gpu_replica_build.py stub --site "$REP/vllm-site" --out "$REP/driver" >&2
 
 # the plugins (the platform, the stop at the GPU): every process vLLM starts finds them by their entry points
 cp scripts/gpu_replica_platform.py "$SITE/qerl_replica_platform.py"

@@ -4,7 +4,7 @@
 It runs in the CPU replica of the GPU image that ``scripts/gpu_replica.sh`` builds in ``.gpu-replica``:
 Python 3.12, the image's torch 2.11.0+cu130 and the image's packages that vLLM and qerl read, the vLLM
 bundle appended after them as the kit appends it, a ``libcuda.so.1`` whose every entry point answers
-"no device" (``scripts/gpu_stub_driver.py``), and the vLLM plugins of ``scripts/gpu_replica_platform.py``
+"no device" (``scripts/gpu_replica_build.py``), and the vLLM plugins of ``scripts/gpu_replica_platform.py``
 (an H200's capability 9.0; a stop at the worker's ``init_device``). Each check stops where a GPU is
 first needed: whatever fails before that point fails on the lease too, where a try costs minutes of
 a 15-minute budget, while here it costs seconds.
@@ -25,9 +25,12 @@ a 15-minute budget, while here it costs seconds.
    AQN worker extension names an FP4 scheme, finds the norms the HF side noises, writes clean + the
    same noise into them (made real on the CPU) in the model's dtype under compiled graphs, and sigma 0
    restores them bit for bit.
+6. run: ``qerl run --config demo-gpu`` end to end (two steps, the transformers engine) with the run
+   bundle: Prefect's temporary server, MLflow's registry and math-verify on the image's Python and
+   packages, as the kit's ``--run-only`` part needs them (skipped without the run bundle).
 
 Not checked (a GPU is needed): weight loading and Marlin's repacking, CUDA graph capture, the
-sampler, anything the kit's ``tests/test_gpu_vllm.py`` measures.
+sampler, the Triton kernels compiled, anything the kit's tests measure.
 
 Usage: bash scripts/gpu_replica.sh (builds the replica, then runs this with its environment)
        .gpu-replica/bin/python scripts/gpu_replica_check.py [--work DIR] [--report FILE]  (exit 1: findings)
@@ -272,6 +275,54 @@ def check_model(model_dir: Path, work: Path) -> list[str]:
     return findings
 
 
+# `qerl run --config demo-gpu`, small: the replica's rollout runs on the transformers engine (vLLM
+# cannot serve without a GPU) and the demo's warm-up and evaluation are cut to seconds
+RUN_SETTINGS = (
+    "rollout.engine=hf", "loop.steps=2", "loop.eval_every=2", "model.demo.sft_steps=20",
+    "eval.benchmark.arithmetic_size=20",
+)  # fmt: skip
+
+
+def check_run(work: Path) -> list[str]:
+    """``qerl run`` end to end with the run bundle (Prefect's temporary server, MLflow's registry,
+    math-verify) on the image's Python and packages, as the kit's ``--run-only`` part runs it."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+
+    if importlib.util.find_spec("prefect") is None:
+        say("  run: skipped (no run bundle in the replica: scripts/fetch_gpu_wheels.sh --run)")
+        return []
+    cmd = [
+        sys.executable,
+        "-m",
+        "qerl.flows.cli",
+        "run",
+        "--config",
+        "demo-gpu",
+        "--work-dir",
+        str(work / "run"),
+    ]
+    cmd += [arg for setting in RUN_SETTINGS for arg in ("--set", setting)]
+    env = dict(os.environ, PREFECT_UI_ENABLED="false", PYTHONPATH=str(ROOT))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    print(out.stdout + out.stderr, flush=True)  # into the check's log
+    records = sorted((work / "run").glob("runs/*/run.json"))
+    if out.returncode != 0 or not records:
+        tail = " | ".join((out.stdout + out.stderr).strip().splitlines()[-3:])
+        return [f"run: qerl run exited {out.returncode}: {tail}"]
+    record = json.loads(records[-1].read_text())
+    reg = record.get("registration") or {}
+    say(
+        f"  run: {record['run_id']} {record['status']}, engine mode {record.get('engine_mode')}, "
+        f"{len(record.get('steps', []))} steps, registered {reg.get('model_name')} v{reg.get('version')}"
+    )
+    return (
+        [] if record["status"] == "completed" else [f"run: status {record['status']}: {record.get('error')}"]
+    )
+
+
 def lora_adapter(model_dir: Path, out: Path) -> Path:
     """A PEFT LoRA adapter for ``model_dir`` as the trainer saves it (CPU, its own twin)."""
     from qerl.pipeline.rl.policy import init_state
@@ -318,6 +369,7 @@ def run_checks(work: Path) -> list[str]:
             ),
         ),
         ("5. model", lambda: check_model(quantized.dir, work)),
+        ("6. run", lambda: check_run(work)),
     ]
     for title, step in steps:
         say(title)

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # the scripts import their siblings, as they do when run
 import gpu_imports as gi  # noqa: E402
+import gpu_replica_build as grb  # noqa: E402
 import gpu_replica_check as grc  # noqa: E402
-import gpu_stub_driver as gsd  # noqa: E402
 
 
 def test_the_stub_driver_defines_what_extensions_link_and_answers_no_device(tmp_path):
@@ -39,10 +39,10 @@ def test_the_stub_driver_defines_what_extensions_link_and_answers_no_device(tmp_
         ["cc", "-shared", "-fPIC", "-o", str(site / "_ext.so"), str(tmp_path / "ext.c")], check=True
     )
     # the driver's entry points (cu + capital), not the runtime's (cuda...)
-    assert gsd.driver_symbols(tmp_path / "site") == ["cuPointerGetAttribute", "cuTensorMapEncodeTiled"]
-    lib = ctypes.CDLL(str(gsd.build_stub(tmp_path / "site", tmp_path / "driver")))
+    assert grb.driver_symbols(tmp_path / "site") == ["cuPointerGetAttribute", "cuTensorMapEncodeTiled"]
+    lib = ctypes.CDLL(str(grb.build_stub(tmp_path / "site", tmp_path / "driver")))
     for name in ("cuInit", "cuPointerGetAttribute", "cuTensorMapEncodeTiled"):
-        assert getattr(lib, name)() == gsd.NO_DEVICE == 100  # CUDA_ERROR_NO_DEVICE
+        assert getattr(lib, name)() == grb.NO_DEVICE == 100  # CUDA_ERROR_NO_DEVICE
     assert (tmp_path / "driver" / "libcuda.so.1").name == "libcuda.so.1"  # the name the extensions need
 
 
@@ -120,3 +120,14 @@ def test_the_model_check_runs_against_this_vllm_and_names_a_missing_fp4_scheme(t
     findings = json.loads(lines[0].removeprefix("FINDINGS="))
     assert len(findings) == 1 and "no FP4 scheme" in findings[0], findings
     assert "4 AQN norms (= the HF side's)" in out.stdout
+
+
+def test_the_replica_also_gets_the_image_packages_the_bundles_rely_on(tmp_path):
+    (tmp_path / "req.txt").write_text("# comment\nnumpy==2.5.2   # the image's\ntorch==2.11.0\n")
+    (tmp_path / "vllm.json").write_text(json.dumps({"scan": {"image_dists_used": ["numpy", "pandas"]}}))
+    (tmp_path / "run.json").write_text(
+        json.dumps({"left_out": {"image": ["numpy==2.5.5", "humanize==4.17.0", "Pandas==3.1.1"]}})
+    )
+    lines = grb.image_needs(tmp_path / "req.txt", [tmp_path / "vllm.json", tmp_path / "run.json"])
+    # the list's pins win; each name once, the first manifest's spelling
+    assert lines == ["numpy==2.5.2", "torch==2.11.0", "pandas", "humanize==4.17.0"]
