@@ -150,6 +150,8 @@ def _probe(worker) -> dict:  # runs on the vLLM worker (in-process)
         "use_a16": sorted(a16),
         "attn_backends": sorted(backends),
         "fa_version": get_flash_attn_version(),
+        # V2 (vllm.v1.worker.gpu) is what vLLM 0.26 chose on the CPU replica of the image
+        "model_runner": type(getattr(worker, "model_runner", None)).__module__,
     }
 
 
