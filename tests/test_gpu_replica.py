@@ -131,3 +131,19 @@ def test_the_replica_also_gets_the_image_packages_the_bundles_rely_on(tmp_path):
     lines = grb.image_needs(tmp_path / "req.txt", [tmp_path / "vllm.json", tmp_path / "run.json"])
     # the list's pins win; each name once, the first manifest's spelling
     assert lines == ["numpy==2.5.2", "torch==2.11.0", "pandas", "humanize==4.17.0"]
+
+
+def test_the_plugins_the_build_registers_exist_and_share_the_checks_signal():
+    """The entry points gpu_replica.sh writes name functions of the plugin module (parsed: importing it
+    needs vLLM's CUDA platform), and the plugin writes where the engine check reads."""
+    import ast
+
+    source = (SCRIPTS / "gpu_replica_platform.py").read_text()
+    functions = {n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+    registered = re.findall(r"qerl_replica_platform:(\w+)", (SCRIPTS / "gpu_replica.sh").read_text())
+    assert sorted(registered) == ["activate", "stop_at_device"]
+    assert set(registered) <= functions
+    assert (
+        "QERL_REPLICA_REACHED" in source
+        and "QERL_REPLICA_REACHED" in (SCRIPTS / "gpu_replica_check.py").read_text()
+    )
