@@ -197,30 +197,11 @@ if ((STAGE_ONLY)); then
   exit 0
 fi
 
-# 1. the qerl package from this tree, with no installer: .gpu-src/qerl holds qerl/__init__.py and links
-# to the top-level folders that pyproject maps into it (the GPU image may have no setuptools). It goes
-# first on sys.path in the dry run too, so the CPU run exercises the same import path.
-rm -rf .gpu-src
-mkdir -p .gpu-src/qerl
-cp qerl/__init__.py .gpu-src/qerl/__init__.py
-for sub in pipeline stages kernels flows; do ln -s "$ROOT/$sub" ".gpu-src/qerl/$sub"; done
-# paths that must come AFTER the image's site-packages (the vLLM bundle: the image's torch must win)
-cat >.gpu-src/sitecustomize.py <<'PYEOF'
-import os
-import sys
-
-for _p in os.environ.get("QERL_SYS_PATH_AFTER", "").split(os.pathsep):
-    if _p and _p not in sys.path:
-        sys.path.append(_p)
-# run the sitecustomize this one shadows (the distribution's), if any
-_here = os.path.dirname(os.path.abspath(__file__))
-for _d in sys.path:
-    _f = os.path.join(_d or ".", "sitecustomize.py")
-    if os.path.abspath(_d or ".") != _here and os.path.isfile(_f):
-        with open(_f) as _src:
-            exec(compile(_src.read(), _f, "exec"), {"__name__": "sitecustomize", "__file__": _f})
-        break
-PYEOF
+# 1. the qerl package from this tree, with no installer (scripts/gpu_src.sh: the GPU image may have no
+# setuptools); its sitecustomize puts the bundles AFTER the image's site-packages (the image's torch
+# must win) in every process started here. It goes first on sys.path in the dry run too, so the CPU
+# run exercises the same import path.
+bash scripts/gpu_src.sh .gpu-src
 # the repository root too, for tests/ and benchmarks/ (the kit imports `benchmarks`)
 export PYTHONPATH="$ROOT/.gpu-src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import qerl.kernels, qerl.pipeline.runtime, qerl.stages" 2>>"$LOG"; then

@@ -7,8 +7,9 @@
 # The replica: a Python 3.12 venv with the image's torch 2.11.0+cu130 and the image's packages that
 # vLLM and qerl read (scripts/gpu_replica_requirements.txt), less anything pip pulled in that the image
 # lacks (scripts/gpu_image_packages.txt); the vLLM bundle (.gpu-vllm, from
-# `scripts/fetch_gpu_wheels.sh --vllm`) staged and extracted by scripts/gpu_bundle.py as the kit does,
-# appended after site-packages (a .pth file, where the kit uses its sitecustomize); a libcuda.so.1 built
+# `scripts/fetch_gpu_wheels.sh --vllm`) and the run bundle (.gpu-run, `--run`), staged and extracted
+# by scripts/gpu_bundle.py and put after site-packages by the kit's own sitecustomize
+# (scripts/gpu_src.sh), in every process; a libcuda.so.1 built
 # here whose every entry point answers "no device" (scripts/gpu_replica_build.py); and
 # scripts/gpu_replica_platform.py installed as two vLLM plugins (an H200's capability 9.0; a stop at
 # the worker's init_device, where the GPU is first needed).
@@ -61,8 +62,9 @@ fi
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
 # the image's packages: the list, and those the bundles were built to find there (each run: a bundle
-# rebuilt since may need one more). The bundles and the plugins are off the path while pip runs.
-rm -rf "$SITE"/zz-qerl-*.pth "$SITE"/qerl_replica_platform.py "$SITE"/qerl_replica_platform-0.dist-info
+# rebuilt since may need one more). The plugins are off the path while pip runs (the bundles always are:
+# only the check's environment names them).
+rm -rf "$SITE"/qerl_replica_platform.py "$SITE"/qerl_replica_platform-0.dist-info
 "$PY" scripts/gpu_replica_build.py needs --out "$REP/requirements.txt"
 if ! "$PY" -m pip install --disable-pip-version-check -r "$REP/requirements.txt" >>"$REP/build.log" 2>&1; then
   tail -5 "$REP/build.log" >&2
@@ -86,9 +88,9 @@ if [[ -n "$EXTRA" ]]; then
   "$PY" -m pip uninstall --yes $EXTRA >>"$REP/build.log" 2>&1
 fi
 
-# the bundles, as the kit stages them (a chunk at a time, then one archive with its sha256 checked),
-# after site-packages as the kit puts them (the image's torch wins), the vLLM bundle first
-stage() {  # stage NAME ORDER: .gpu-NAME -> $REP/NAME-site, once per archive
+# the bundles, as the kit stages them (a chunk at a time, then one archive with its sha256 checked)
+AFTER=()
+stage() {  # stage NAME: .gpu-NAME -> $REP/NAME-site, once per archive
   local name=$1 sha
   sha=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["archive"]["sha256"])' ".gpu-$name/manifest.json")
   if [[ "$(cat "$REP/$name-site/.bundle-sha256" 2>/dev/null)" != "$sha" ]]; then
@@ -99,14 +101,19 @@ stage() {  # stage NAME ORDER: .gpu-NAME -> $REP/NAME-site, once per archive
     "$PY" scripts/gpu_bundle.py unpack --dir "$REP/$name-chunks" --dest "$REP/$name-site" >&2
     rm -rf "$REP/$name-carried" "$REP/$name-chunks"
   fi
-  echo "$REP/$name-site" >"$SITE/zz-qerl-$2-$name-bundle.pth"
+  AFTER+=("$REP/$name-site")
 }
-stage vllm 1
+stage vllm
 if [[ -f .gpu-run/manifest.json ]]; then
-  stage run 2
+  stage run
 else
   say "no run bundle in .gpu-run: the check's 'qerl run' part is skipped (scripts/fetch_gpu_wheels.sh --run)"
 fi
+
+# qerl and the bundles on sys.path as the kit puts them: .gpu-replica/src first (qerl, and a
+# sitecustomize that appends $QERL_SYS_PATH_AFTER after site-packages in every process)
+bash scripts/gpu_src.sh "$REP/src"
+QERL_SYS_PATH_AFTER=$(IFS=:; echo "${AFTER[*]}")
 
 # the stub driver, for the driver entry points the bundle's extensions link
 "$PY" scripts/gpu_replica_build.py stub --site "$REP/vllm-site" --out "$REP/driver" >&2
@@ -127,7 +134,8 @@ say "replica ready: $PY ($(du -sh "$REP" | cut -f1))"
 say "checking (vLLM's log: $REP/check.log)"
 set +e
 LD_LIBRARY_PATH="$REP/driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_VISIBLE_DEVICES="" \
-  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 PYTHONPATH="$ROOT" \
+  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
+  PYTHONPATH="$REP/src:$ROOT" QERL_SYS_PATH_AFTER="$QERL_SYS_PATH_AFTER" \
   "$PY" scripts/gpu_replica_check.py --report "$REP/report.txt" >"$REP/check.log" 2>&1
 RC=$?
 set -e

@@ -2,8 +2,8 @@
 """Before a GPU lease: vLLM 0.26's CUDA code paths with qerl's engine, as far as they go without a GPU.
 
 It runs in the CPU replica of the GPU image that ``scripts/gpu_replica.sh`` builds in ``.gpu-replica``:
-Python 3.12, the image's torch 2.11.0+cu130 and the image's packages that vLLM and qerl read, the vLLM
-bundle appended after them as the kit appends it, a ``libcuda.so.1`` whose every entry point answers
+Python 3.12, the image's torch 2.11.0+cu130 and the image's packages that vLLM and qerl read, the
+bundles appended after them by the kit's own sitecustomize, a ``libcuda.so.1`` whose every entry point answers
 "no device" (``scripts/gpu_replica_build.py``), and the vLLM plugins of ``scripts/gpu_replica_platform.py``
 (an H200's capability 9.0; a stop at the worker's ``init_device``). Each check stops where a GPU is
 first needed: whatever fails before that point fails on the lease too, where a try costs minutes of
@@ -305,7 +305,7 @@ def check_run(work: Path) -> list[str]:
         str(work / "run"),
     ]
     cmd += [arg for setting in RUN_SETTINGS for arg in ("--set", setting)]
-    env = dict(os.environ, PREFECT_UI_ENABLED="false", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PREFECT_UI_ENABLED="false")  # PYTHONPATH as the kit sets it (gpu_replica.sh)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     print(out.stdout + out.stderr, flush=True)  # into the check's log
     records = sorted((work / "run").glob("runs/*/run.json"))
@@ -405,7 +405,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--work", type=Path, help="where the checkpoints go (default: a temporary folder)")
     parser.add_argument("--report", type=Path, help="also write the lines for people here (replaced)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
+    if str(ROOT) not in sys.path:  # gpu_replica.sh puts it on PYTHONPATH after the kit's src folder
+        sys.path.append(str(ROOT))
     if args.report:
         args.report.write_text("")
         REPORT.append(args.report)

@@ -713,3 +713,28 @@ def test_the_root_import_check_names_every_failing_root(tmp_path):
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     assert ok.returncode == 0 and ok.stdout.startswith("imports: 1 of 1 roots import")
+
+
+def test_the_kits_src_folder_puts_qerl_first_and_the_bundles_after_site_packages(tmp_path):
+    """scripts/gpu_src.sh: qerl imports from the folder, and in every process started with it (a
+    child of a child too: vLLM's engine core, `qerl run`) the bundles come after site-packages."""
+    subprocess.run(["bash", str(SCRIPTS / "gpu_src.sh"), str(tmp_path / "src")], check=True)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "from_the_bundle.py").write_text("X = 1\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "src"), "QERL_SYS_PATH_AFTER": str(bundle)}
+    code = (
+        "import json, site, sys, qerl.pipeline, from_the_bundle; "
+        "print(json.dumps([qerl.__file__, sys.path.index(sys.argv[1]), "
+        "max(sys.path.index(p) for p in site.getsitepackages() if p in sys.path)]))"
+    )
+    child = (
+        f"import subprocess, sys; subprocess.run([sys.executable, '-c', {code!r}, sys.argv[1]], check=True)"
+    )
+    out = subprocess.run(  # not from the checkout, whose own qerl/ `-c` would put first
+        [sys.executable, "-c", child, str(bundle)], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    qerl_file, bundle_at, site_at = json.loads(out.stdout)
+    assert qerl_file.startswith(str(tmp_path / "src"))
+    assert bundle_at > site_at
