@@ -337,8 +337,24 @@ def _error(exc: BaseException) -> str:
     return traceback.format_exception_only(type(exc), exc)[-1].strip()
 
 
+def _has_distribution(name: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(name)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def run_checks(work: Path) -> list[str]:
-    """The four checks in order; the first whose set-up fails ends the run (a finding, not a trace)."""
+    """The six checks in order; the first whose set-up fails ends the run (a finding, not a trace)."""
+    import platform
+    from importlib.metadata import version
+
+    names = ("torch", "triton", "transformers", "vllm", "compressed-tensors", "prefect", "mlflow")
+    found = [f"{n} {version(n)}" for n in names if _has_distribution(n)]
+    say(f"replica: Python {platform.python_version()}, {', '.join(found)}")
     findings = check_imports()
     say(f"1. imports: {len(findings)} of the scan's roots failed")
     if findings:
