@@ -16,7 +16,7 @@
 #
 # Usage: bash scripts/gpu_replica.sh [--python PATH] [--rebuild] [--build-only]
 #   --python PATH   a Python 3.12 (default: python3.12 on PATH, else pyenv's newest 3.12)
-#   --rebuild       build the venv anew (else only the bundle, the stub and the plugin are refreshed)
+#   --rebuild       build the venv anew (else it is topped up, and the bundles, stub and plugins refreshed)
 #   --build-only    build, do not check
 # Costs: ~6.3 GB of disk (torch's CUDA libraries), ~2 min to install from a near registry, the
 # check ~1.5 min. Output: the findings on the console; vLLM's log in .gpu-replica/check.log.
@@ -32,7 +32,7 @@ while (($#)); do
     --python) PY312=$2; shift 2 ;;
     --rebuild) REBUILD=1; shift ;;
     --build-only) BUILD_ONLY=1; shift ;;
-    -h | --help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,/^set -euo/{/^set -euo/!p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_replica: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -259,6 +259,8 @@ def check_model(model_dir: Path, work: Path) -> list[str]:
         clean[name] = weights[f"{name}.weight"]
         module.weight = torch.nn.Parameter(clean[name].clone(), requires_grad=False)
     stats = worker.qerl_set_norm_noise(0.05, 11)
+    if stats["graphs_frozen"] != 1.0:  # the default config compiles and captures graphs
+        findings.append("model: the extension does not see a compiled engine (it would hold fp32 weights)")
     for name, (layer, kind, module) in targets.items():
         want = (clean[name].float() + layer_noise(11, layer, clean[name].numel(), 0.05)[kind]).to(
             torch.bfloat16
@@ -269,8 +271,8 @@ def check_model(model_dir: Path, work: Path) -> list[str]:
     if not all(torch.equal(m.weight, clean[n]) for n, (_, _, m) in targets.items()):
         findings.append("model: sigma 0 did not restore the clean norm weights exactly")
     say(
-        f"  model: {type(model).__name__} on meta, schemes {schemes}; {len(targets)} AQN norms "
-        f"(= the HF side's), graphs_frozen={stats['graphs_frozen']}, noisy weights bf16 = clean + z, sigma 0 restores"
+        f"  model: {type(model).__name__} on meta, schemes {schemes}; {len(targets)} AQN norms, "
+        f"graphs_frozen={stats['graphs_frozen']}; targets, noise written, sigma 0: {len(findings)} finding(s)"
     )
     return findings
 
