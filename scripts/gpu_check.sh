@@ -48,7 +48,7 @@
 #
 # Before a lease, on the CPU machine: `bash scripts/gpu_replica.sh` runs vLLM 0.26's CUDA paths with
 # qerl's engines in a CPU replica of the image, up to where a GPU is first needed, and `qerl run` with
-# the run bundle (~3 min the first time, then ~1.5 min); a finding there would have cost a try here.
+# the run bundle (~3.5 min the first time, then ~1.5 min); a finding there would have cost a try here.
 #
 # The sequence for a 15-minute lease (device time counts from the start, ~1-2 min, to the give-back;
 # make each call the moment the last returns, calls 1 and 2 in one message: a pause over ~30 s gives

@@ -3,9 +3,9 @@
 
 It runs in the CPU replica of the GPU image that ``scripts/gpu_replica.sh`` builds in ``.gpu-replica``:
 Python 3.12, the image's torch 2.11.0+cu130 and the image's packages that vLLM and qerl read, the
-bundles appended after them by the kit's own sitecustomize, a ``libcuda.so.1`` whose every entry point answers
-"no device" (``scripts/gpu_replica_build.py``), and the vLLM plugins of ``scripts/gpu_replica_platform.py``
-(an H200's capability 9.0; a stop at the worker's ``init_device``). Each check stops where a GPU is
+bundles appended after them by the kit's own sitecustomize, a ``libcuda.so.1`` whose every entry
+point answers "no device" (``scripts/gpu_replica_build.py``), and the vLLM plugins of
+``scripts/gpu_replica_platform.py`` (an H200's capability 9.0; a stop at the worker's ``init_device``). Each check stops where a GPU is
 first needed: whatever fails before that point fails on the lease too, where a try costs minutes of
 a 15-minute budget, while here it costs seconds.
 
@@ -156,8 +156,11 @@ class RecordingLLM:
 
         self._bind("generate", prompts, params, **kwargs)
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        assert all(isinstance(p, SamplingParams) for p in plist), plist
-        assert kwargs.get("lora_request") is None or isinstance(kwargs["lora_request"], LoRARequest)
+        if not all(isinstance(p, SamplingParams) for p in plist):
+            raise TypeError(f"generate: sampling params that are not vLLM's SamplingParams: {plist}")
+        lora = kwargs.get("lora_request")
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise TypeError(f"generate: lora_request {lora!r} is not vLLM's LoRARequest")
         outputs = []
         for k, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
             ids = list(range(3, 3 + min(p.max_tokens, 4)))

@@ -1,9 +1,9 @@
 """The CPU replica of the GPU image (``scripts/gpu_replica.sh``, ``scripts/gpu_replica_check.py``).
 
-The replica itself (5.5 GB: the image's CUDA torch) is a developer's pre-flight before a lease and is
-not built here. What is tested here runs without it: the stub driver, the premise that the replica
-holds no more than the image, and the requests check against this environment's vLLM (0.32 on the
-CPU; the replica runs it against 0.26).
+The replica itself (6.3 GB: the image's CUDA torch) is a developer's pre-flight before a lease and is
+not built here. What is tested here runs without it: the stub driver, the replica's package lists,
+the plugins the build registers, and the requests and model checks against this environment's vLLM
+(0.32 on the CPU; the replica runs them against 0.26).
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ def test_the_stub_driver_defines_what_extensions_link_and_answers_no_device(tmp_
     )
     # the driver's entry points (cu + capital), not the runtime's (cuda...)
     assert grb.driver_symbols(tmp_path / "site") == ["cuPointerGetAttribute", "cuTensorMapEncodeTiled"]
-    lib = ctypes.CDLL(str(grb.build_stub(tmp_path / "site", tmp_path / "driver")))
+    stub = grb.build_stub(tmp_path / "site", tmp_path / "driver")
+    assert stub.name == "libcuda.so.1"  # the name the extensions need
+    lib = ctypes.CDLL(str(stub))
     for name in ("cuInit", "cuPointerGetAttribute", "cuTensorMapEncodeTiled"):
         assert getattr(lib, name)() == grb.NO_DEVICE == 100  # CUDA_ERROR_NO_DEVICE
-    assert (tmp_path / "driver" / "libcuda.so.1").name == "libcuda.so.1"  # the name the extensions need
 
 
 def test_the_replica_installs_nothing_the_image_lacks():
