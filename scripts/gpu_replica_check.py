@@ -25,11 +25,14 @@ a 15-minute budget, while here it costs seconds.
    AQN worker extension names an FP4 scheme, finds the norms the HF side noises, writes clean + the
    same noise into them (made real on the CPU) in the model's dtype under compiled graphs, and sigma 0
    restores them bit for bit.
-6. run: ``qerl run --config demo-gpu`` end to end (two steps, the transformers engine) with the run
+6. weights: vLLM's own loader fills the model, built on the CPU, from the checkpoint; every
+   parameter is compared with the checkpoint, fused layers' global scales must agree, and Marlin's
+   conversion of the block scales must keep them (``scripts/gpu_replica_weights.py``).
+7. run: ``qerl run --config demo-gpu`` end to end (two steps, the transformers engine) with the run
    bundle: Prefect's temporary server, MLflow's registry and math-verify on the image's Python and
    packages, as the kit's ``--run-only`` part needs them (skipped without the run bundle).
 
-Not checked (a GPU is needed): weight loading and Marlin's repacking, CUDA graph capture, the
+Not checked (a GPU is needed): Marlin's repacking (``gptq_marlin_repack``), CUDA graph capture, the
 sampler, the Triton kernels compiled, anything the kit's tests measure.
 
 Usage: bash scripts/gpu_replica.sh (builds the replica, then runs this with its environment)
@@ -222,21 +225,13 @@ def check_model(model_dir: Path, work: Path) -> list[str]:
     the AQN worker extension finds the norms the HF side noises, names an FP4 scheme, and writes
     clean + the same noise into them (the layer norms made real on the CPU), and sigma 0 restores them."""
     import torch
+    from gpu_replica_weights import build_vllm_model
     from qerl.pipeline.rollout.aqn import layer_noise, noise_targets
     from qerl.pipeline.rollout.aqn_vllm import AQNWorkerExtension
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import initialize_model
 
-    cfg = EngineArgs(model=str(model_dir), dtype="bfloat16", max_model_len=256).create_engine_config()
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(1, 0, f"file://{work / 'dist-init'}", 0, "gloo")
-        initialize_model_parallel(1, 1)
-        with torch.device("meta"):
-            model = initialize_model(vllm_config=cfg, prefix="")
+    cfg, model = build_vllm_model(model_dir, work, "meta")
 
     class Worker(AQNWorkerExtension):  # what vLLM's worker gives the extension
         vllm_config = cfg
@@ -353,7 +348,7 @@ def _has_distribution(name: str) -> bool:
 
 
 def run_checks(work: Path) -> list[str]:
-    """The six checks in order; the first whose set-up fails ends the run (a finding, not a trace)."""
+    """The seven checks in order; the first whose set-up fails ends the run (a finding, not a trace)."""
     import platform
     from importlib.metadata import version
 
@@ -364,6 +359,7 @@ def run_checks(work: Path) -> list[str]:
     say(f"1. imports: {len(findings)} of the scan's roots failed")
     if findings:
         return findings  # what follows imports them
+    from gpu_replica_weights import check_weights
     from qerl.pipeline.demo.tiny_model import build_tiny_model
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.rollout.config import RolloutConfig
@@ -390,7 +386,8 @@ def run_checks(work: Path) -> list[str]:
             ),
         ),
         ("5. model", lambda: check_model(quantized.dir, work)),
-        ("6. run", lambda: check_run(work)),
+        ("6. weights", lambda: check_weights(quantized.dir, work, say)),
+        ("7. run", lambda: check_run(work)),
     ]
     for title, step in steps:
         say(title)

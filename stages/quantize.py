@@ -63,6 +63,7 @@ from qerl.pipeline.data.datasets import DataConfig
 from qerl.pipeline.data.heldout import held_out_texts
 from qerl.pipeline.nvfp4.calibration import gptq_layers, layer_index
 from qerl.pipeline.nvfp4.grouping import Group, kept_linears, kept_memory, plan_quantization
+from qerl.pipeline.nvfp4.marlin import marlin_zeroed_blocks
 from qerl.pipeline.nvfp4.quality import quality_key, quality_section
 from qerl.pipeline.nvfp4.recipe import (
     UNQUANTIZED_MODE,
@@ -254,6 +255,7 @@ def run_with_status(
             "quantized %d linears of %s (method %s) with the %s backend in %.1fs",
             *(n_quant, src_dir, cfg.method, backend, seconds),
         )
+        marlin = marlin_zeroed_blocks(tmp, [[o.name for o in g.outputs] for g in plan if g.quantize])
         tq = time.perf_counter()  # the quality section, measured on the checkpoint just written
         quality = {"quality": quality_section(q_cfg, src_dir, tmp, held_out)} if q_cfg.enabled else {}
         quality_s = {"quality_seconds": time.perf_counter() - tq} if quality else {}
@@ -272,6 +274,7 @@ def run_with_status(
                 "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
                 "backend": backend,
                 "method": cfg.method,
+                "marlin": marlin,
                 **({"keep": kept_memory(specs, kept)} if kept else {}),
                 **({"calibration": calib} if calib else {}),
                 **quality,

@@ -148,3 +148,53 @@ def test_the_plugins_the_build_registers_exist_and_share_the_checks_signal():
         "QERL_REPLICA_REACHED" in source
         and "QERL_REPLICA_REACHED" in (SCRIPTS / "gpu_replica_check.py").read_text()
     )
+
+
+WEIGHTS_CHECK = """
+import json, sys
+from pathlib import Path
+sys.path[:0] = sys.argv[1:3]
+import gpu_replica_weights as w
+if sys.argv[5] == "swap":  # a loader that puts gate_proj's rows where up_proj's go, in layer 1
+    from vllm.model_executor.models import qwen2
+    load = qwen2.Qwen2Model.load_weights
+    def swapped(self, weights):
+        swap = {"gate_proj": "up_proj", "up_proj": "gate_proj"}
+        def rename(n):
+            part = next((p for p in swap if f"layers.1.mlp.{p}." in n), None)
+            return n.replace(part, swap[part]) if part else n
+        return load(self, ((rename(n), t) for n, t in weights))
+    qwen2.Qwen2Model.load_weights = swapped
+print("FINDINGS=" + json.dumps(w.check_weights(Path(sys.argv[3]), Path(sys.argv[4]), print)))
+"""
+
+
+@pytest.mark.parametrize("loader", ["as-is", "swap"])
+def test_the_weights_check_compares_what_vllms_loader_wrote_with_the_checkpoint(
+    loader, tiny_model_dir, tmp_path
+):
+    """check_weights on this environment's vLLM and a plain bf16 model (no FP4 layer: vLLM 0.32 has no
+    CPU kernel for them): every parameter equals the checkpoint, fused q/k/v and gate/up and the padded
+    vocabulary included; a loader that swaps gate and up is caught. In a subprocess, like the model
+    check."""
+    pytest.importorskip("vllm")
+    args = [
+        sys.executable,
+        "-c",
+        WEIGHTS_CHECK,
+        str(SCRIPTS),
+        str(ROOT),
+        str(tiny_model_dir),
+        str(tmp_path),
+        loader,
+    ]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("FINDINGS=")]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    findings = json.loads(lines[0].removeprefix("FINDINGS="))
+    if loader == "as-is":
+        assert findings == [] and "0 NVFP4 layers" in out.stdout, out.stdout[-1500:]
+    else:
+        assert findings == [
+            "weights: model.layers.1.mlp.gate_up_proj.weight differs from the checkpoint after vLLM's loader"
+        ]

@@ -171,6 +171,8 @@ def test_smollm2_end_to_end(tmp_path, monkeypatch):
     quantized = quantize.run(QuantizeConfig(), fetched.dir, store)
     twin = dequantize.run(QuantizeConfig(twin_dtype="bfloat16"), quantized, store)
     assert quantized.extra["quantized_tensors"] == 210 and "lm_head.weight" not in _tensor_names(twin.dir)
+    # every block scale is a normal E4M3 value: FP4 Marlin, the GPU sampler, reads the blocks as stored
+    assert quantized.extra["marlin"] == {"blocks": 6_635_520, "zeroed_blocks": 0, "zeroed_layers": {}}
     assert json.loads((quantized.dir / "qerl-provenance.json").read_text())["gguf_sha256"] == SMOL.gguf_sha256
 
     if (SHARED_DATA / "gsm8k" / "test.jsonl").is_file():
