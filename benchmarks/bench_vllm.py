@@ -9,7 +9,10 @@ through the project's own path:
 - ``nvfp4``: the quantize stage's NVFP4A16 checkpoint, served by ``build_engine`` in the mode
   ``vllm-nvfp4-marlin`` (vLLM's compressed-tensors W4A16 FP4 scheme on the Marlin kernel);
 - ``bf16``: the same weights registered unquantized (``quantize.scheme: none``), mode
-  ``vllm-unquantized``.
+  ``vllm-unquantized``;
+- ``nvfp4-aqn`` (only with ``--arms``): the ``nvfp4`` arm's engine built for AQN, as a run with AQN
+  builds it (its norms fp32 from the load on), timed with noise set at the 7B schedule's last sigma
+  (5e-4); it reports the realised sigma, and its tokens/s against ``nvfp4`` is what exact AQN costs.
 
 Both as a run serves: CUDA graphs and torch.compile on, logprobs recorded, temperature 1. Each arm
 reports its start-up (load, compile, graph capture), then one warm-up call over the whole batch (8 new
@@ -49,7 +52,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 MODELS = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}  # KNOWN_SHAPES names; Marlin's tiles hold for both
 TINY = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)
-ARMS = ("nvfp4", "bf16")
+ARMS = ("nvfp4", "bf16", "nvfp4-aqn")
+AQN_SIGMA = 5e-4  # the nvfp4-aqn arm's noise: the 7B schedule's last stage, which bf16 would round away
 # what vLLM logs about its memory at start-up (vLLM 0.26-0.32 wording), in GiB unless named
 VLLM_REPORTS = {
     "weights": r"Model loading took ([\d.]+) ?GiB",
@@ -85,17 +89,25 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
 
     dry = not device.cuda_available()
     store = ArtifactStore(Path(store_dir))
-    qcfg = QuantizeConfig(scheme="nvfp4" if arm == "nvfp4" else "none")
+    qcfg = QuantizeConfig(scheme="none" if arm == "bf16" else "nvfp4")
     quantized = quantize.run(qcfg, model_dir, store)  # the parent built it: a cache hit
     twin = dequantize.run(qcfg, quantized, store) if needs_twin("vllm", qcfg.scheme) else None
     cfg = _rollout_config(args, dry)
     t0 = time.perf_counter()
-    engine = build_engine(cfg, quantized, twin)
+    engine = build_engine(cfg, quantized, twin, aqn=arm == "nvfp4-aqn")
     startup = time.perf_counter() - t0
+    noise = {}
     try:
         questions = [p["question"] for p in arithmetic_problems(args.prompts, seed=0, levels=[1, 2, 3])]
         prompts = [render_prompt(engine.tokenizer, q, cfg.template) for q in questions]
         engine.generate(prompts, args.n, SamplingSpec(max_new_tokens=8), seed=123)  # warm-up
+        if arm == "nvfp4-aqn":
+            realised = engine.set_noise(AQN_SIGMA, 1)
+            noise = {
+                "aqn_sigma": AQN_SIGMA,
+                "aqn_sigma_realised": realised,
+                "aqn_norms": engine.info["aqn_norms"],
+            }
         t0 = time.perf_counter()
         rows = engine.generate(prompts, args.n, cfg.sampling(), seed=0)
         seconds = time.perf_counter() - t0
@@ -110,7 +122,7 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
         from qerl.pipeline.planning.model_shape import resolve_model
 
         gpu = torch.cuda.get_device_properties(0).total_memory
-        share = vllm_share(resolve_model(str(model_dir)), cfg, gpu, "nvfp4" if arm == "nvfp4" else "bf16")
+        share = vllm_share(resolve_model(str(model_dir)), cfg, gpu, "bf16" if arm == "bf16" else "nvfp4")
         planned = {k: v / 2**30 for k, v in share.items()}
     return {
         "arm": arm,
@@ -121,6 +133,7 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
         "tokens_per_s": tokens / seconds,
         "sequences": sum(len(row) for row in rows),
         "planned_gib": planned,
+        **noise,
     }
 
 
@@ -177,7 +190,7 @@ def report(results: dict[str, Any]) -> str:
         f"mode: {results['mode']}; {results['prompts']} prompts x {results['n']} samples, up to "
         f"{results['max_new_tokens']} new tokens, temperature 1; {results['machine']}",
         "",
-        "| model | arm | engine mode | start-up s | tokens | generate s | tokens/s | nvfp4 / bf16 |",
+        "| model | arm | engine mode | start-up s | tokens | generate s | tokens/s | ratio |",
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for model, arms in results["models"].items():
@@ -186,11 +199,10 @@ def report(results: dict[str, Any]) -> str:
             if "error" in r:
                 lines.append(f"| {model} | {arm} | failed: {r['error'][:300]} | | | | | |")
                 continue
-            ratio = (
-                f"{rates['nvfp4'] / rates['bf16']:.2f}x"
-                if arm == "nvfp4" and rates.get("nvfp4") and rates.get("bf16")
-                else ""
-            )
+            over = {"nvfp4": "bf16", "nvfp4-aqn": "nvfp4"}.get(arm)  # nvfp4 / bf16; aqn / nvfp4
+            ratio = f"{rates[arm] / rates[over]:.2f}x of {over}" if over and rates.get(over) else ""
+            if "aqn_sigma_realised" in r:
+                ratio += f"; realised sigma {r['aqn_sigma_realised'] / r['aqn_sigma']:.3f}x"
             lines.append(
                 f"| {model} | {arm} | {r['mode']} | {r['startup_s']:.1f} | {r['tokens']} | "
                 f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {ratio} |"
@@ -239,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--dry-run", action="store_true", help="the CPU, a tiny shape, eager, seconds")
     parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument(
+        "--arms", default="nvfp4,bf16", help=f"comma-separated, of {list(ARMS)} (run in this order)"
+    )
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
@@ -254,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.models.split(",")) - set(MODELS))
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    arms = args.arms.split(",")
+    if set(arms) - set(ARMS):
+        parser.error(f"unknown arm(s) {sorted(set(arms) - set(ARMS))}; choose from {list(ARMS)}")
     if args.dry_run:
         args.prompts, args.n, args.max_new_tokens = 2, 2, 8
     out_dir = args.out_dir or (
@@ -296,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # the arms' engines measure the GPU's free memory at start-up
             results["models"][name] = {}
-            for arm in ARMS:
+            for arm in arms:
                 print(f"bench_vllm: {name} {arm} ...", file=sys.stderr, flush=True)
                 results["models"][name][arm] = _run_arm(arm, model_dir, store, child_argv)
                 _write(results, out_dir)

@@ -84,7 +84,8 @@ def rl_flow(
         rec["disk_estimate"] = check_disk(cfg, run.work)  # refuses a run that cannot fit, with the numbers
         rows = read_data(run)  # before anything is built: bad data fails the run here
         quantized, twin = prepare_base(run)
-        engine = TimedEngine(cfg.rollout, quantized, twin)  # started by the first stage that generates
+        # started by the first stage that generates; a run with AQN gets an engine that holds it exactly
+        engine = TimedEngine(cfg.rollout, quantized, twin, aqn=cfg.aqn.active)
         rec["engine_mode"] = engine.mode
         run.logger.info("run %s: engine mode %s, work dir %s", run.run_id, engine.mode, run.work)
         problems = load_data(run, quantized, twin, rows)

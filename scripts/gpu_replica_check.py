@@ -13,18 +13,19 @@ a 15-minute budget, while here it costs seconds.
 2. scheme: vLLM reads the quantize stage's checkpoint (the kit test's Marlin-sized Qwen2) and gives
    every linear layer the W4A16 FP4 scheme on the Marlin kernel, and ``lm_head`` none.
 3. engine: qerl's vLLM engine, built by ``build_engine`` with the kit test's config (CUDA graphs,
-   LoRA, in-process) and with ``bench_vllm``'s for both its arms, passes vLLM's argument parsing,
-   config validation, model inspection and worker-extension injection and reaches the worker's
-   ``init_device``, the first call that needs the GPU, in-process and in vLLM's engine-core process.
-   It reports the model runner vLLM chose and the CUDA graph mode.
+   LoRA, in-process, AQN) and with ``bench_vllm``'s for both its arms and for a run with AQN, passes
+   vLLM's argument parsing, config validation, model inspection and worker-extension injection and
+   reaches the worker's ``init_device``, the first call that needs the GPU, in-process and in vLLM's
+   engine-core process. It reports the model runner vLLM chose and the CUDA graph mode, and the
+   worker resolves the model loader asked for (qerl's fp32-norm loader for an AQN engine).
 4. requests: qerl's ``generate`` (group prefill, logprobs, a LoRA adapter) runs against an ``LLM``
    stand-in that binds every call to vLLM 0.26's own ``LLM`` signatures and answers with vLLM's own
    output classes, so the SamplingParams, TokensPrompt and LoRARequest qerl builds go through vLLM's
    validation and the output fields it reads exist.
 5. model: vLLM builds the checkpoint's model on the meta device (its scheme objects included); the
-   AQN worker extension names an FP4 scheme, finds the norms the HF side noises, writes clean + the
-   same noise into them (made real on the CPU) in the model's dtype under compiled graphs, and sigma 0
-   restores them bit for bit.
+   AQN worker extension names an FP4 scheme, finds the norms the HF side noises, and, with them made
+   real on the CPU and held in fp32 as qerl's loader leaves them, writes clean + the same noise into
+   them exactly under compiled graphs; sigma 0 restores them bit for bit.
 6. weights: vLLM's own loader fills the model, built on the CPU, from the checkpoint; every
    parameter is compared with the checkpoint, fused layers' global scales must agree, and Marlin's
    conversion of the block scales must keep them (``scripts/gpu_replica_weights.py``).
@@ -115,8 +116,10 @@ def pretend_cuda() -> None:
     vllm_engine.cuda_available = lambda: True
 
 
-def check_engine(label: str, cfg: Any, quantized: Any, work: Path) -> list[str]:
-    """Build qerl's engine for ``cfg``: it must stop at the worker's ``init_device`` and nowhere else."""
+def check_engine(label: str, cfg: Any, quantized: Any, work: Path, aqn: bool = False) -> list[str]:
+    """Build qerl's engine for ``cfg`` (``aqn``: for a run with AQN): it must stop at the worker's
+    ``init_device`` and nowhere else, and the worker must find the model loader the engine asked for
+    (qerl's fp32-norm loader for a compiled AQN engine, vLLM's default otherwise)."""
     import json
     import os
 
@@ -127,15 +130,21 @@ def check_engine(label: str, cfg: Any, quantized: Any, work: Path) -> list[str]:
     reached.unlink(missing_ok=True)
     os.environ["QERL_REPLICA_REACHED"] = str(reached)
     try:
-        build_engine(cfg, quantized, None).close()
+        build_engine(cfg, quantized, None, aqn=aqn).close()
         error = "started (the replica has no GPU: its plugins are not loaded)"
     except BaseException as exc:  # noqa: BLE001 - whatever stops the start before the GPU is the finding
         if isinstance(exc, KeyboardInterrupt):
             raise
         error = _error(exc)
     if reached.exists():
-        say(f"  engine {label}: reached init_device: {json.loads(reached.read_text())}")
-        return []
+        info = json.loads(reached.read_text())
+        say(f"  engine {label}: reached init_device: {info}")
+        want = "FP32NormsLoader" if aqn and not cfg.enforce_eager else "DefaultModelLoader"
+        return (
+            []
+            if info.get("model_loader") == want
+            else [f"engine {label}: model loader {info.get('model_loader')}, expected {want}"]
+        )
     return [f"engine {label} stopped before the GPU: {error}"]
 
 
@@ -222,12 +231,13 @@ def check_requests(cfg: Any, model_dir: Path, adapter: Path) -> list[str]:
 
 def check_model(model_dir: Path, work: Path) -> list[str]:
     """vLLM 0.26 builds the checkpoint's model (meta device, as its loader would before the weights);
-    the AQN worker extension finds the norms the HF side noises, names an FP4 scheme, and writes
-    clean + the same noise into them (the layer norms made real on the CPU), and sigma 0 restores them."""
+    the AQN worker extension finds the norms the HF side noises and names an FP4 scheme; the norms,
+    made real on the CPU and held in fp32 as qerl's loader leaves them for a compiled engine, get
+    clean + the same noise, exactly, and sigma 0 restores them."""
     import torch
     from gpu_replica_weights import build_vllm_model
     from qerl.pipeline.rollout.aqn import layer_noise, noise_targets
-    from qerl.pipeline.rollout.aqn_vllm import AQNWorkerExtension
+    from qerl.pipeline.rollout.aqn_vllm import AQNWorkerExtension, hold_norms_fp32
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -256,17 +266,17 @@ def check_model(model_dir: Path, work: Path) -> list[str]:
     for name, (_, _, module) in targets.items():
         clean[name] = weights[f"{name}.weight"]
         module.weight = torch.nn.Parameter(clean[name].clone(), requires_grad=False)
+    if hold_norms_fp32(model) != len(targets):  # what qerl's loader does once vLLM's has loaded
+        findings.append("model: the fp32-norm loader did not convert every AQN norm")
     stats = worker.qerl_set_norm_noise(0.05, 11)
     if stats["graphs_frozen"] != 1.0:  # the default config compiles and captures graphs
-        findings.append("model: the extension does not see a compiled engine (it would hold fp32 weights)")
+        findings.append("model: the extension does not see a compiled engine")
     for name, (layer, kind, module) in targets.items():
-        want = (clean[name].float() + layer_noise(11, layer, clean[name].numel(), 0.05)[kind]).to(
-            torch.bfloat16
-        )
-        if module.weight.dtype != torch.bfloat16 or not torch.equal(module.weight, want):
-            findings.append(f"model: {name} after set_noise is not clean + the HF side's noise in bf16")
+        want = clean[name].float() + layer_noise(11, layer, clean[name].numel(), 0.05)[kind]
+        if module.weight.dtype != torch.float32 or not torch.equal(module.weight, want):
+            findings.append(f"model: {name} after set_noise is not clean + the HF side's noise in fp32")
     worker.qerl_set_norm_noise(0.0, 11)
-    if not all(torch.equal(m.weight, clean[n]) for n, (_, _, m) in targets.items()):
+    if not all(torch.equal(m.weight, clean[n].float()) for n, (_, _, m) in targets.items()):
         findings.append("model: sigma 0 did not restore the clean norm weights exactly")
     say(
         f"  model: {type(model).__name__} on meta, schemes {schemes}; {len(targets)} AQN norms, "
@@ -400,7 +410,8 @@ def run_checks(work: Path) -> list[str]:
 
 
 def check_engines(work: Path, quantized: Any, plain: Any) -> list[str]:
-    """The kit test's engine (in-process) and bench_vllm's two arms (engine-core process, as a run's)."""
+    """The kit test's engine (in-process), bench_vllm's two arms (engine-core process, as a run's) and
+    the NVFP4 one built for AQN (the loader must be registered in the engine-core process too)."""
     from qerl.pipeline.rollout.config import RolloutConfig
 
     import benchmarks.bench_vllm as bench_vllm
@@ -410,9 +421,10 @@ def check_engines(work: Path, quantized: Any, plain: Any) -> list[str]:
     bench_args = argparse.Namespace(prompts=16, n=8, max_new_tokens=256)  # bench_vllm's defaults
     bench_cfg = bench_vllm._rollout_config(bench_args, dry=False)
     return (
-        check_engine("kit test (in-process)", RolloutConfig(**ENGINE), quantized, work)
+        check_engine("kit test (in-process, AQN)", RolloutConfig(**ENGINE), quantized, work, aqn=True)
         + check_engine("bench_vllm nvfp4 (engine-core process)", bench_cfg, quantized, work)
         + check_engine("bench_vllm bf16 (engine-core process)", bench_cfg, plain, work)
+        + check_engine("a run's, with AQN (engine-core process)", bench_cfg, quantized, work, aqn=True)
     )
 
 

@@ -44,6 +44,17 @@ def activate() -> str:
 REACHED = "qerl replica: reached the worker's init_device"
 
 
+def _model_loader(cfg: object) -> str:
+    """The loader class this worker's ``load_model`` would get (qerl's is registered by the import of
+    the worker extension, which vLLM does before ``init_device``)."""
+    try:
+        from vllm.model_executor.model_loader import get_model_loader
+
+        return type(get_model_loader(cfg.load_config)).__name__  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - reported, and the check names it
+        return f"error: {exc}"
+
+
 def stop_at_device() -> None:
     """General plugin (every vLLM process loads it): the worker's ``init_device``, the first call that
     needs the GPU, writes what vLLM chose to ``$QERL_REPLICA_REACHED`` and stops the start there."""
@@ -61,6 +72,7 @@ def stop_at_device() -> None:
             "dtype": str(cfg.model_config.dtype),
             "lora": cfg.lora_config is not None,
             "worker": type(self).__name__,
+            "model_loader": _model_loader(cfg),
         }
         out = os.environ.get("QERL_REPLICA_REACHED")
         if out:

@@ -53,6 +53,17 @@ def test_schedule_edge_cases():
         AQNConfig(num_stages=10, bogus=1)
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [AQNConfig(), AQNConfig(num_stages=1), AQNConfig(enabled=False), AQNConfig(sigma_start=0.0, sigma_end=0.0),
+     AQNConfig(num_stages=2, sigma_start=3e-3), AQNConfig(num_stages=2, sigma_start=0.0)],
+)  # fmt: skip
+def test_active_says_whether_any_step_of_a_run_gets_noise(cfg):
+    """What a run tells its engine (an AQN engine holds its norms in fp32 from the load on)."""
+    noisy = any(sigma_schedule(s, 40, cfg) > 0 for s in range(40))
+    assert cfg.active == noisy
+
+
 def test_noise_is_seeded_fp32_and_has_the_right_scale():
     a = norm_noise(200_000, 0.01, layer_generator(7, 3))
     b = norm_noise(200_000, 0.01, layer_generator(7, 3))

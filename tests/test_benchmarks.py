@@ -85,10 +85,15 @@ def test_bench_vllm_reads_vllms_memory_log_and_sets_the_plan_beside_it():
         "models": {"0.5b": {
             "nvfp4": {**arm, "planned_gib": {k: v / 2**30 for k, v in nvfp4.items()}, "reported": vllm_reported(log)},
             "bf16": {**arm, "mode": "vllm-unquantized", "tokens_per_s": 1000.0},
+            "nvfp4-aqn": {**arm, "tokens_per_s": 1900.0, "aqn_sigma": 5e-4, "aqn_sigma_realised": 4.9e-4},
         }},
     }  # fmt: skip
     text = report(results)
-    assert "| 0.5b | nvfp4 | vllm-nvfp4-marlin | 40.0 | 4000 | 2.00 | 2000 | 2.00x |" in text
+    assert "| 0.5b | nvfp4 | vllm-nvfp4-marlin | 40.0 | 4000 | 2.00 | 2000 | 2.00x of bf16 |" in text
+    assert (
+        "| 0.5b | nvfp4-aqn | vllm-nvfp4-marlin | 40.0 | 4000 | 2.00 | 1900 | 0.95x of nvfp4; realised sigma 0.980x |"
+        in text
+    )
     assert f"| 0.5b | nvfp4 | kv_cache | {nvfp4['kv_cache'] / 2**30:.2f} | 31.25 |" in text
 
 

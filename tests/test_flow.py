@@ -140,6 +140,12 @@ def test_vllm_run_end_to_end(flow_model, tmp_path):
     assert str(record["registration"]["version"]) == "1"
     rollouts = [e for e in _journal(tmp_path / "work") if e["stage"] == "rollout"]
     assert len(rollouts) == 2
+    # the run has AQN, so its engine was built for it (eager here: fp32 norms from the first noisy step)
+    manifests = sorted((tmp_path / "work" / "store" / "objects" / "rollout").glob("*/manifest.json"))
+    assert len(manifests) == 2
+    for manifest in manifests:
+        engine = json.loads(manifest.read_text())["extra"]["engine"]
+        assert engine["built_for_aqn"] is True and engine["aqn_norms"] == "fp32 per noisy step", engine
 
 
 @pytest.mark.slow

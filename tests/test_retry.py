@@ -45,13 +45,24 @@ class FakeEngine:
 def fake_engines(monkeypatch):
     built: list[FakeEngine] = []
 
-    def build(cfg, quantized, twin):  # noqa: ANN001, ANN202
+    def build(cfg, quantized, twin, aqn=False):  # noqa: ANN001, ANN202
         engine = FakeEngine(dies=not built)  # the first one dies on its first generate
         built.append(engine)
         return engine
 
     monkeypatch.setattr(factory, "build_engine", build)
     return built
+
+
+def test_a_lazy_engine_builds_its_engine_for_aqn_when_asked(monkeypatch):
+    """The run's engine is built for AQN (``aqn=cfg.aqn.active`` in the RL flow), a rebuild too."""
+    asked = []
+    monkeypatch.setattr(
+        factory, "build_engine", lambda cfg, q, t, aqn=False: asked.append(aqn) or FakeEngine(dies=False)
+    )
+    LazyEngine(RolloutConfig(engine="hf"), None, None, aqn=True).generate(["p"], 1, None, 0)
+    LazyEngine(RolloutConfig(engine="hf"), None, None).generate(["p"], 1, None, 0)
+    assert asked == [True, False]
 
 
 def test_a_dead_engine_is_dropped_and_rebuilt(fake_engines):
@@ -68,7 +79,7 @@ def test_a_deterministic_engine_error_keeps_the_engine(monkeypatch):
         def generate(self, prompts, n, sampling, seed):  # noqa: ANN001, ANN201
             raise EngineError("prompt too long")
 
-    monkeypatch.setattr(factory, "build_engine", lambda *a: Broken(dies=False))
+    monkeypatch.setattr(factory, "build_engine", lambda *a, **k: Broken(dies=False))
     lazy = LazyEngine(RolloutConfig(engine="hf"), None, None)
     with pytest.raises(EngineError):
         lazy.generate(["p"], 2, None, 0)

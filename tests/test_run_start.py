@@ -209,7 +209,7 @@ def test_the_engine_start_up_is_counted_apart_from_the_step(monkeypatch):
         def generate(self, prompts, n, sampling, seed):
             return [["done"] * n for _ in prompts]
 
-    def slow_build(cfg, quantized, twin):
+    def slow_build(cfg, quantized, twin, aqn=False):
         time.sleep(0.3)
         return Engine(engine.mode)
 

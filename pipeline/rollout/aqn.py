@@ -97,6 +97,11 @@ class AQNConfig(StrictModel):
     sigma_start: float = Field(1e-2, ge=0.0)
     sigma_end: float = Field(5e-4, ge=0.0)
 
+    @property
+    def active(self) -> bool:
+        """Whether any step of a run gets noise (``sigma_schedule`` is nonzero somewhere)."""
+        return self.enabled and self.num_stages >= 2 and self.sigma_start > 0.0
+
     @model_validator(mode="after")
     def _check(self) -> AQNConfig:
         if self.num_stages >= 3 and (self.sigma_start == 0.0) != (self.sigma_end == 0.0):

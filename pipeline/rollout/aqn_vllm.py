@@ -26,20 +26,73 @@ back, so noise-free steps (and evaluation) run the fused kernels on the exact cl
 
 Engines with compiled graphs (``enforce_eager: false``: torch.compile with its guards dropped and
 CUDA graphs that captured the weight's address and dtype) cannot have a parameter's dtype changed
-after start-up: the compiled code would read the fp32 storage as bf16. There the noise is written
-in place in the model's dtype (the old behaviour, most of late-stage sigma rounds away), the
-realised sigma says by how much, and the engine logs it at WARNING. Making compiled engines exact
-needs the norms in fp32 before compilation (a load-time hook in the worker), which vLLM's worker
-extension does not offer: it is only mixed in after the worker's own methods.
+after start-up: the compiled code would read the fp32 storage as bf16. So an engine that will run
+AQN holds its AQN norms in fp32 from the moment its weights are loaded, before anything is compiled
+or captured: it is started with ``load_format=FP32_NORMS_LOAD_FORMAT``, a model loader that is
+vLLM's default one followed by ``hold_norms_fp32``. The noise is then written in place, in fp32, into
+the storage the graphs read, and is exact; sigma 0 writes the clean values back (bf16 values held in
+fp32). The price is in the noise-free steps too: such an engine computes its AQN norms as
+``(x_hat_fp32 * w_fp32).to(x.dtype)`` throughout (vLLM's native norm; its fused C kernels decline a
+weight whose dtype is not the input's), where a bf16 engine rounds ``x_hat`` to bf16 first, one
+rounding apart, the same order as the difference between compiled and eager arithmetic. vLLM's
+worker extension cannot hook the load (it is mixed in after the worker's own methods), hence the
+loader, registered with vLLM by importing this module: vLLM imports it by name in every worker
+process (the worker extension) before the worker loads the model, and the engine imports it before
+it starts one. An engine compiled without the loader (``aqn`` not asked for) writes the noise in the
+model's dtype, where most of late-stage sigma rounds away; the realised sigma says by how much and
+the engine logs it at WARNING.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
+import torch
 from qerl.pipeline.rollout.aqn import noise_norm_modules, noise_targets
 
-__all__ = ["AQNWorkerExtension", "graphs_frozen"]
+__all__ = ["FP32_NORMS_LOAD_FORMAT", "AQNWorkerExtension", "graphs_frozen", "hold_norms_fp32"]
+
+# vLLM's ``load_format`` of the loader that holds the AQN norms in fp32 from the start
+FP32_NORMS_LOAD_FORMAT = "qerl-fp32-norms"
+
+
+def hold_norms_fp32(model: Any) -> int:
+    """Make the AQN norms' 16-bit weights fp32 parameters of the same values; how many it changed."""
+    changed = 0
+    targets = noise_targets(
+        (name, module)
+        for name, module in model.named_modules()
+        if getattr(module, "weight", None) is not None
+    )
+    for _, _, module in targets.values():
+        if module.weight.dtype in (torch.bfloat16, torch.float16):
+            module.weight = torch.nn.Parameter(module.weight.data.float(), requires_grad=False)
+            changed += 1
+    return changed
+
+
+def _register_fp32_norms_loader() -> None:
+    """Register ``FP32_NORMS_LOAD_FORMAT`` with vLLM's model loaders (once a process; module docstring)."""
+    import dataclasses
+
+    from vllm.model_executor.model_loader import DefaultModelLoader, register_model_loader
+
+    @register_model_loader(FP32_NORMS_LOAD_FORMAT)
+    class FP32NormsLoader(DefaultModelLoader):
+        """vLLM's default loader (load format ``auto``), then the AQN norms held in fp32."""
+
+        def __init__(self, load_config: Any):
+            super().__init__(dataclasses.replace(load_config, load_format="auto"))
+
+        def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+            model = super().load_model(vllm_config, model_config, prefix)
+            hold_norms_fp32(model)
+            return model
+
+
+if importlib.util.find_spec("vllm") is not None:
+    _register_fp32_norms_loader()
 
 
 def graphs_frozen(vllm_config: Any) -> bool:

@@ -94,8 +94,13 @@ def _served_dir(mode: str, quantized: Manifest | None, twin: Manifest | None) ->
     return model_dir
 
 
-def build_engine(cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest | None) -> RolloutEngine:
+def build_engine(
+    cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest | None, aqn: bool = False
+) -> RolloutEngine:
     """Build the configured engine on this machine and log the mode it runs in.
+
+    ``aqn``: the engine will run AQN noise; a compiled vLLM engine then holds its norms in fp32 from
+    the load on, so the noise is exact (``qerl.pipeline.rollout.aqn_vllm``).
 
     ``quantized`` is the quantize stage's NVFP4 checkpoint, ``twin`` the dequantize stage's bf16
     twin. On CUDA vLLM serves ``quantized``; otherwise (CPU vLLM, or the HF engine) the twin is
@@ -118,4 +123,5 @@ def build_engine(cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest 
             )
         model_dir = _served_dir(mode, quantized, twin)
     module, cls = IMPLEMENTATIONS[cfg.engine]
-    return getattr(importlib.import_module(module), cls)(cfg, model_dir, mode)
+    extra = {"aqn": aqn} if cfg.engine == "vllm" else {}  # the HF engine's noisy norms are fp32 anyway
+    return getattr(importlib.import_module(module), cls)(cfg, model_dir, mode, **extra)

@@ -33,8 +33,10 @@ class LazyEngine:
     task's retry builds a fresh one instead of calling the corpse again.
     """
 
-    def __init__(self, cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest | None):
-        self._args = (cfg, quantized, twin)
+    def __init__(
+        self, cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest | None, aqn: bool = False
+    ):
+        self._args = (cfg, quantized, twin, aqn)
         self.mode, self.implementation_module = factory.planned_mode(cfg, factory.is_unquantized(quantized))
         self._engine: RolloutEngine | None = None
         self.builds = 0  # engines built so far (a rebuild after a death makes it 2)

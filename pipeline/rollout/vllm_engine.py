@@ -6,7 +6,8 @@
   worker extension ``qerl.pipeline.rollout.aqn_vllm.AQNWorkerExtension``, then the prefix cache is reset (KV of
   cached prefixes was computed under the old norm weights). The workers return what they wrote
   and ``set_noise`` returns (and keeps as ``sigma_realised``) the realised sigma; noisy norm
-  weights are fp32 on an eager engine and in the model's dtype under compiled graphs (see there).
+  weights are fp32 on an eager engine, and under compiled graphs on an engine built for AQN
+  (``aqn=True``: its norms are fp32 from the load on, ``FP32_NORMS_LOAD_FORMAT``; see there).
 - Requests: one request per (prompt, sample) with its own seed (``sample_seed``), prompts passed as
   token ids encoded exactly as the HF engine encodes them, detokenisation done here with the same
   tokenizer call, so the two engines are comparable token for token and string for string.
@@ -106,7 +107,22 @@ VLLM_CPU_DEFAULT_BATCHED_TOKENS = 4096
 CPU_KV_BLOCK = 32
 
 
-def _llm_kwargs(cfg: RolloutConfig, model_dir: Path, logprobs_mode: str, cuda: bool) -> dict[str, Any]:
+def fp32_norms(cfg: RolloutConfig, aqn: bool) -> bool:
+    """Whether an engine for ``cfg`` holds its AQN norms in fp32 from the load on: one that will run
+    AQN under compiled graphs (an eager engine makes them fp32 at the first noisy step instead)."""
+    return aqn and not cfg.enforce_eager
+
+
+def _aqn_norms(cfg: RolloutConfig, aqn: bool) -> str:
+    """How the engine holds AQN's noisy norm weights (its ``info``, so every rollout manifest says)."""
+    if fp32_norms(cfg, aqn):
+        return "fp32 from load"
+    return "fp32 per noisy step" if cfg.enforce_eager else "model dtype (compiled, not built for AQN)"
+
+
+def _llm_kwargs(
+    cfg: RolloutConfig, model_dir: Path, logprobs_mode: str, cuda: bool, aqn: bool = False
+) -> dict[str, Any]:
     """``vllm.LLM``'s arguments for ``cfg`` on this machine (sets vLLM's multiprocessing switch)."""
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
@@ -145,6 +161,10 @@ def _llm_kwargs(cfg: RolloutConfig, model_dir: Path, logprobs_mode: str, cuda: b
         kwargs.update(max_loras=1, max_lora_rank=cfg.max_lora_rank)
     if cfg.enforce_eager:
         kwargs["compilation_config"] = {"mode": 0}  # no torch.compile: a fast startup
+    if fp32_norms(cfg, aqn):
+        from qerl.pipeline.rollout.aqn_vllm import FP32_NORMS_LOAD_FORMAT  # registers the loader here
+
+        kwargs["load_format"] = FP32_NORMS_LOAD_FORMAT
     kwargs.update(_memory_kwargs(cfg, cuda))
     return kwargs
 
@@ -178,7 +198,7 @@ def _memory_kwargs(cfg: RolloutConfig, cuda: bool) -> dict[str, Any]:
 class VLLMEngine:
     """``vllm.LLM`` + LoRARequest per adapter version + AQN via the worker extension."""
 
-    def __init__(self, cfg: RolloutConfig, model_dir: Path, mode: str):
+    def __init__(self, cfg: RolloutConfig, model_dir: Path, mode: str, aqn: bool = False):
         # vLLM's import and start write this process's environment (LD_PRELOAD, NUMEXPR_MAX_THREADS,
         # ... meant for its own processes) and, in-process, replace torch.set_num_threads with a
         # no-op: all put back once it is up, so the trainer and later child processes keep their own
@@ -190,7 +210,7 @@ class VLLMEngine:
         self.cfg, self.mode, self.model_dir = cfg, mode, Path(model_dir)
         self.logprobs_mode = logprobs_mode_for(cfg.sampling())
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        kwargs = _llm_kwargs(cfg, self.model_dir, self.logprobs_mode, cuda_available())
+        kwargs = _llm_kwargs(cfg, self.model_dir, self.logprobs_mode, cuda_available(), aqn)
         try:
             self.llm = LLM(**kwargs)
         finally:
@@ -208,6 +228,8 @@ class VLLMEngine:
             "linear_methods": schemes,
             "vllm_version": _vllm_version(),
             "dtype": str(self.llm.llm_engine.vllm_config.model_config.dtype),
+            "built_for_aqn": aqn,
+            "aqn_norms": _aqn_norms(cfg, aqn),
         }
         if mode == "vllm-nvfp4-marlin" and not any("Fp4" in s or "FP4" in s for s in schemes):
             raise EngineError(f"vLLM on CUDA did not load an NVFP4 scheme for {self.model_dir}: {schemes}")
@@ -247,9 +269,10 @@ class VLLMEngine:
         if sigma > 0 and any(s["graphs_frozen"] and not s["fp32"] for s in stats) and not self._warned_frozen:
             self._warned_frozen = True
             log.warning(
-                "vLLM engine with compiled graphs (enforce_eager: false): AQN writes the noisy norm "
-                "weights in the model's dtype %s, where small sigmas round away; see the realised sigma "
-                "(rollout.enforce_eager: true keeps them in fp32 and exact)",
+                "vLLM engine with compiled graphs (enforce_eager: false) not built for AQN: it writes "
+                "the noisy norm weights in the model's dtype %s, where small sigmas round away; see the "
+                "realised sigma (an engine built with aqn=True, or rollout.enforce_eager: true, keeps "
+                "them in fp32 and exact)",
                 self.info.get("dtype"),
             )
         check_realised(

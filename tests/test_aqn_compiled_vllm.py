@@ -1,0 +1,81 @@
+"""AQN in a vLLM engine with compiled graphs (CPU, in-process, torch.compile) built for AQN.
+
+``build_engine(..., aqn=True)`` starts vLLM with qerl's model loader (``FP32_NORMS_LOAD_FORMAT``), so
+the AQN norms are fp32 before torch.compile traces the model, and the noise is written into them in
+place, exactly. Checked: the norms are fp32 from the start; the noise written is the HF engine's to
+the last bit at the late-stage sigma that bf16 rounds away; the compiled graphs read it (at a sigma
+that changes the model's function, the compiled engine and the HF engine agree); no WARNING; sigma 0
+gives back the clean outputs bit for bit. On a GPU the same loader runs before CUDA graphs are
+captured (``tests/test_gpu_vllm.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from qerl.pipeline.rollout.aqn import layer_noise
+from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.factory import build_engine
+from qerl.pipeline.rollout.protocol import SamplingSpec
+
+from tests.test_engines import fake_manifest
+
+GREEDY = SamplingSpec(temperature=0.0, max_new_tokens=4)
+PROMPTS = ["What is 2 + 3?", "Tom has 5 apples and buys 7 more."]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    pytest.importorskip("vllm")
+    cfg = RolloutConfig(
+        dtype="bfloat16", enforce_eager=False, max_new_tokens=4, max_model_len=128, kv_cache_gib=0.125,
+        template="terse", in_process=True, hf_batch_size=8, enable_lora=False, seed=3,
+    )  # fmt: skip
+    compiled = build_engine(cfg, None, fake_manifest(tiny_model_dir), aqn=True)
+    hf = build_engine(cfg.model_copy(update={"engine": "hf"}), None, fake_manifest(tiny_model_dir))
+    yield compiled, hf
+    compiled.close()
+    hf.close()
+
+
+def _first(engine) -> list[tuple[int, float]]:
+    """Each prompt's first greedy token and its logprob (the prompt's forward only)."""
+    return [
+        (c.completion_ids[0], c.logprobs[0]) for row in engine.generate(PROMPTS, 1, GREEDY, 0) for c in row
+    ]
+
+
+def test_a_compiled_engine_built_for_aqn_holds_exact_noise_that_its_graphs_read(engines, caplog):
+    compiled, hf = engines
+    assert compiled.info["aqn_norms"] == "fp32 from load" and compiled.info["built_for_aqn"] is True
+    assert set(compiled.norm_dtypes().values()) == {"torch.float32"}  # before any noise: from the load
+    clean, clean_first = compiled.norm_weights(), _first(compiled)
+    try:
+        with caplog.at_level(logging.WARNING):
+            realised = compiled.set_noise(5e-4, 77)  # the 7B schedule's last sigma: bf16 rounds it away
+        assert "compiled graphs" not in caplog.text
+        assert realised == pytest.approx(hf.set_noise(5e-4, 77), rel=1e-6) and abs(realised / 5e-4 - 1) < 0.1
+        for name, w in compiled.norm_weights().items():
+            layer, kind = int(name.split(".layers.")[1].split(".")[0]), name.split(".")[-1]
+            want = torch.tensor(clean[name]) + layer_noise(77, layer, len(w), 5e-4)[kind]
+            assert torch.equal(torch.tensor(w), want), name
+        # the graphs read the fp32 storage: at a sigma that changes the function, compiled vLLM and
+        # transformers agree (to bf16 activations), and both moved away from the clean model
+        compiled.set_noise(0.3, 77)
+        hf.set_noise(0.3, 77)
+        noisy, reference = _first(compiled), _first(hf)
+        assert [t for t, _ in noisy] == [t for t, _ in reference]
+        assert all(abs(a - b) < 0.05 for (_, a), (_, b) in zip(noisy, reference, strict=True)), (
+            noisy,
+            reference,
+        )
+        assert noisy != clean_first and [t for t, _ in noisy] != [t for t, _ in clean_first], (
+            noisy,
+            clean_first,
+        )
+    finally:
+        compiled.set_noise(0.0, 0)
+        hf.set_noise(0.0, 0)
+    assert compiled.norm_weights() == clean and _first(compiled) == clean_first
