@@ -22,6 +22,8 @@
 #          --steps N  --prompt N  --completion N  --skip-kernels  --merge  (these go to bench_gpu.py;
 #          --merge keeps the other models' arms already in benchmarks/results/gpu.json)
 #          --vllm-models 0.5b[,7b]  (bench_vllm.py's shapes; default 0.5b)
+#          --vllm-arms nvfp4,bf16[,nvfp4-aqn]  (bench_vllm.py's arms, in order; nvfp4-aqn: what exact
+#                        AQN noise costs, the engine built for AQN with its norms fp32 from the load)
 #          --budget-s N  the seconds this call may spend: the parts run in the order below, each
 #                        under what is left (SIGINT, so pytest still writes its summary and the
 #                        benchmarks keep every finished arm); one that would get under 45 s is not
@@ -93,6 +95,7 @@ BENCH=1
 BENCH_ARGS=()
 BUDGET_S=0
 VLLM_MODELS=0.5b
+VLLM_ARMS=nvfp4,bf16
 RUN_E2E=0
 RUN_CONFIG=demo-gpu
 PART_MIN_S=${QERL_GPU_PART_MIN_S:-45}          # a part that would get less is not started
@@ -112,6 +115,7 @@ while (($#)); do
     --merge|--skip-kernels) BENCH_ARGS+=("$1"); shift ;;
     --budget-s) BUDGET_S=$2; shift 2 ;;
     --vllm-models) VLLM_MODELS=$2; shift 2 ;;
+    --vllm-arms) VLLM_ARMS=$2; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -383,8 +387,8 @@ if ((BENCH)) && ((!NO_VLLM)); then
     VLLM_BENCH_RC=$?
   elif "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
     # the carried bundle, or a GPU install's own vLLM (requirements/gpu.txt)
-    run_part bench_vllm "$PY" benchmarks/bench_vllm.py --models "$VLLM_MODELS" --out-dir benchmarks/results \
-      >>"$LOG" 2>&1
+    run_part bench_vllm "$PY" benchmarks/bench_vllm.py --models "$VLLM_MODELS" --arms "$VLLM_ARMS" \
+      --out-dir benchmarks/results >>"$LOG" 2>&1
     VLLM_BENCH_RC=$?
     cp benchmarks/results/vllm.md benchmarks/results/vllm.json "$OUT"/ 2>/dev/null
   else
