@@ -2,7 +2,7 @@
 
 On a GPU the sampler is vLLM's Marlin W4A16 kernel and the trainer decodes the same checkpoint with
 qerl's kernels. Marlin stores each FP8 E4M3 block scale in its own 8-bit S0E5M3 form (the scale times
-2^7, after a power-of-two rescale of the fused layer that brings its largest scale up to 448), which
+2^7, after the power-of-two rescale of the fused layer that lifts its largest scale into (224, 448]), which
 holds every normal E4M3 value exactly but no subnormal one: a nonzero block scale whose rescaled value
 is below 2^-6, the smallest normal E4M3 value, becomes zero, and its 16 weights with it, in the
 sampler only (vLLM 0.26, ``nvfp4_marlin_process_scales``). ``marlin_zeroed_blocks`` counts those
