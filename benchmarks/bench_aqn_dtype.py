@@ -17,8 +17,13 @@ whose norms become fp32; under compiled graphs the write stays bf16). GPU cost i
 here (no GPU): there an eager engine moves from vLLM's fused C RMSNorm to the native one (a few
 elementwise kernels per norm), a compiled engine's norms are Inductor-generated either way.
 
+``--compiled``: instead, vLLM's engine with torch.compile (``enforce_eager: false``, as every GPU
+preset), built twice: not for AQN (the noise is written in bf16 into what the graphs captured) and
+for AQN (``build_engine(..., aqn=True)``: the norms fp32 from the load on). For each: the realised
+sigma at every stage of the 7B preset's schedule, and tokens/s clean and noisy, interleaved.
+
 Run: ``.venv/bin/python benchmarks/bench_aqn_dtype.py [--prompts 8 --n 4 --max-new-tokens 64 --repeats 3]
-[--micro-only]``
+[--micro-only | --compiled]``
 """
 
 from __future__ import annotations
@@ -111,6 +116,36 @@ def _realised(engine) -> str:
     return ", ".join(parts)
 
 
+def compiled(args: argparse.Namespace, model_dir: Path, questions: list[str]) -> None:
+    """The compiled vLLM engine not built and built for AQN: realised sigma per stage, tokens/s."""
+    from qerl.pipeline.rollout.aqn import AQNConfig, sigma_schedule
+    from qerl.pipeline.rollout.vllm_engine import VLLMEngine
+
+    schedule = AQNConfig()  # the 7B preset's: K = 10, 1e-2 -> 5e-4
+    sigmas = [sigma_schedule(s, schedule.num_stages, schedule) for s in range(1, schedule.num_stages)]
+    cfg = RolloutConfig(
+        dtype="bfloat16", temperature=1.0, max_new_tokens=args.max_new_tokens, max_model_len=512,
+        template="boxed", enforce_eager=False, in_process=True, enable_lora=False,
+        max_num_seqs=args.prompts * args.n, kv_cache_gib=0.5,
+    )  # fmt: skip
+    print(f"compiled vLLM: {args.prompts} prompts x {args.n}, {args.max_new_tokens} new tokens")
+    for aqn in (False, True):
+        engine = VLLMEngine(cfg, model_dir, "vllm-nvfp4-emulated", aqn=aqn)
+        realised = [engine.set_noise(sigma, 7) / sigma for sigma in sigmas]
+        engine.set_noise(0.0, 0)
+        print(f"built for AQN: {aqn} ({engine.info['aqn_norms']})")
+        print("  realised / requested sigma, stages 1-9: " + ", ".join(f"{r:.3f}" for r in realised))
+        prompts = [render_prompt(engine.tokenizer, q, cfg.template) for q in questions]
+        rates = _rates(engine, prompts, cfg, args.n, args.repeats)
+        for arm, values in rates.items():
+            label = "clean" if arm == "clean" else f"sigma {ARMS[arm]:g}"
+            print(
+                f"  {label:10s} tokens/s median {statistics.median(values):8.1f} "
+                f"(min {min(values):.1f}, max {max(values):.1f}, {len(values)} rounds)"
+            )
+        engine.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -118,8 +153,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--micro-only", action="store_true", help="only the norm-alone timings")
+    parser.add_argument("--compiled", action="store_true", help="the compiled vLLM engine, with/without AQN")
     args = parser.parse_args(argv)
     print(f"torch threads {torch.get_num_threads()}")
+    if args.compiled:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = build_tiny_model(Path(tmp) / "m", dtype=torch.bfloat16, norm_jitter=0.05, **SHAPE)
+            questions = [p["question"] for p in arithmetic_problems(args.prompts, seed=0, levels=[1, 2, 3])]
+            compiled(args, model_dir, questions)
+        return
     norm_micro(SHAPE["hidden_size"])
     if args.micro_only:
         return
