@@ -30,7 +30,7 @@
 #                        started. The report's parts table says what ran, what was cut off, what was
 #                        not started; exit 5 = nothing failed but the kit is incomplete.
 # The parts, in the order of what they are worth to a short lease: (1) tests/test_gpu_vllm.py (the
-# default GPU engine, issue 23), (2) tests/test_gpu.py (kernels, trainer, determinism on CUDA),
+# default GPU engine, issue 23) and tests/test_gpu_vllm_aqn.py (the same engine built for AQN), (2) tests/test_gpu.py (kernels, trainer, determinism on CUDA),
 # (3) benchmarks/bench_vllm.py (Marlin NVFP4 vs bf16 tokens/s), (4) benchmarks/bench_gpu.py (GRPO
 # update time and memory at 7B/14B/32B, kernels).
 #
@@ -67,7 +67,7 @@
 # part-02 ... part-(N-1). Another session's lease can go to what the budget cut (e.g. `--bench-only
 # --vllm-models 7b`, or `--bench-only --models 14b,32b --merge`).
 #   --stage-only   stage the carried chunks (extract when complete), report, stop
-#   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py)
+#   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py and _aqn.py)
 #   --no-vllm      the kit without the vLLM parts (1 and 3)
 #
 # `qerl run` on the GPU (--run-e2e adds it after the tests; --run-only runs it alone): the user's own
@@ -315,7 +315,7 @@ TEST_SUMMARY="not run (--bench-only)"
 TEST_FILES=()
 if ((TESTS)); then
   ((DRY)) || export TRITON_INTERPRET=0
-  ((NO_VLLM)) || TEST_FILES+=(tests/test_gpu_vllm.py)
+  ((NO_VLLM)) || TEST_FILES+=(tests/test_gpu_vllm.py tests/test_gpu_vllm_aqn.py)
   ((VLLM_ONLY)) || TEST_FILES+=(tests/test_gpu.py)
   TEST_RC=0
   : >"$SCRATCH/gpu-tests.txt"

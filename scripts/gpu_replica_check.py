@@ -12,11 +12,11 @@ a 15-minute budget, while here it costs seconds.
 1. imports: every root of the bundle's import scan imports under vLLM's CUDA platform.
 2. scheme: vLLM reads the quantize stage's checkpoint (the kit test's Marlin-sized Qwen2) and gives
    every linear layer the W4A16 FP4 scheme on the Marlin kernel, and ``lm_head`` none.
-3. engine: qerl's vLLM engine, built by ``build_engine`` with the kit test's config (CUDA graphs,
-   LoRA, in-process, AQN) and with ``bench_vllm``'s for both its arms and for a run with AQN, passes
-   vLLM's argument parsing, config validation, model inspection and worker-extension injection and
-   reaches the worker's ``init_device``, the first call that needs the GPU, in-process and in vLLM's
-   engine-core process. It reports the model runner vLLM chose and the CUDA graph mode, and the
+3. engine: qerl's vLLM engine, built by ``build_engine`` with the kit tests' config (CUDA graphs,
+   LoRA, in-process; plain and for AQN) and with ``bench_vllm``'s for both its arms and for a run
+   with AQN, passes vLLM's argument parsing, config validation, model inspection and
+   worker-extension injection and reaches the worker's ``init_device``, the first call that needs
+   the GPU, in-process and in vLLM's engine-core process. It reports the model runner vLLM chose and the CUDA graph mode, and the
    worker resolves the model loader asked for (qerl's fp32-norm loader for an AQN engine).
 4. requests: qerl's ``generate`` (group prefill, logprobs, a LoRA adapter) runs against an ``LLM``
    stand-in that binds every call to vLLM 0.26's own ``LLM`` signatures and answers with vLLM's own
@@ -410,8 +410,9 @@ def run_checks(work: Path) -> list[str]:
 
 
 def check_engines(work: Path, quantized: Any, plain: Any) -> list[str]:
-    """The kit test's engine (in-process), bench_vllm's two arms (engine-core process, as a run's) and
-    the NVFP4 one built for AQN (the loader must be registered in the engine-core process too)."""
+    """The kit tests' engines (in-process; plain and built for AQN), bench_vllm's two arms (engine-core
+    process, as a run's) and the NVFP4 one built for AQN (the loader must be registered in the
+    engine-core process too)."""
     from qerl.pipeline.rollout.config import RolloutConfig
 
     import benchmarks.bench_vllm as bench_vllm
@@ -421,7 +422,8 @@ def check_engines(work: Path, quantized: Any, plain: Any) -> list[str]:
     bench_args = argparse.Namespace(prompts=16, n=8, max_new_tokens=256)  # bench_vllm's defaults
     bench_cfg = bench_vllm._rollout_config(bench_args, dry=False)
     return (
-        check_engine("kit test (in-process, AQN)", RolloutConfig(**ENGINE), quantized, work, aqn=True)
+        check_engine("kit test (in-process)", RolloutConfig(**ENGINE), quantized, work)
+        + check_engine("kit AQN test (in-process)", RolloutConfig(**ENGINE), quantized, work, aqn=True)
         + check_engine("bench_vllm nvfp4 (engine-core process)", bench_cfg, quantized, work)
         + check_engine("bench_vllm bf16 (engine-core process)", bench_cfg, plain, work)
         + check_engine("a run's, with AQN (engine-core process)", bench_cfg, quantized, work, aqn=True)

@@ -169,7 +169,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (tmp_path / "gpu-check.md").read_text()
     assert "mode: dry-run" in report and "SKIPPED" in report and "INCOMPLETE" not in report
-    for part in ("test_gpu_vllm", "test_gpu", "bench_vllm", "bench_gpu"):
+    for part in ("test_gpu_vllm", "test_gpu_vllm_aqn", "test_gpu", "bench_vllm", "bench_gpu"):
         assert re.search(rf"^\| {part} \| \d+ \| exit 0 \|$", report, re.M), part
     assert "| tiny | nvfp4 |" in report and "| tiny | bf16 |" in report
     assert (

@@ -508,7 +508,8 @@ def test_the_shell_script_exposes_the_vllm_build():
     assert "--stage-only)" in check and "gpu_bundle.py stage" in check and "gpu_bundle.py unpack" in check
 
 
-VLLM_KIT = ("tests/test_gpu_vllm.py", "benchmarks/bench_vllm.py")  # the kit's files that import vLLM
+# the kit's files that import vLLM
+VLLM_KIT = ("tests/test_gpu_vllm.py", "tests/test_gpu_vllm_aqn.py", "benchmarks/bench_vllm.py")
 
 
 def test_the_vllm_kit_names_qerl_modules_and_names_that_exist():
