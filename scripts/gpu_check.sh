@@ -30,9 +30,10 @@
 #                        started. The report's parts table says what ran, what was cut off, what was
 #                        not started; exit 5 = nothing failed but the kit is incomplete.
 # The parts, in the order of what they are worth to a short lease: (1) tests/test_gpu_vllm.py (the
-# default GPU engine, issue 23) and tests/test_gpu_vllm_aqn.py (the same engine built for AQN), (2) tests/test_gpu.py (kernels, trainer, determinism on CUDA),
-# (3) benchmarks/bench_vllm.py (Marlin NVFP4 vs bf16 tokens/s), (4) benchmarks/bench_gpu.py (GRPO
-# update time and memory at 7B/14B/32B, kernels).
+# default GPU engine) and tests/test_gpu_vllm_aqn.py (the same engine built for AQN), (2)
+# tests/test_gpu.py (kernels, trainer, determinism on CUDA), (3) benchmarks/bench_vllm.py (Marlin
+# NVFP4 vs bf16 tokens/s), (4) benchmarks/bench_gpu.py (GRPO update time and memory at 7B/14B/32B,
+# kernels).
 #
 # The vLLM bundle: vLLM travels as chunks of a trimmed bundle built here by `bash
 # scripts/fetch_gpu_wheels.sh --vllm` (.gpu-vllm/part-01 ... part-NN, at most 50 MiB each, and

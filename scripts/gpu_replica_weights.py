@@ -19,8 +19,8 @@ does not trust the loader's own account:
 5. Marlin's conversion of the FP8 block scales to its S0E5M3 bytes (``nvfp4_marlin_process_scales``,
    plain PyTorch) is decoded back and compared with the checkpoint's: exact, except that Marlin reads a
    block scale below the smallest normal E4M3 value (2^-6, over its power-of-two rescale) as zero. Those
-   blocks are counted (the trainer reads them as they are stored) and reported; the quantize manifest
-   counts them for every checkpoint as ``marlin_zeroed_blocks``.
+   blocks are counted (the trainer reads them as they are stored) and reported, and the count must be
+   the one the quantize manifest gives (``qerl.pipeline.nvfp4.marlin``), here against vLLM 0.26.
 
 Not checked: ``gptq_marlin_repack`` (a CUDA op) and the layout permutations, which vLLM's own kernel
 tests cover.
@@ -115,6 +115,7 @@ def check_weights(model_dir: Path, work: Path, say: Any) -> list[str]:
     """Load ``model_dir`` with vLLM's own loader on the CPU and compare every parameter with the
     checkpoint; then the fused global scales and Marlin's scale conversion (module docstring)."""
     import torch
+    from qerl.pipeline.nvfp4.marlin import zeroed_in_layer
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -158,6 +159,11 @@ def check_weights(model_dir: Path, work: Path, say: Any) -> list[str]:
         zeroed, blocks = zeroed + int(lost.sum()), blocks + stored.numel()
         if wrong.any():
             findings.append(f"weights: Marlin reads {int(wrong.sum())} block scales of {layer} differently")
+        if int(lost.sum()) != zeroed_in_layer([scale]):
+            findings.append(
+                f"weights: Marlin zeroes {int(lost.sum())} blocks of {layer}, the quantize manifest's "
+                f"count says {zeroed_in_layer([scale])}"
+            )
     say(
         f"  weights: {len(params) - len(later)} parameters loaded by vLLM's loader on the CPU "
         f"({len(later)} KV-cache scales set after loading), {len(scales)} NVFP4 "

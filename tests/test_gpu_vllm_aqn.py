@@ -1,4 +1,4 @@
-"""vLLM on the GPU, built for AQN (issue 23): exact noise under CUDA graphs.
+"""vLLM on the GPU, built for AQN: exact noise under CUDA graphs.
 
 NOT YET EXECUTED (no GPU since it was written). A run with AQN builds its engine with
 ``build_engine(..., aqn=True)``: vLLM loads the model through qerl's loader

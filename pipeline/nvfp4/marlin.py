@@ -22,23 +22,23 @@ import math
 from pathlib import Path
 
 import torch
+from qerl.kernels.nvfp4_reference import FP8_MAX
 from qerl.pipeline.nvfp4.safetensors_io import TensorSpec, read_tensor, safetensors_index
 
-__all__ = ["E4M3_MAX", "E4M3_MIN_NORMAL", "marlin_rescale", "marlin_zeroed_blocks"]
+__all__ = ["E4M3_MIN_NORMAL", "marlin_rescale", "marlin_zeroed_blocks", "zeroed_in_layer"]
 
 log = logging.getLogger(__name__)
 
-E4M3_MAX = 448.0
-E4M3_MIN_NORMAL = 2.0**-6
+E4M3_MIN_NORMAL = 2.0**-6  # the smallest normal FP8 E4M3 value
 
 
 def marlin_rescale(max_scale: float) -> float:
     """Marlin's power-of-two factor for a layer whose largest block scale is ``max_scale`` (with bf16
     activations): the largest power of two that keeps it at or below 448, and 1 when it is already
     there or the layer's scales are all zero."""
-    if not 0.0 < max_scale < E4M3_MAX:
+    if not 0.0 < max_scale < FP8_MAX:
         return 1.0
-    return 2.0 ** math.floor(math.log2(E4M3_MAX / max_scale))
+    return 2.0 ** math.floor(math.log2(FP8_MAX / max_scale))
 
 
 def zeroed_in_layer(scales: list[torch.Tensor]) -> int:
