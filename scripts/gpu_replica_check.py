@@ -116,10 +116,13 @@ def pretend_cuda() -> None:
     vllm_engine.cuda_available = lambda: True
 
 
-def check_engine(label: str, cfg: Any, quantized: Any, work: Path, aqn: bool = False) -> list[str]:
+def check_engine(
+    label: str, cfg: Any, quantized: Any, work: Path, aqn: bool = False
+) -> tuple[list[str], dict[str, Any]]:
     """Build qerl's engine for ``cfg`` (``aqn``: for a run with AQN): it must stop at the worker's
     ``init_device`` and nowhere else, and the worker must find the model loader the engine asked for
-    (qerl's fp32-norm loader for a compiled AQN engine, vLLM's default otherwise)."""
+    (qerl's fp32-norm loader for a compiled AQN engine, vLLM's default otherwise). The findings, and
+    what the worker recorded."""
     import json
     import os
 
@@ -144,8 +147,8 @@ def check_engine(label: str, cfg: Any, quantized: Any, work: Path, aqn: bool = F
             []
             if info.get("model_loader") == want
             else [f"engine {label}: model loader {info.get('model_loader')}, expected {want}"]
-        )
-    return [f"engine {label} stopped before the GPU: {error}"]
+        ), info
+    return [f"engine {label} stopped before the GPU: {error}"], {}
 
 
 class RecordingLLM:
@@ -421,13 +424,29 @@ def check_engines(work: Path, quantized: Any, plain: Any) -> list[str]:
     pretend_cuda()
     bench_args = argparse.Namespace(prompts=16, n=8, max_new_tokens=256)  # bench_vllm's defaults
     bench_cfg = bench_vllm._rollout_config(bench_args, dry=False)
-    return (
-        check_engine("kit test (in-process)", RolloutConfig(**ENGINE), quantized, work)
-        + check_engine("kit AQN test (in-process)", RolloutConfig(**ENGINE), quantized, work, aqn=True)
-        + check_engine("bench_vllm nvfp4 (engine-core process)", bench_cfg, quantized, work)
-        + check_engine("bench_vllm bf16 (engine-core process)", bench_cfg, plain, work)
-        + check_engine("a run's, with AQN (engine-core process)", bench_cfg, quantized, work, aqn=True)
-    )
+    engines = {
+        "kit test (in-process)": (RolloutConfig(**ENGINE), quantized, False),
+        "kit AQN test (in-process)": (RolloutConfig(**ENGINE), quantized, True),
+        "bench_vllm nvfp4 (engine-core process)": (bench_cfg, quantized, False),
+        "bench_vllm bf16 (engine-core process)": (bench_cfg, plain, False),
+        "a run's, with AQN (engine-core process)": (bench_cfg, quantized, True),
+    }
+    findings, hashes = [], {}
+    for label, (cfg, model, aqn) in engines.items():
+        found, info = check_engine(label, cfg, model, work, aqn=aqn)
+        findings += found
+        hashes[label] = info.get("config_hash")
+    # same model and settings, one built for AQN: vLLM's compile cache must keep their graphs apart
+    for plain_engine, aqn_engine in [
+        ("kit test (in-process)", "kit AQN test (in-process)"),
+        ("bench_vllm nvfp4 (engine-core process)", "a run's, with AQN (engine-core process)"),
+    ]:
+        if hashes[plain_engine] and hashes[plain_engine] == hashes[aqn_engine]:
+            findings.append(
+                f"engines {plain_engine!r} and {aqn_engine!r} share vLLM's config hash "
+                f"{hashes[plain_engine]}: one would load the other's compiled graphs"
+            )
+    return findings
 
 
 def main(argv: list[str]) -> int:

@@ -73,6 +73,8 @@ def stop_at_device() -> None:
             "lora": cfg.lora_config is not None,
             "worker": type(self).__name__,
             "model_loader": _model_loader(cfg),
+            # names vLLM's compile cache (torch_compile_cache/<hash>): an AQN engine's must differ
+            "config_hash": cfg.compute_hash(),
         }
         out = os.environ.get("QERL_REPLICA_REACHED")
         if out:

@@ -16,6 +16,7 @@ import logging
 import pytest
 import torch
 from qerl.pipeline.rollout.aqn import layer_noise
+from qerl.pipeline.rollout.aqn_vllm import FP32_NORMS_CACHE_KEY
 from qerl.pipeline.rollout.config import RolloutConfig
 from qerl.pipeline.rollout.factory import build_engine
 from qerl.pipeline.rollout.protocol import SamplingSpec
@@ -50,6 +51,7 @@ def _first(engine) -> list[tuple[int, float]]:
 def test_a_compiled_engine_built_for_aqn_holds_exact_noise_that_its_graphs_read(engines, caplog):
     compiled, hf = engines
     assert compiled.info["aqn_norms"] == "fp32 from load" and compiled.info["built_for_aqn"] is True
+    assert compiled.llm.llm_engine.vllm_config.additional_config == FP32_NORMS_CACHE_KEY  # own cache
     assert set(compiled.norm_dtypes().values()) == {"torch.float32"}  # before any noise: from the load
     clean, clean_first = compiled.norm_weights(), _first(compiled)
     try:
@@ -79,3 +81,36 @@ def test_a_compiled_engine_built_for_aqn_holds_exact_noise_that_its_graphs_read(
         compiled.set_noise(0.0, 0)
         hf.set_noise(0.0, 0)
     assert compiled.norm_weights() == clean and _first(compiled) == clean_first
+
+
+def test_an_engine_built_for_aqn_compiles_into_a_cache_of_its_own(tiny_model_dir):
+    """vLLM's compile cache is keyed by a config hash that leaves the load format out, and a cached
+    graph is loaded without a check against the weights' dtypes: the AQN engine's config must hash
+    apart from the plain engine's on the same model and settings (else one runs the other's graphs)."""
+    pytest.importorskip("vllm")
+    from qerl.pipeline.rollout.aqn_vllm import FP32_NORMS_LOAD_FORMAT
+    from qerl.pipeline.rollout.vllm_engine import _llm_kwargs
+    from vllm.compilation.caching import aot_compile_hash_factors
+    from vllm.engine.arg_utils import EngineArgs
+
+    cfg = RolloutConfig(
+        dtype="bfloat16",
+        enforce_eager=False,
+        max_new_tokens=4,
+        max_model_len=128,
+        kv_cache_gib=0.125,
+        in_process=True,
+    )
+
+    def vllm_config(aqn: bool):
+        return EngineArgs(
+            **_llm_kwargs(cfg, tiny_model_dir, "processed_logprobs", False, aqn)
+        ).create_engine_config()
+
+    plain, built = vllm_config(False), vllm_config(True)
+    assert (plain.load_config.load_format, built.load_config.load_format) == ("auto", FP32_NORMS_LOAD_FORMAT)
+    assert plain.compute_hash() != built.compute_hash()
+    assert aot_compile_hash_factors(plain) != aot_compile_hash_factors(built)  # torch_compile_cache/<hash>
+    # the key is the only difference: without it the two hash alike (the defect it prevents)
+    built.additional_config = plain.additional_config
+    assert plain.compute_hash() == built.compute_hash()

@@ -54,9 +54,12 @@ def engine(marlin_base):  # noqa: F811 - the imported fixture
 
 def test_the_norms_are_fp32_from_the_load_and_the_noise_is_exact_under_cuda_graphs(engine):
     from qerl.pipeline.rollout.aqn import layer_noise
+    from qerl.pipeline.rollout.aqn_vllm import FP32_NORMS_CACHE_KEY
     from vllm.config import CUDAGraphMode
 
     assert engine.info["aqn_norms"] == "fp32 from load" and engine.info["built_for_aqn"] is True
+    # its own compile cache, apart from test_gpu_vllm.py's plain engine's (aqn_vllm's docstring)
+    assert engine.llm.llm_engine.vllm_config.additional_config == FP32_NORMS_CACHE_KEY
     assert engine.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
     assert set(engine.norm_dtypes().values()) == {"torch.float32"}
     engine.set_adapter(None, None)

@@ -38,7 +38,13 @@ rounding apart, the same order as the difference between compiled and eager arit
 worker extension cannot hook the load (it is mixed in after the worker's own methods), hence the
 loader, registered with vLLM by importing this module: vLLM imports it by name in every worker
 process (the worker extension) before the worker loads the model, and the engine imports it before
-it starts one. An engine compiled without the loader (``aqn`` not asked for) writes the noise in the
+it starts one. Such an engine also gets its own compile cache: vLLM keys its torch.compile cache
+(``torch_compile_cache/<hash>``) by a hash of its config that leaves the load format out, and loads a
+cached graph without checking it against the weights (guards off), so an engine built for AQN on the
+same model and settings as a plain one would load the plain engine's graphs, compiled for 16-bit
+norms, and read the fp32 storage as 16-bit (and the plain engine, started after it, the reverse).
+``fp32_norms_engine_args`` therefore adds a key to vLLM's ``additional_config``, which that hash
+includes. An engine compiled without the loader (``aqn`` not asked for) writes the noise in the
 model's dtype, where most of late-stage sigma rounds away; the realised sigma says by how much and
 the engine logs it at WARNING.
 """
@@ -51,10 +57,24 @@ from typing import Any
 import torch
 from qerl.pipeline.rollout.aqn import noise_norm_modules, noise_targets
 
-__all__ = ["FP32_NORMS_LOAD_FORMAT", "AQNWorkerExtension", "graphs_frozen", "hold_norms_fp32"]
+__all__ = [
+    "FP32_NORMS_LOAD_FORMAT",
+    "AQNWorkerExtension",
+    "fp32_norms_engine_args",
+    "graphs_frozen",
+    "hold_norms_fp32",
+]
 
 # vLLM's ``load_format`` of the loader that holds the AQN norms in fp32 from the start
 FP32_NORMS_LOAD_FORMAT = "qerl-fp32-norms"
+# the ``additional_config`` entry that gives such an engine a compile cache of its own
+FP32_NORMS_CACHE_KEY = {"qerl_aqn_norms": "fp32"}
+
+
+def fp32_norms_engine_args() -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for an engine that holds its AQN norms in fp32 from the load: the
+    loader, and the config entry that keeps its compiled graphs apart from a plain engine's."""
+    return {"load_format": FP32_NORMS_LOAD_FORMAT, "additional_config": dict(FP32_NORMS_CACHE_KEY)}
 
 
 def hold_norms_fp32(model: Any) -> int:

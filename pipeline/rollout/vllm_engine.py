@@ -162,9 +162,9 @@ def _llm_kwargs(
     if cfg.enforce_eager:
         kwargs["compilation_config"] = {"mode": 0}  # no torch.compile: a fast startup
     if fp32_norms(cfg, aqn):
-        from qerl.pipeline.rollout.aqn_vllm import FP32_NORMS_LOAD_FORMAT  # registers the loader here
+        from qerl.pipeline.rollout.aqn_vllm import fp32_norms_engine_args  # registers the loader here
 
-        kwargs["load_format"] = FP32_NORMS_LOAD_FORMAT
+        kwargs.update(fp32_norms_engine_args())
     kwargs.update(_memory_kwargs(cfg, cuda))
     return kwargs
 
