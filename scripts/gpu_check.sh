@@ -30,7 +30,8 @@
 #                        started. The report's parts table says what ran, what was cut off, what was
 #                        not started; exit 5 = nothing failed but the kit is incomplete.
 # The parts, in the order of what they are worth to a short lease: (1) tests/test_gpu_vllm.py (the
-# default GPU engine) and tests/test_gpu_vllm_aqn.py (the same engine built for AQN), (2)
+# default GPU engine) and tests/test_gpu_vllm_aqn.py (the same engine built for AQN, on the same
+# checkpoint, after the first compiled: it must not get that engine's cached graphs), (2)
 # tests/test_gpu.py (kernels, trainer, determinism on CUDA), (3) benchmarks/bench_vllm.py (Marlin
 # NVFP4 vs bf16 tokens/s), (4) benchmarks/bench_gpu.py (GRPO update time and memory at 7B/14B/32B,
 # kernels).
@@ -320,6 +321,8 @@ if ((TESTS)); then
   ((VLLM_ONLY)) || TEST_FILES+=(tests/test_gpu.py)
   TEST_RC=0
   : >"$SCRATCH/gpu-tests.txt"
+  # the vLLM modules share their checkpoint: the AQN engine then starts where the plain one compiled
+  export QERL_GPU_KIT_DIR="$SCRATCH/kit"
   for f in "${TEST_FILES[@]}"; do
     name=$(basename "$f" .py)
     say "pytest -m gpu $f"

@@ -151,6 +151,21 @@ def test_wheel_script_downloads_and_enforces_the_limit(tmp_path):
     assert over.returncode != 0 and "over the 0.001 MiB limit" in over.stderr
 
 
+def test_the_kit_vllm_modules_share_one_checkpoint_under_gpu_check(tmp_path, tmp_path_factory, monkeypatch):
+    """gpu_check.sh sets $QERL_GPU_KIT_DIR: the AQN module's engine then serves the very checkpoint
+    (same path: a hit in the same store) that the plain module's engine compiled for, so that vLLM's
+    compile cache lies between them as it does between ``qerl eval`` and a run with AQN."""
+    from tests.test_gpu_vllm import kit_checkpoint
+
+    monkeypatch.setenv("QERL_GPU_KIT_DIR", str(tmp_path))
+    first = kit_checkpoint(tmp_path_factory)
+    second = kit_checkpoint(tmp_path_factory)  # as the other module's process finds it
+    assert first.dir == second.dir and first.key == second.key
+    assert "export QERL_GPU_KIT_DIR=" in (ROOT / "scripts" / "gpu_check.sh").read_text()
+    monkeypatch.delenv("QERL_GPU_KIT_DIR")
+    assert kit_checkpoint(tmp_path_factory).dir != first.dir  # run alone: a fresh folder
+
+
 @pytest.mark.slow  # about 2 min on an idle 2-core machine (child processes import torch, two start vLLM)
 def test_gpu_check_dry_run(tmp_path):
     """``gpu_check.sh --dry-run`` on the CPU: the gpu tests skip, both benchmarks run at tiny shapes,

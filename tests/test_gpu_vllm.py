@@ -85,17 +85,38 @@ def _skip_unless_vllm_on_cuda() -> None:
         pytest.skip(f"vLLM is not importable here: {state}")
 
 
-@pytest.fixture(scope="module")
-def marlin_base(tmp_path_factory):
-    """The Marlin-sized Qwen2 model, quantized on the GPU by the quantize stage: its manifest."""
-    _skip_unless_vllm_on_cuda()
+def kit_dir(tmp_path_factory, name: str) -> Path:
+    """A folder the kit's vLLM modules share when gpu_check.sh names one (``$QERL_GPU_KIT_DIR``), else a
+    fresh one. Shared, the AQN module's engine serves the very checkpoint (same path, a cache hit in
+    the same store) that this module's plain engine served, as a run with AQN after ``qerl eval`` does,
+    with vLLM's compile cache in between (``qerl.pipeline.rollout.aqn_vllm``)."""
+    shared = os.environ.get("QERL_GPU_KIT_DIR")
+    if not shared:
+        return tmp_path_factory.mktemp(name)
+    path = Path(shared) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def kit_checkpoint(tmp_path_factory):
+    """The Marlin-sized Qwen2 model, quantized by the quantize stage (on the GPU where there is one)."""
     from qerl.pipeline.demo.tiny_model import build_tiny_model
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages.quantize import run as quantize
 
-    base = build_tiny_model(tmp_path_factory.mktemp("marlin-qwen2"), arch="qwen2", norm_jitter=0.05, **SIZES)
-    manifest = quantize(QuantizeConfig(), str(base), ArtifactStore(tmp_path_factory.mktemp("vllm-store")))
+    base = kit_dir(tmp_path_factory, "marlin-qwen2")
+    if not (base / "kit-built").is_file():  # built by the other module's process (complete: the marker)
+        build_tiny_model(base, arch="qwen2", norm_jitter=0.05, **SIZES)
+        (base / "kit-built").write_text("")
+    return quantize(QuantizeConfig(), str(base), ArtifactStore(kit_dir(tmp_path_factory, "vllm-store")))
+
+
+@pytest.fixture(scope="module")
+def marlin_base(tmp_path_factory):
+    """The kit's checkpoint, quantized on the GPU: its manifest."""
+    _skip_unless_vllm_on_cuda()
+    manifest = kit_checkpoint(tmp_path_factory)
     qcfg = json.loads((manifest.dir / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == "nvfp4-pack-quantized"
     assert all(g.get("input_activations") is None for g in qcfg["config_groups"].values()), "W4A16"
@@ -128,6 +149,11 @@ def engine(marlin_base):
     from qerl.pipeline.rollout.factory import build_engine
 
     eng = build_engine(RolloutConfig(**ENGINE), marlin_base, None)
+    shared = os.environ.get("QERL_GPU_KIT_DIR")
+    if shared:  # what the AQN module's engine on the same checkpoint must not share (its compile cache)
+        vcfg = eng.llm.llm_engine.vllm_config
+        record = {"model": vcfg.model_config.model, "config_hash": vcfg.compute_hash()}
+        (Path(shared) / "plain-engine.json").write_text(json.dumps(record))
     yield eng
     eng.close()
 

@@ -5,7 +5,9 @@ NOT YET EXECUTED (no GPU since it was written). A run with AQN builds its engine
 (``qerl.pipeline.rollout.aqn_vllm.FP32_NORMS_LOAD_FORMAT``), which leaves the AQN norms fp32 before
 torch.compile traces the model and CUDA graphs capture it, and the noise is written into them in
 place. This module checks that on the kit's engine (``tests/test_gpu_vllm.py``'s model and config,
-its own engine: a failure of the fp32 norms under graph capture fails here, not there):
+its own engine: a failure of the fp32 norms under graph capture fails here, not there). Under
+gpu_check.sh it serves the same checkpoint as that module's plain engine, which compiled first, so
+what follows also checks that it did not run the plain engine's cached graphs:
 
 - the norms are fp32 from the load on, and CUDA graphs are on;
 - at the 7B schedule's last sigma (5e-4, which a bf16 write rounds mostly away) and at 0.05, the
@@ -59,7 +61,16 @@ def test_the_norms_are_fp32_from_the_load_and_the_noise_is_exact_under_cuda_grap
 
     assert engine.info["aqn_norms"] == "fp32 from load" and engine.info["built_for_aqn"] is True
     # its own compile cache, apart from test_gpu_vllm.py's plain engine's (aqn_vllm's docstring)
-    assert engine.llm.llm_engine.vllm_config.additional_config == FP32_NORMS_CACHE_KEY
+    vcfg = engine.llm.llm_engine.vllm_config
+    assert vcfg.additional_config == FP32_NORMS_CACHE_KEY
+    plain = Path(os.environ.get("QERL_GPU_KIT_DIR", "/nonexistent")) / "plain-engine.json"
+    if plain.is_file():  # gpu_check.sh: the plain engine served this very checkpoint before, and compiled
+        record = json.loads(plain.read_text())
+        assert record["model"] == vcfg.model_config.model, record
+        assert record["config_hash"] != vcfg.compute_hash(), "it would load the plain engine's graphs"
+        print(
+            f"same checkpoint as the plain engine; config hash {vcfg.compute_hash()} vs its {record['config_hash']}"
+        )
     assert engine.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
     assert set(engine.norm_dtypes().values()) == {"torch.float32"}
     engine.set_adapter(None, None)
