@@ -58,6 +58,7 @@ import torch
 from qerl.pipeline.rollout.aqn import noise_norm_modules, noise_targets
 
 __all__ = [
+    "FP32_NORMS_CACHE_KEY",
     "FP32_NORMS_LOAD_FORMAT",
     "AQNWorkerExtension",
     "fp32_norms_engine_args",
