@@ -54,6 +54,9 @@ MODELS = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}  # KNOWN_SHAPES names; Mar
 TINY = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)
 ARMS = ("nvfp4", "bf16", "nvfp4-aqn")
 AQN_SIGMA = 5e-4  # the nvfp4-aqn arm's noise: the 7B schedule's last stage, which bf16 would round away
+# the quantize stage's settings here: no quality section (two passes of a random model, at 7B minutes of
+# a lease for a KL nobody reads); parent and arms use the same, so each arm gets the parent's artifact
+QUANTIZE = {"quality": {"enabled": False}}
 # what vLLM logs about its memory at start-up (vLLM 0.26-0.32 wording), in GiB unless named
 VLLM_REPORTS = {
     "weights": r"Model loading took ([\d.]+) ?GiB",
@@ -89,7 +92,7 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
 
     dry = not device.cuda_available()
     store = ArtifactStore(Path(store_dir))
-    qcfg = QuantizeConfig(scheme="none" if arm == "bf16" else "nvfp4")
+    qcfg = QuantizeConfig(scheme="none" if arm == "bf16" else "nvfp4", **QUANTIZE)
     quantized = quantize.run(qcfg, model_dir, store)  # the parent built it: a cache hit
     twin = dequantize.run(qcfg, quantized, store) if needs_twin("vllm", qcfg.scheme) else None
     cfg = _rollout_config(args, dry)
@@ -310,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                 **shape,
             )
             store = Path(tmp) / f"{name}-store"
-            quantize.run(QuantizeConfig(), model_dir, ArtifactStore(store))  # on the GPU when there is one
+            quantize.run(
+                QuantizeConfig(**QUANTIZE), model_dir, ArtifactStore(store)
+            )  # on the GPU if there is one
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # the arms' engines measure the GPU's free memory at start-up
             results["models"][name] = {}

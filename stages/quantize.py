@@ -64,7 +64,7 @@ from qerl.pipeline.data.heldout import held_out_texts
 from qerl.pipeline.nvfp4.calibration import gptq_layers, layer_index
 from qerl.pipeline.nvfp4.grouping import Group, kept_linears, kept_memory, plan_quantization
 from qerl.pipeline.nvfp4.marlin import marlin_zeroed_blocks
-from qerl.pipeline.nvfp4.quality import quality_key, quality_section
+from qerl.pipeline.nvfp4.quality import check_texts, quality_key, quality_section
 from qerl.pipeline.nvfp4.recipe import (
     UNQUANTIZED_MODE,
     QuantizeConfig,
@@ -231,6 +231,7 @@ def run_with_status(
     quality_inputs = quality_key(q_cfg, held_out)
 
     def build(tmp: Path) -> BuildResult:
+        check_texts(q_cfg, src_dir, held_out)  # before the build's hours, not after them
         t0 = time.perf_counter()
         aux = copy_aux_files(src_dir, tmp)
         config = dict(model_config)

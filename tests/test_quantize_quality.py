@@ -115,6 +115,44 @@ def test_encode_items_truncates_the_completion_and_refuses_what_cannot_fit(tiny_
         quality.encode_items(NoTemplate(), [item], max_tokens=64, prompt="chat")
 
 
+def _without_tokenizer(model_dir: Path, out: Path) -> Path:
+    """The model's config and weights, none of its tokenizer files (a weights-only copy)."""
+    import shutil
+
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.name == "config.json" or f.suffix == ".safetensors":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_a_source_without_a_tokenizer_is_named_before_the_build_writes(tiny_model_dir, tmp_path, monkeypatch):
+    """transformers builds an empty tokenizer from a config.json alone: the stage names the folder, and
+    does so before the build's work (the quality section runs after it), with nothing left in the store."""
+    src = _without_tokenizer(tiny_model_dir, tmp_path / "weights-only")
+    store = ArtifactStore(tmp_path / "store")
+    monkeypatch.setattr(stage, "write_sharded", lambda *a, **k: pytest.fail("the build ran"))
+    cfg = QuantizeConfig(quality=QualityConfig(source="arithmetic", texts=4))
+    with pytest.raises(ValueError, match=r"weights-only: no tokenizer .*quantize.quality.texts: 0"):
+        stage.run(cfg, src, store)
+    assert not list(store.root.rglob("manifest.json"))
+    # without texts the quality section needs no tokenizer (weight errors only)
+    monkeypatch.undo()
+    manifest = stage.run(QuantizeConfig(quality=QualityConfig(texts=0)), src, store)
+    assert "kl" not in manifest.extra["quality"] and manifest.extra["quality"]["weight_error"]["linears"] > 0
+
+
+def test_a_chat_prompt_without_a_template_is_refused_before_the_build(tiny_model_dir, tmp_path, monkeypatch):
+    import shutil
+
+    src = shutil.copytree(tiny_model_dir, tmp_path / "no-template")
+    (src / "chat_template.jinja").unlink()
+    monkeypatch.setattr(stage, "write_sharded", lambda *a, **k: pytest.fail("the build ran"))
+    cfg = QuantizeConfig(quality=QualityConfig(source="arithmetic", texts=4, prompt="chat"))
+    with pytest.raises(ValueError, match="no chat template"):
+        stage.run(cfg, src, ArtifactStore(tmp_path / "store"))
+
+
 SECTION = {
     "texts": {
         "source": "gsm8k/test",

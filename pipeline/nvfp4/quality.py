@@ -54,6 +54,7 @@ from qerl.pipeline.store.files import sha256_json
 
 __all__ = [
     "QualityConfig",
+    "check_texts",
     "encode_items",
     "logit_metrics",
     "model_metrics",
@@ -63,6 +64,7 @@ __all__ = [
     "quality_section",
     "quality_table",
     "relative_error",
+    "text_tokenizer",
     "weight_errors",
 ]
 
@@ -277,11 +279,9 @@ def model_metrics(
     """KL(base||quant) nats/token, top-1 agreement, both perplexities over the completion tokens of
     ``items``; one model resident at a time (see the module docstring)."""
     from qerl.pipeline.nvfp4.loading import load_dequantized_reference
-    from transformers import AutoTokenizer
 
     device = default_device()  # a GPU where there is one: two fp32 passes of a 7B model are hours of CPU
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    encoded, truncated = encode_items(tokenizer, items, max_tokens, prompt)
+    encoded, truncated = encode_items(text_tokenizer(base_dir), items, max_tokens, prompt)
     targets = torch.tensor([t for ids, n in encoded for t in ids[n:]])
     sums = dict.fromkeys(("kl", "agree", "nll_base", "nll_quant", "tokens"), 0.0)
     # both passes yield the same chunks in the same order, so the spill is written and read back
@@ -321,6 +321,32 @@ def model_metrics(
 
 def _r(x: float) -> float:
     return round(float(x), _ROUND)
+
+
+def text_tokenizer(base_dir: str | Path) -> Any:
+    """The source model's tokenizer, for the held-out texts. transformers builds an empty one from a
+    config.json alone (it encodes every text to nothing), so a folder without tokenizer files is
+    named here, not as an empty completion."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    if not tokenizer("The answer is 42.", add_special_tokens=False).input_ids:
+        raise ValueError(
+            f"{base_dir}: no tokenizer (no tokenizer files there: transformers built an empty one); the "
+            "quality section's held-out texts need the model's tokenizer: add its files, or set "
+            "quantize.quality.texts: 0 (weight errors only) or quantize.quality.enabled: false"
+        )
+    return tokenizer
+
+
+def check_texts(
+    cfg: QualityConfig, base_dir: str | Path, texts: tuple[str, list[dict[str, Any]], str] | None
+) -> None:
+    """Every rejection of the held-out texts (no tokenizer, no chat template, a prompt too long) at
+    the start of the quantize build: the section is measured after the checkpoint is written, which
+    for GPTQ on a large model takes hours."""
+    if cfg.enabled and texts is not None and cfg.texts > 0:
+        encode_items(text_tokenizer(base_dir), texts[1], cfg.max_tokens, cfg.prompt)
 
 
 def quality_section(
