@@ -55,7 +55,7 @@ from qerl.flows.run_record import (
 from qerl.pipeline.config import config_hash
 from qerl.pipeline.data.datasets import load_problems, problems_digest
 from qerl.pipeline.evaluation.eval_config import validation_split
-from qerl.pipeline.nvfp4.quality import quality_line, quality_metrics
+from qerl.pipeline.nvfp4.quality_report import quality_line, quality_metrics
 from qerl.pipeline.planning.engine_setup import needs_twin
 from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_fit import fit_prompts, load_tokenizer, prompt_token_limit

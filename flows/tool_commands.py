@@ -57,7 +57,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from qerl.pipeline.config import load_config
-    from qerl.pipeline.nvfp4.quality import quality_line, quality_table
+    from qerl.pipeline.nvfp4.quality_report import quality_line, quality_table
     from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE, QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.pipeline.store.layout import STORE_DIR

@@ -12,13 +12,8 @@ import torch
 from qerl.kernels.nvfp4_reference import dequantize_nvfp4
 from qerl.pipeline.data.heldout import held_out_texts
 from qerl.pipeline.nvfp4 import quality
-from qerl.pipeline.nvfp4.quality import (
-    QualityConfig,
-    logit_metrics,
-    quality_line,
-    quality_table,
-    relative_error,
-)
+from qerl.pipeline.nvfp4.quality import QualityConfig, logit_metrics, relative_error
+from qerl.pipeline.nvfp4.quality_report import quality_line, quality_table
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.stages import quantize as stage
@@ -332,7 +327,7 @@ def test_quality_metrics_reach_the_mlflow_run(tmp_path):
     from types import SimpleNamespace
 
     from qerl.flows import rl_phases
-    from qerl.pipeline.nvfp4.quality import quality_metrics
+    from qerl.pipeline.nvfp4.quality_report import quality_metrics
     from qerl.pipeline.registry import tracking
 
     assert quality_metrics(SECTION) == {
