@@ -313,9 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                 **shape,
             )
             store = Path(tmp) / f"{name}-store"
-            quantize.run(
-                QuantizeConfig(**QUANTIZE), model_dir, ArtifactStore(store)
-            )  # on the GPU if there is one
+            # on the GPU when there is one
+            quantize.run(QuantizeConfig(**QUANTIZE), model_dir, ArtifactStore(store))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # the arms' engines measure the GPU's free memory at start-up
             results["models"][name] = {}

@@ -151,9 +151,11 @@ def engine(marlin_base):
     eng = build_engine(RolloutConfig(**ENGINE), marlin_base, None)
     shared = os.environ.get("QERL_GPU_KIT_DIR")
     if shared:  # what the AQN module's engine on the same checkpoint must not share (its compile cache)
+        from qerl.pipeline.store.files import atomic_write_json
+
         vcfg = eng.llm.llm_engine.vllm_config
         record = {"model": vcfg.model_config.model, "config_hash": vcfg.compute_hash()}
-        (Path(shared) / "plain-engine.json").write_text(json.dumps(record))
+        atomic_write_json(Path(shared) / "plain-engine.json", record)
     yield eng
     eng.close()
 
