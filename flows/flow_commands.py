@@ -102,7 +102,8 @@ def _print_run(record: dict, work: str) -> None:
         who = "base (no adapter)" if e["adapter"] is None else f"adapter after step {e['step']}"
         say(f"  {eval_text(e)}  {who}")
     if reg:
-        say(f"  registered {reg.get('model_name')} v{reg.get('version')}; champion: {reg.get('promoted')}")
+        promoted = "promoted to champion" if reg.get("promoted") else "not promoted"  # when it was registered
+        say(f"  registered {reg.get('model_name')} v{reg.get('version')}, {promoted}")
         if reg.get("promotion"):
             say(f"  promotion: {reg['promotion']}")
     run_path = Path(work) / RUNS_DIR / record["run_id"]

@@ -200,7 +200,8 @@ def summary_markdown(record: dict[str, Any]) -> str:
     if reg:
         lines += [
             "",
-            f"registered `{reg.get('model_name')}` v{reg.get('version')}, champion: {reg.get('promoted')}",
+            f"registered `{reg.get('model_name')}` v{reg.get('version')}, "
+            + ("promoted to champion" if reg.get("promoted") else "not promoted"),
         ]
     return "\n".join(lines)
 

@@ -132,6 +132,7 @@ def test_vllm_run_end_to_end(flow_model, tmp_path):
     proc = _qerl(["run", "--config", str(cfg_path)], tmp_path / "work")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vllm-nvfp4-emulated" in proc.stdout and "MLflow UI" in proc.stdout
+    assert re.search(r"registered \S+ v1, promoted to champion\n", proc.stdout), proc.stdout  # the first run
     _assert_console(proc, tmp_path / "work", ("vLLM engine up", "Initializing a V1 LLM engine"))
     (record_path,) = (tmp_path / "work" / "runs").glob("*/run.json")
     record = json.loads(record_path.read_text())
