@@ -114,7 +114,7 @@ def _vllm_rows(shape: ModelShape, rollout: Any, gpu: float, base: str) -> tuple[
         (sec, f"{base} weights{f' / tp {tp}' if tp > 1 else ''}", weights, _WEIGHT_NOTE[base]),
         (sec, f"LoRA slot (rank {rollout.max_lora_rank}, bf16)", lora_slot, ""),
         (sec, f"activations ({tokens} tokens) + sampler", act, "estimate (vLLM's profiling run)"),
-        (sec, "CUDA graphs", graphs, "estimate" if graphs else "enforce_eager: none"),
+        (sec, "CUDA graphs", graphs, "estimate" if graphs else "none (rollout.enforce_eager)"),
         (sec, "KV cache (the rest)", max(kv, 0.0), ""),
     ]
     return rows, reserved, kv
