@@ -194,7 +194,13 @@ def _add_promote(sub: argparse._SubParsersAction) -> None:
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate an adapter (or none) on a benchmark: pass@1 averaged over k")
-    p.add_argument("--adapter", required=True, metavar="DIR|none", help="peft adapter folder, or 'none'")
+    p.add_argument(
+        "--adapter",
+        required=True,
+        metavar="DIR|none|models:/NAME@ALIAS",
+        help="peft adapter folder, 'none', or a registered version: models:/NAME/VERSION or "
+        "models:/NAME@ALIAS (e.g. models:/qerl-adapter@champion)",
+    )
     p.add_argument(
         "--benchmark", default=None, metavar="NAME", help="arithmetic|gsm8k|math500|aime24|amc23|FILE"
     )
@@ -211,7 +217,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         (
             "override an eval setting, the engine's with rollout.KEY (e.g. rollout.max_model_len=4096; "
             "by default the context is capped by the model and the LoRA rank read from the adapter), or the "
-            "recipe that quantizes a plain --base with quantize.KEY (e.g. quantize.method=gptq)"
+            "recipe that quantizes a plain --base with quantize.KEY (e.g. quantize.method=gptq), or the "
+            "registry a models:/ adapter is read from with registry.KEY (default: the work dir's)"
         ),
     )
     _common(p)

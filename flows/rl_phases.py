@@ -62,6 +62,7 @@ from qerl.pipeline.planning.prompt_fit import fit_prompts, load_tokenizer, promp
 from qerl.pipeline.planning.prompt_stream import DataCursor, data_slice, step_prompts, stream_key
 from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.registry import tracking
+from qerl.pipeline.registry.adapters import base_lineage_digest
 from qerl.pipeline.rollout.aqn import sigma_schedule
 from qerl.pipeline.rollout.lazy import LazyEngine
 from qerl.pipeline.store import retention
@@ -221,7 +222,7 @@ def plan_data(run: Run, quantized: Manifest, problems: list[Any]) -> Manifest | 
     if run.night is not None and cfg.loop.warm_start == "champion":
         pinned = (plan.get("warm_start") or {}).get("version")
         if "warm_start" not in plan or pinned:  # a resumed night started from base stays on base
-            warm = warm_start_task(cfg, run.work, run.store, _base_digest(quantized), pinned)
+            warm = warm_start_task(cfg, run.work, run.store, base_lineage_digest(quantized), pinned)
         plan["warm_start"] = {"from": "champion" if warm else "base", "version": warm.extra["version"] if warm else None}  # fmt: skip
         if warm is not None:
             plan["warm_start"]["digest"] = warm.digest
@@ -232,10 +233,6 @@ def plan_data(run: Run, quantized: Manifest, problems: list[Any]) -> Manifest | 
     run.ui.stage("plan", f"{slot_text}, {start_text}")
     run.save()
     return warm
-
-
-def _base_digest(quantized: Manifest) -> str:
-    return str(quantized.extra.get("base_digest", quantized.inputs.get("base")))
 
 
 def train_loop(
@@ -329,7 +326,7 @@ def register_final(
     """Register the final adapter with its lineage (promoted on a win, never for an ablation run)."""
     rec = run.record
     lineage = {
-        "base_digest": _base_digest(quantized),
+        "base_digest": base_lineage_digest(quantized),
         "quant_recipe": config_hash(quantized.extra.get("recipe", {}))[:16],
         "dataset_digest": rec["data"]["dataset_digest"],
         "code_version": package_version(),
@@ -384,7 +381,7 @@ def _champion_evaluation(
     """(champion version, its evaluation under this run's protocol and validation items); a reason
     when the champion cannot be evaluated here (another base or LoRA shape); None: no champion."""
     try:
-        champ = warm_start_task(run.cfg, run.work, run.store, _base_digest(quantized), None)
+        champ = warm_start_task(run.cfg, run.work, run.store, base_lineage_digest(quantized), None)
     except RunPlanError as err:
         return f"it cannot be evaluated under this run's protocol ({err})"
     if champ is None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 
 def work_dir(args: argparse.Namespace) -> str:
@@ -31,7 +33,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """``qerl bench``: each benchmark script in turn, then ``collect.py`` rewrites BENCHMARKS.md."""
     import subprocess
-    from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     names = [args.name] if args.name else ["quantize", "score", "rollout", "train", "contention"]
@@ -54,7 +55,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     import time
-    from pathlib import Path
 
     from qerl.pipeline.config import load_config
     from qerl.pipeline.nvfp4.quality_report import quality_line, quality_table
@@ -130,7 +130,6 @@ def cmd_promote(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     """``qerl eval``: one adapter (or none) on one benchmark, outside any run."""
     import json
-    from pathlib import Path
 
     from qerl.pipeline.config import apply_overrides, load_config
     from qerl.pipeline.data.rewards import RewardConfig
@@ -145,17 +144,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     engine_sets = [s.removeprefix("rollout.") for s in args.set if s.startswith("rollout.")]
     recipe_sets = [s.removeprefix("quantize.") for s in args.set if s.startswith("quantize.")]
-    own = [s for s in args.set if not s.startswith(("rollout.", "quantize."))]
+    registry_sets = [s.removeprefix("registry.") for s in args.set if s.startswith("registry.")]
+    own = [s for s in args.set if not s.startswith(("rollout.", "quantize.", "registry."))]
     cfg = load_config(EvalConfig, args.config, own)
     if args.benchmark:
         cfg = apply_overrides(cfg, {"benchmark": {"dataset": args.benchmark}})
     recipe = load_config(QuantizeConfig, None, recipe_sets, prefix="quantize") if recipe_sets else None
+    registered = _registered_adapter(args.adapter, registry_sets, work_dir(args))
     store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
     base = fetch_model.resolve_base(args.base, store)  # a catalogue name becomes its directory
     quantized, twin = evaluate.base_artifacts(base, store, needs_twin(args.engine), recipe)
-    adapter = (
-        None if args.adapter.lower() == "none" else check_adapter_fits(Path(args.adapter), quantized.dir)
-    )
+    adapter = _eval_adapter(args.adapter, registered, quantized, store)
+    adapter = None if adapter is None else check_adapter_fits(adapter, quantized.dir)
     digest = None if adapter is None else store.source_digest(adapter)
     rollout_cfg = eval_rollout_config(cfg, args.engine, quantized.dir, adapter, engine_sets)
     engine = build_engine(rollout_cfg, quantized, twin)
@@ -173,6 +173,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     print(json.dumps({k: s[k] for k in ("benchmark", "accuracy", "stderr", "n_items", "k")}))
     return 0
+
+
+def _registered_adapter(spec: str, registry_sets: list[str], work: str) -> Any:
+    """The registered version ``qerl eval --adapter models:/NAME/VERSION`` or ``models:/NAME@ALIAS``
+    names (``qerl.pipeline.registry.adapters``), None for a folder or 'none'. Asked before the base
+    is prepared, so a wrong name fails in seconds, not after a quantize."""
+    if not spec.startswith("models:/"):
+        return None
+    from qerl.pipeline.config import load_config
+    from qerl.pipeline.registry import adapters
+    from qerl.pipeline.registry.tracking import RegistryConfig
+
+    registry = load_config(RegistryConfig, None, registry_sets, prefix="registry")
+    return adapters.resolve_model_uri(spec, registry, work)
+
+
+def _eval_adapter(spec: str, registered: Any, quantized: Any, store: Any) -> Path | None:
+    """``qerl eval --adapter``'s folder: None for 'none', a registered version's once it is known to
+    have been trained on this base (fetched into the store), else the folder as given."""
+    if registered is None:
+        return None if spec.lower() == "none" else Path(spec)
+    from qerl.pipeline.registry import adapters
+
+    hint = "evaluate it on the base it was trained on"
+    adapters.check_base(registered, adapters.base_lineage_digest(quantized), "--base", hint)
+    manifest, _ = adapters.fetch_adapter(registered, store)
+    print(f"adapter     {spec}: {registered.name} v{registered.version}", file=sys.stderr, flush=True)
+    return manifest.dir / "adapter"
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

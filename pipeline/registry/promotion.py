@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ import mlflow
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from qerl.pipeline.registry.adapters import registered_version
 from qerl.pipeline.registry.lock import RegistryError, registry_lock
 from qerl.pipeline.registry.tracking import RegistryConfig, tag_value
 from qerl.pipeline.store.files import sha256_file
@@ -142,12 +142,7 @@ def register_adapter(
 
 
 def alias_version(cfg: RegistryConfig, alias: str) -> ModelVersion | None:
-    try:
-        return MlflowClient().get_model_version_by_alias(cfg.model_name, alias)
-    except MlflowException as err:
-        if err.error_code == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(err).lower():
-            return None
-        raise
+    return registered_version(cfg.model_name, alias=alias)
 
 
 def _set_alias(cfg: RegistryConfig, alias: str, version: str) -> None:
@@ -300,20 +295,3 @@ def version_info(cfg: RegistryConfig, version: str) -> dict[str, Any]:
         "tags": dict(mv.tags),
         "aliases": sorted(mv.aliases),
     }
-
-
-def download_adapter(version: ModelVersion, dest: str | Path) -> Path:
-    """Copy a registered version's adapter folder (its ``source``) to ``dest``; returns ``dest``.
-
-    Goes through MLflow's artifact layer, so a local file store, ``mlflow-artifacts:`` behind a
-    tracking server and cloud stores all work; the nightly warm start reads the champion this way."""
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        got = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=tmp))
-        if not (got / "adapter_config.json").is_file():
-            raise RegistryError(
-                f"{version.name} v{version.version}: source {version.source} holds no peft adapter"
-            )
-        got.rename(dest)  # same filesystem: an atomic rename, dest appears complete or not at all
-    return dest

@@ -1,0 +1,109 @@
+"""Registered adapters read back (``qerl.pipeline.registry.adapters``) and ``qerl eval --adapter models:/``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from qerl.pipeline.registry import adapters, promotion
+from qerl.pipeline.registry import tracking as registry
+from qerl.pipeline.registry.lock import RegistryError
+from qerl.pipeline.store.artifact_store import ArtifactStore
+
+
+def _register(work: Path, adapter: Path, base_digest: str, name: str = "qerl-adapter") -> str:
+    """``adapter`` registered as a version of ``name`` trained on ``base_digest``, made champion."""
+    reg = registry.connect(registry.RegistryConfig(model_name=name), work)
+    lineage = {"base_digest": base_digest, "quant_recipe": "q", "dataset_digest": "d", "code_version": "c",
+               "flow_run_id": "f", "adapter_digest": f"adapter-{adapter.name}"}  # fmt: skip
+    run_id = registry.start_run(reg, run_name="probe")
+    version, _ = promotion.register_adapter(
+        reg, run_id, adapter, None, {"benchmark": "b", "accuracy": 0.5}, lineage
+    )
+    assert promotion.maybe_promote(reg, version, "b", 0.5, complete=True)
+    return version
+
+
+def test_model_uris_are_parsed_or_refused_naming_the_forms():
+    assert adapters.parse_model_uri("models:/qerl-adapter@champion") == ("qerl-adapter", None, "champion")
+    assert adapters.parse_model_uri("models:/my.model/12") == ("my.model", "12", None)
+    for bad in ("models:/qerl-adapter", "models:/qerl-adapter/Production/1", "runs:/abc/adapter",
+                "models:/a@", "models:/a/v1", "qerl-adapter@champion"):  # fmt: skip
+        with pytest.raises(ValueError, match="expected models:/NAME/VERSION or models:/NAME@ALIAS"):
+            adapters.parse_model_uri(bad)
+
+
+def test_reading_a_registry_that_does_not_exist_creates_nothing(tmp_path):
+    work = tmp_path / "work"
+    with pytest.raises(RegistryError, match=r"no registry at sqlite:///.*mlflow\.db"):
+        adapters.resolve_model_uri("models:/qerl-adapter@champion", registry.RegistryConfig(), work)
+    assert not work.exists()
+
+
+def test_a_registered_version_is_fetched_once_by_alias_or_number(tmp_path):
+    work, adapter = tmp_path / "work", tmp_path / "a1"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights-1")
+    version = _register(work, adapter, "base-A")
+    cfg, store = registry.RegistryConfig(), ArtifactStore(work / "store")
+
+    by_alias = adapters.resolve_model_uri("models:/qerl-adapter@champion", cfg, work)
+    by_number = adapters.resolve_model_uri(f"models:/qerl-adapter/{version}", cfg, work)
+    assert str(by_alias.version) == str(by_number.version) == version
+    for missing in ("models:/qerl-adapter@nope", "models:/qerl-adapter/99", "models:/other@champion"):
+        with pytest.raises(RegistryError, match=f"{missing}: no such registered version in sqlite:///"):
+            adapters.resolve_model_uri(missing, cfg, work)
+
+    adapters.check_base(by_alias, "base-A", "--base", "hint")
+    with pytest.raises(
+        RegistryError, match="qerl-adapter v1 was trained on base base-A, --base is base-B: hint"
+    ):
+        adapters.check_base(by_alias, "base-B", "--base", "hint")
+
+    manifest, cached = adapters.fetch_adapter(by_alias, store)
+    assert (
+        not cached and (manifest.dir / "adapter" / "adapter_model.safetensors").read_bytes() == b"weights-1"
+    )
+    again, cached = adapters.fetch_adapter(by_number, store)
+    assert cached and again.dir == manifest.dir  # one download per version and work directory
+
+
+@pytest.mark.slow
+def test_cli_eval_reads_the_champion_from_the_registry(tiny_model_dir, tiny_model_factory, tmp_path, capsys):
+    """``qerl eval --adapter models:/qerl-adapter@champion`` evaluates the registered adapter: the same
+    evaluation (one store artifact) as the folder it was registered from. A version trained on another
+    base is refused before any evaluation, naming both digests."""
+    from qerl.flows.cli import main
+    from qerl.stages.evaluate import base_artifacts
+
+    from tests.test_engines import make_adapter
+
+    work, ckpt = tmp_path / "work", tmp_path / "ckpt"
+    assert main(["quantize", str(tiny_model_dir), "--out", str(ckpt), "--work-dir", str(work)]) == 0
+    quantized, _ = base_artifacts(ckpt, ArtifactStore(work / "store"), need_twin=False)
+    adapter = make_adapter(tiny_model_dir, tmp_path / "adapter", rank=8)
+    _register(work, adapter, adapters.base_lineage_digest(quantized))
+    common = ["--base", str(ckpt), "--benchmark", "arithmetic", "--engine", "hf", "--work-dir", str(work),
+              "--set", "greedy=true", "--set", "benchmark.limit=3", "--set", "max_new_tokens=8"]  # fmt: skip
+    capsys.readouterr()
+
+    assert main(["eval", "--adapter", "models:/qerl-adapter@champion", *common]) == 0
+    out, err = capsys.readouterr()
+    assert "adapter     models:/qerl-adapter@champion: qerl-adapter v1" in err
+    by_uri = json.loads(out.strip().splitlines()[-1])
+    assert main(["eval", "--adapter", str(adapter), *common]) == 0
+    by_folder = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert by_uri == by_folder
+    assert len(list((work / "store" / "objects" / "evaluate").iterdir())) == 1  # the same adapter bytes
+
+    other = tiny_model_factory(hidden_size=64, num_layers=2, intermediate_size=128)
+    _register(work, make_adapter(other, tmp_path / "other", rank=8), "another-base", name="other-model")
+    assert main(["eval", "--adapter", "models:/other-model/1", *common]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"other-model v1 was trained on base another-base, --base is {adapters.base_lineage_digest(quantized)}"
+        in err
+    )
+    assert len(list((work / "store" / "objects" / "evaluate").iterdir())) == 1
