@@ -331,21 +331,20 @@ def base_artifacts(
 
     An export carries its manifest: it is checked against its files and used as is (a ``recipe`` is
     then an error: the base is quantized already). A plain model directory is quantized with
-    ``recipe`` (default: the default recipe; a cached stage, so a repeat is a lookup). The twin (what
-    CPU serving needs) is derived through the dequantize stage, also cached.
+    ``recipe`` (default: the default recipe; a cached stage, so a repeat is a lookup); so is a store
+    artifact that is one (a catalogue model's ``fetch-model`` directory, which ``--base NAME``
+    resolves to, or the ``demo-base``). The twin (what CPU serving needs) is derived through the
+    dequantize stage, also cached.
     """
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
-    from qerl.stages import dequantize, quantize
+    from qerl.stages import demo_base, dequantize, fetch_model, quantize
 
     base = Path(base)
     if not base.is_dir():
         raise ArtifactError(f"--base {base} is not a directory")
-    if (base / MANIFEST).is_file():
+    stage = Manifest.load(base).stage if (base / MANIFEST).is_file() else None
+    if stage == quantize.STAGE:
         quantized = Manifest.load(base)
-        if quantized.stage != quantize.STAGE:
-            raise ArtifactError(
-                f"{base} holds a '{quantized.stage}' artifact, not a '{quantize.STAGE}' checkpoint"
-            )
         if recipe is not None:
             raise ArtifactError(
                 f"--base {base} is a quantized checkpoint (method {quantized.config.get('method', 'rtn')}); "
@@ -355,9 +354,14 @@ def base_artifacts(
         if bad:
             raise ArtifactError(f"{base} does not match its manifest: {'; '.join(bad)}")
         qcfg = QuantizeConfig.model_validate(quantized.config)
-    else:
+    elif stage in (None, fetch_model.STAGE, demo_base.STAGE):
         qcfg = recipe or QuantizeConfig()
         quantized = quantize.run(qcfg, base, store)
+    else:
+        raise ArtifactError(
+            f"{base} holds a '{stage}' artifact, not a model: pass a '{quantize.STAGE}' checkpoint, "
+            "a HF model directory or a catalogue name"
+        )
     twin = dequantize.run(qcfg, quantized, store) if need_twin else None
     return quantized, twin
 

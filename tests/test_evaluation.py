@@ -459,3 +459,35 @@ def test_eval_quantizes_a_plain_base_with_the_recipe_it_is_given(tiny_model_dir,
     assert main(argv) == 2
     assert "quantize.* settings apply to a model to quantize" in capsys.readouterr().err
     assert not (tmp_path / "store" / "objects" / "evaluate").exists()
+
+
+def test_eval_base_may_be_a_stored_model_directory(tiny_model_dir, tmp_path, capsys):
+    """``qerl eval --base smollm2-135m-instruct`` resolves to the catalogue model's ``fetch-model``
+    artifact, a HF directory with a store manifest beside its files: it is quantized like any model
+    directory (it used to be refused as "not a 'quantize' checkpoint"). An artifact that is no model
+    is refused, naming its stage."""
+    from qerl.flows.cli import main
+    from qerl.pipeline.store.manifest import ArtifactError
+    from qerl.stages import fetch_model, quantize
+    from qerl.stages.evaluate import base_artifacts
+
+    store = ArtifactStore(tmp_path / "store")
+
+    def copy_model(tmp: Path) -> BuildResult:
+        for f in tiny_model_dir.iterdir():
+            shutil.copy2(f, tmp / f.name)
+        return BuildResult(mode="test")
+
+    fetched, _ = store.produce(fetch_model.STAGE, {"model": "tiny"}, {}, "code", copy_model)
+    quantized, twin = base_artifacts(fetched.dir, store, need_twin=False)
+    assert twin is None and quantized.stage == quantize.STAGE
+    assert quantized.key == quantize.run(quantize.QuantizeConfig(), fetched.dir, store).key
+    argv = ["eval", "--base", str(fetched.dir), "--adapter", "none", "--engine", "hf", "--work-dir", str(tmp_path),
+            "--set", "greedy=true", "--set", "benchmark.limit=1", "--set", "max_new_tokens=4"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+
+    other, _ = store.produce("train", {"tag": "x"}, {}, "code", lambda tmp: BuildResult(mode="test"))
+    with pytest.raises(
+        ArtifactError, match=r"holds a 'train' artifact, not a model: pass a 'quantize' checkpoint"
+    ):
+        base_artifacts(other.dir, store, need_twin=False)
