@@ -38,6 +38,9 @@ def test_reading_a_registry_that_does_not_exist_creates_nothing(tmp_path):
     work = tmp_path / "work"
     with pytest.raises(RegistryError, match=r"no registry at sqlite:///.*mlflow\.db"):
         adapters.resolve_model_uri("models:/qerl-adapter@champion", registry.RegistryConfig(), work)
+    server = registry.RegistryConfig(tracking_uri="http://127.0.0.1:9")  # nothing listens on discard
+    with pytest.raises(RegistryError, match=r"registry at http://127\.0\.0\.1:9 does not answer"):
+        adapters.resolve_model_uri("models:/qerl-adapter@champion", server, work)
     assert not work.exists()
 
 

@@ -49,7 +49,8 @@ def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
 
 def open_registry(cfg: RegistryConfig, work_dir: str | Path) -> str:
     """Point MLflow's process-wide URIs at the configured registry to read from it; returns the URI.
-    A sqlite registry that does not exist yet is a ``RegistryError``: nothing is created."""
+    A sqlite registry that does not exist yet, or a server that does not answer, is a
+    ``RegistryError`` naming it: nothing is created."""
     uri, _ = resolve_uris(cfg, work_dir)
     if backend_kind(uri) == "sqlite":
         from sqlalchemy.engine import make_url
@@ -59,6 +60,8 @@ def open_registry(cfg: RegistryConfig, work_dir: str | Path) -> str:
                 f"no registry at {uri}: nothing has been registered in this work directory "
                 "(--work-dir, or --set registry.tracking_uri=... for another registry)"
             )
+    else:
+        health.check_reachable(uri)
     health.bound_http_retries()
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
