@@ -277,9 +277,10 @@ class _ConsoleFilter(logging.Filter):
 
 
 class _ConsoleHandler(logging.Handler):
-    def __init__(self, console: TerminalConsole):
+    def __init__(self, console: TerminalConsole, log_name: str = LOG_NAME):
         super().__init__(logging.WARNING)
         self.console = console
+        self.log_name = log_name
         self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         self.addFilter(_ConsoleFilter())
 
@@ -289,13 +290,19 @@ class _ConsoleHandler(logging.Handler):
         text = f"{record.levelname} {record.name}: {record.getMessage()}"
         if record.name.split(".", 1)[0] != "qerl":
             text = text.split("\n", 1)[0]
-        return text + ("  (traceback in run.log)" if record.exc_info or record.stack_info else "")
+        return text + (f"  (traceback in {self.log_name})" if record.exc_info or record.stack_info else "")
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             self.console.line(self.format(record))
         except Exception:  # noqa: BLE001 - logging must not raise into the run
             self.handleError(record)
+
+
+def console_handler(console: TerminalConsole, log_name: str) -> logging.Handler:
+    """The handler that shows qerl's warnings and any library's errors on ``console``, one line each,
+    a traceback as a pointer to ``log_name`` (``qerl.flows.tool_console`` uses it too)."""
+    return _ConsoleHandler(console, log_name)
 
 
 @contextlib.contextmanager

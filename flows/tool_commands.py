@@ -128,8 +128,30 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """``qerl eval``: one adapter (or none) on one benchmark, outside any run."""
+    """``qerl eval``: one adapter (or none) on one benchmark, outside any run. Its terminal shows the
+    stage lines and a progress bar; the engine's output goes to a log file (``tool_console``)."""
     import json
+
+    from qerl.flows import tool_console
+    from qerl.stages import evaluate
+
+    log_file = tool_console.log_path(work_dir(args), "eval")
+    with tool_console.session(log_file, args.verbose) as ui:
+        manifest = _evaluate(args, ui)
+    s = evaluate.load_summary(manifest)
+    if not args.verbose:
+        print(f"log: {log_file}", file=sys.stderr, flush=True)
+    print(
+        f"{s['benchmark']}: avg@{s['k']} = {s['accuracy']:.4f} +- {s['stderr']:.4f} over {s['n_items']} items "
+        f"(engine {s['engine_mode']}) -> {manifest.dir}"
+    )
+    print(json.dumps({k: s[k] for k in ("benchmark", "accuracy", "stderr", "n_items", "k")}))
+    return 0
+
+
+def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
+    """``qerl eval``'s work: the base, the adapter, the engine and the evaluate stage's manifest."""
+    import time
 
     from qerl.pipeline.config import apply_overrides, load_config
     from qerl.pipeline.data.rewards import RewardConfig
@@ -152,27 +174,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     recipe = load_config(QuantizeConfig, None, recipe_sets, prefix="quantize") if recipe_sets else None
     registered = _registered_adapter(args.adapter, registry_sets, work_dir(args))
     store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
+    t0 = time.perf_counter()
     base = fetch_model.resolve_base(args.base, store)  # a catalogue name becomes its directory
     quantized, twin = evaluate.base_artifacts(base, store, needs_twin(args.engine), recipe)
-    adapter = _eval_adapter(args.adapter, registered, quantized, store)
+    ui.stage("base", f"{quantized.mode} checkpoint {quantized.dir}", time.perf_counter() - t0)
+    adapter = _eval_adapter(args.adapter, registered, quantized, store, ui)
     adapter = None if adapter is None else check_adapter_fits(adapter, quantized.dir)
     digest = None if adapter is None else store.source_digest(adapter)
     rollout_cfg = eval_rollout_config(cfg, args.engine, quantized.dir, adapter, engine_sets)
+    t0 = time.perf_counter()
     engine = build_engine(rollout_cfg, quantized, twin)
     try:
         context = rollout_cfg.max_model_len  # items that leave no room for the completion are dropped
         manifest = evaluate.run(
-            cfg, quantized, adapter, digest, store, engine, RewardConfig(), max_model_len=context
-        )
+            cfg, quantized, adapter, digest, store, engine, RewardConfig(), max_model_len=context,
+            progress=lambda done, total: ui.progress("evaluate", done, total),
+        )  # fmt: skip
     finally:
         engine.close()
     s = evaluate.load_summary(manifest)
-    print(
-        f"{s['benchmark']}: avg@{s['k']} = {s['accuracy']:.4f} +- {s['stderr']:.4f} over {s['n_items']} items "
-        f"(engine {s['engine_mode']}) -> {manifest.dir}"
-    )
-    print(json.dumps({k: s[k] for k in ("benchmark", "accuracy", "stderr", "n_items", "k")}))
-    return 0
+    ui.stage("evaluate", f"accuracy {s['accuracy']:.3f} ± {s['stderr']:.3f} ({s['benchmark']}, {s['n_items']} items)", time.perf_counter() - t0)  # fmt: skip
+    return manifest
 
 
 def _registered_adapter(spec: str, registry_sets: list[str], work: str) -> Any:
@@ -189,17 +211,18 @@ def _registered_adapter(spec: str, registry_sets: list[str], work: str) -> Any:
     return adapters.resolve_model_uri(spec, registry, work)
 
 
-def _eval_adapter(spec: str, registered: Any, quantized: Any, store: Any) -> Path | None:
+def _eval_adapter(spec: str, registered: Any, quantized: Any, store: Any, ui: Any) -> Path | None:
     """``qerl eval --adapter``'s folder: None for 'none', a registered version's once it is known to
     have been trained on this base (fetched into the store), else the folder as given."""
     if registered is None:
+        ui.stage("adapter", "none: the base alone" if spec.lower() == "none" else spec)
         return None if spec.lower() == "none" else Path(spec)
     from qerl.pipeline.registry import adapters
 
     hint = "evaluate it on the base it was trained on"
     adapters.check_base(registered, adapters.base_lineage_digest(quantized), "--base", hint)
     manifest, _ = adapters.fetch_adapter(registered, store)
-    print(f"adapter     {spec}: {registered.name} v{registered.version}", file=sys.stderr, flush=True)
+    ui.stage("adapter", f"{spec}: {registered.name} v{registered.version}")
     return manifest.dir / "adapter"
 
 

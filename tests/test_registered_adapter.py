@@ -74,7 +74,7 @@ def test_a_registered_version_is_fetched_once_by_alias_or_number(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_eval_reads_the_champion_from_the_registry(tiny_model_dir, tiny_model_factory, tmp_path, capsys):
+def test_cli_eval_reads_the_champion_from_the_registry(tiny_model_dir, tiny_model_factory, tmp_path, capfd):
     """``qerl eval --adapter models:/qerl-adapter@champion`` evaluates the registered adapter: the same
     evaluation (one store artifact) as the folder it was registered from. A version trained on another
     base is refused before any evaluation, naming both digests."""
@@ -90,21 +90,21 @@ def test_cli_eval_reads_the_champion_from_the_registry(tiny_model_dir, tiny_mode
     _register(work, adapter, adapters.base_lineage_digest(quantized))
     common = ["--base", str(ckpt), "--benchmark", "arithmetic", "--engine", "hf", "--work-dir", str(work),
               "--set", "greedy=true", "--set", "benchmark.limit=3", "--set", "max_new_tokens=8"]  # fmt: skip
-    capsys.readouterr()
+    capfd.readouterr()
 
     assert main(["eval", "--adapter", "models:/qerl-adapter@champion", *common]) == 0
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()
     assert "adapter     models:/qerl-adapter@champion: qerl-adapter v1" in err
     by_uri = json.loads(out.strip().splitlines()[-1])
     assert main(["eval", "--adapter", str(adapter), *common]) == 0
-    by_folder = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    by_folder = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     assert by_uri == by_folder
     assert len(list((work / "store" / "objects" / "evaluate").iterdir())) == 1  # the same adapter bytes
 
     other = tiny_model_factory(hidden_size=64, num_layers=2, intermediate_size=128)
     _register(work, make_adapter(other, tmp_path / "other", rank=8), "another-base", name="other-model")
     assert main(["eval", "--adapter", "models:/other-model/1", *common]) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert (
         f"other-model v1 was trained on base another-base, --base is {adapters.base_lineage_digest(quantized)}"
         in err
