@@ -42,8 +42,8 @@ def session(path: Path, verbose: bool = False) -> Iterator[TerminalConsole]:
         yield TerminalConsole(sys.stderr)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger()
-    level, handler_levels = root.level, [(h, h.level) for h in root.handlers]
+    root, qerl = logging.getLogger(), logging.getLogger("qerl")
+    level, qerl_level, handler_levels = root.level, qerl.level, [(h, h.level) for h in root.handlers]
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -57,6 +57,7 @@ def session(path: Path, verbose: bool = False) -> Iterator[TerminalConsole]:
         root.addHandler(file_handler)
         root.addHandler(shown)
         root.setLevel(logging.INFO)
+        qerl.setLevel(logging.INFO)  # qerl's progress lines are the log's record, whatever the command set
         os.dup2(logfile.fileno(), 1)
         os.dup2(logfile.fileno(), 2)
         streams = sys.stdout, sys.stderr
@@ -74,6 +75,7 @@ def session(path: Path, verbose: bool = False) -> Iterator[TerminalConsole]:
             root.removeHandler(file_handler)
             root.removeHandler(shown)
             root.setLevel(level)
+            qerl.setLevel(qerl_level)
             for handler, was in handler_levels:
                 handler.setLevel(was)
             console.stream.close()

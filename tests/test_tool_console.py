@@ -16,6 +16,7 @@ def test_session_sends_what_child_processes_and_libraries_write_to_the_log(tmp_p
     path = tool_console.log_path(tmp_path, "eval")
     assert path.parent == tmp_path / "logs" and path.name.startswith("eval-")
     root = logging.getLogger()
+    logging.getLogger("qerl").setLevel(logging.WARNING)  # as the CLI leaves it for most commands
     before = (root.level, list(root.handlers), [h.level for h in root.handlers])
     with tool_console.session(path) as ui:
         ui.stage("base", "a checkpoint", 1.0)
@@ -41,6 +42,8 @@ def test_session_sends_what_child_processes_and_libraries_write_to_the_log(tmp_p
                  "INFO some.library: library detail", "with a second line"):  # fmt: skip
         assert line in log, (line, log)
     assert (root.level, list(root.handlers), [h.level for h in root.handlers]) == before  # logging as it was
+    assert logging.getLogger("qerl").level == logging.WARNING
+    logging.getLogger("qerl").setLevel(logging.NOTSET)
 
 
 def test_session_gives_the_descriptors_back_after_an_error(tmp_path, capfd):
