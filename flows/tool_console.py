@@ -1,8 +1,8 @@
 """The console of ``qerl eval``: its stage lines and a progress bar for people, the rest in a log file.
 
-``qerl eval`` starts a rollout engine, and vLLM's engine-core and worker processes write some seventy
+``qerl eval`` starts a rollout engine, and vLLM's engine-core and worker processes write dozens of
 lines of their own (configuration, compilation, memory) straight to the file descriptors they
-inherit. ``session`` points descriptors 1 and 2 at ``<work>/logs/eval-<UTC time>.log`` for the
+inherit. ``session`` points descriptors 1 and 2 at ``<work>/logs/eval-<UTC time>-<pid>.log`` for the
 command's work, with the root logger at INFO into the same file, and gives the command a
 ``TerminalConsole`` on a duplicate of the terminal's stderr: its stage lines, the evaluation's
 progress bar, qerl's warnings and any library's errors (one line each, as ``qerl run`` shows them).
@@ -30,7 +30,8 @@ LOGS_DIR = "logs"
 
 
 def log_path(work: str | Path, command: str) -> Path:
-    """``<work>/logs/<command>-<UTC time>-<pid>.log``: one file per invocation, never appended to."""
+    """``<work>/logs/<command>-<UTC time>-<pid>.log``: a file per invocation (invocations in one process
+    within one second share theirs, appended)."""
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     return Path(work) / LOGS_DIR / f"{command}-{stamp}-{os.getpid()}.log"
 
@@ -44,10 +45,10 @@ def session(path: Path, verbose: bool = False) -> Iterator[TerminalConsole]:
     path.parent.mkdir(parents=True, exist_ok=True)
     root, qerl = logging.getLogger(), logging.getLogger("qerl")
     level, qerl_level, handler_levels = root.level, qerl.level, [(h, h.level) for h in root.handlers]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
     with open(path, "a", buffering=1, encoding="utf-8") as logfile:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)  # taken once the log is open: nothing to give back if it fails
         console = TerminalConsole(os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8"))
         file_handler = logging.StreamHandler(logfile)
         file_handler.setFormatter(logging.Formatter(FORMAT))
