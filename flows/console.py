@@ -103,19 +103,19 @@ class RunConsole:
         if not cached:
             self._step_times.append(max(0.0, seconds - startup))
 
-    def progress(self, name: str, done: int, total: int) -> None:
-        """``done`` of ``total`` items of the running stage ``name`` (its own line ends it): a line at
-        each further quarter."""
-        state = self._progress_state(name, total)
+    def progress(self, name: str, done: int, total: int, unit: str = "items") -> None:
+        """``done`` of ``total`` items (or another ``unit``) of the running stage ``name`` (its own line
+        ends it): a line at each further quarter."""
+        state = self._progress_state(name, total, unit)
         quarter = 4 * done // max(total, 1)
         if done < total and quarter > state.shown:
             state.shown = quarter
             self.line(state.text(done))
 
-    def _progress_state(self, name: str, total: int) -> _Progress:
+    def _progress_state(self, name: str, total: int, unit: str) -> _Progress:
         if self._progress is None or self._progress.name != name or self._progress.total != total:
             self.end_progress()
-            self._progress = _Progress(name, total, time.perf_counter())
+            self._progress = _Progress(name, total, time.perf_counter(), unit)
         return self._progress
 
     def end_progress(self) -> None:
@@ -149,14 +149,14 @@ class RunConsole:
 class _Progress:
     """One stage's progress over its items: where it started, the last quarter shown, a bar."""
 
-    def __init__(self, name: str, total: int, started: float):
-        self.name, self.total, self.started, self.shown = name, total, started, 0
+    def __init__(self, name: str, total: int, started: float, unit: str = "items"):
+        self.name, self.total, self.started, self.shown, self.unit = name, total, started, 0, unit
         self.bar: Any = None
 
     def text(self, done: int) -> str:
         elapsed = time.perf_counter() - self.started
         eta = elapsed * (self.total - done) / done if done else None
-        return f"{self.name:<11} {done}/{self.total} items  {fmt_duration(elapsed)}  ETA {fmt_duration(eta)}"
+        return f"{self.name:<11} {done}/{self.total} {self.unit}  {fmt_duration(elapsed)}  ETA {fmt_duration(eta)}"
 
     def close(self) -> None:
         if self.bar is not None:
@@ -209,15 +209,17 @@ class TerminalConsole(RunConsole):
             self._bar.close()
             self._bar = None
 
-    def progress(self, name: str, done: int, total: int) -> None:
+    def progress(self, name: str, done: int, total: int, unit: str = "items") -> None:
         if not self.tty:
-            super().progress(name, done, total)
+            super().progress(name, done, total, unit)
             return
-        state = self._progress_state(name, total)
+        state = self._progress_state(name, total, unit)
         if state.bar is None:
             from tqdm import tqdm
 
-            fmt = "{desc} {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} items [{elapsed}<{remaining}]"
+            fmt = (
+                "{desc} {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} " + unit + " [{elapsed}<{remaining}]"
+            )
             state.bar = tqdm(total=total, file=self.stream, desc=name, bar_format=fmt, leave=False)
         state.bar.update(done - state.bar.n)
 

@@ -55,7 +55,7 @@ from qerl.flows.run_record import (
 from qerl.pipeline.config import config_hash
 from qerl.pipeline.data.datasets import load_problems, problems_digest
 from qerl.pipeline.evaluation.eval_config import validation_split
-from qerl.pipeline.nvfp4.quality_report import quality_line, quality_metrics
+from qerl.pipeline.nvfp4.quality_report import quality_brief, quality_line, quality_metrics
 from qerl.pipeline.planning.engine_setup import needs_twin
 from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_fit import fit_prompts, load_tokenizer, prompt_token_limit
@@ -146,9 +146,9 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     src = base_task(cfg, store)
     ui.stage("base", src, time.perf_counter() - t0)
     t0 = time.perf_counter()
-    quantized = quantize_task(cfg, src, store)
+    quantized = quantize_task(cfg, src, store, progress=_progress(run, "quantize", "tensors"))
     what = "unquantized base" if cfg.quantize.scheme == "none" else "NVFP4 checkpoint"
-    detail = f"{what} ({quantized.mode}){_quality_brief(quantized.extra.get('quality'))}"
+    detail = f"{what} ({quantized.mode}){quality_brief(quantized.extra.get('quality'))}"
     ui.stage("quantize", detail, time.perf_counter() - t0, run.cached(quantized))
     if "quality" in quantized.extra:  # what quantization cost (quantize.quality), whole, in the run's log
         run.logger.info(quality_line(quantized.extra["quality"]))
@@ -164,15 +164,6 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
         twin = twin_task(cfg, quantized, store)
         ui.stage("twin", f"dequantized {cfg.quantize.twin_dtype}", time.perf_counter() - t0, run.cached(twin))
     return quantized, twin
-
-
-def _quality_brief(section: dict[str, Any] | None) -> str:
-    """What quantization cost, short enough for the quantize line (``quality_line`` has it all)."""
-    if not section:
-        return ""
-    if "kl" in section:
-        return f", KL {section['kl']:.3f} nats/token, top-1 {section['top1']:.3f}"
-    return f", weight error {100 * section['weight_error']['mean']:.1f}%"
 
 
 def read_data(run: Run) -> list[Any]:
@@ -311,11 +302,12 @@ def evaluate_adapter(
     return ev
 
 
-def _progress(run: Run) -> Callable[[int, int], None]:
-    """The evaluate stage's ``progress(done, total)``, shown by the run's console."""
+def _progress(run: Run, stage: str = "evaluate", unit: str = "items") -> Callable[[int, int], None]:
+    """A stage's ``progress(done, total)`` in ``unit`` (evaluate: items, quantize: tensors), shown by
+    the run's console."""
 
     def progress(done: int, total: int) -> None:
-        run.ui.progress("evaluate", done, total)
+        run.ui.progress(stage, done, total, unit)
 
     return progress
 

@@ -61,8 +61,11 @@ def base_task(cfg: RunConfig, store: ArtifactStore) -> str:
 
 
 @task(name="quantize", **RETRY_OPTS)
-def quantize_task(cfg: RunConfig, src: str, store: ArtifactStore) -> Manifest:
-    return quantize.run(cfg.quantize, src, store, cfg.data)  # gptq calibrates on the run's data config
+def quantize_task(
+    cfg: RunConfig, src: str, store: ArtifactStore, progress: Callable[[int, int], None] | None = None
+) -> Manifest:
+    """gptq calibrates on the run's data config; ``progress(done, total)``: tensors written."""
+    return quantize.run(cfg.quantize, src, store, cfg.data, progress)
 
 
 @task(name="dequantize-twin", **RETRY_OPTS)

@@ -162,7 +162,7 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
     from qerl.pipeline.rollout.factory import build_engine
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.pipeline.store.layout import STORE_DIR
-    from qerl.stages import evaluate, fetch_model
+    from qerl.stages import evaluate
 
     engine_sets = [s.removeprefix("rollout.") for s in args.set if s.startswith("rollout.")]
     recipe_sets = [s.removeprefix("quantize.") for s in args.set if s.startswith("quantize.")]
@@ -174,10 +174,7 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
     recipe = load_config(QuantizeConfig, None, recipe_sets, prefix="quantize") if recipe_sets else None
     registered = _registered_adapter(args.adapter, registry_sets, work_dir(args))
     store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
-    t0 = time.perf_counter()
-    base = fetch_model.resolve_base(args.base, store)  # a catalogue name becomes its directory
-    quantized, twin = evaluate.base_artifacts(base, store, needs_twin(args.engine), recipe)
-    ui.stage("base", f"{quantized.mode} checkpoint {quantized.dir}", time.perf_counter() - t0)
+    quantized, twin = _eval_base(args.base, needs_twin(args.engine), recipe, store, ui)
     adapter = _eval_adapter(args.adapter, registered, quantized, store, ui)
     adapter = None if adapter is None else check_adapter_fits(adapter, quantized.dir)
     digest = None if adapter is None else store.source_digest(adapter)
@@ -195,6 +192,31 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
     s = evaluate.load_summary(manifest)
     ui.stage("evaluate", f"accuracy {s['accuracy']:.3f} ± {s['stderr']:.3f} ({s['benchmark']}, {s['n_items']} items)", time.perf_counter() - t0)  # fmt: skip
     return manifest
+
+
+def _eval_base(spec: str, need_twin: bool, recipe: Any, store: Any, ui: Any) -> tuple[Any, Any]:
+    """``qerl eval --base``: the model (a catalogue name is fetched), its NVFP4 checkpoint (a plain
+    model is quantized, with a progress bar) and the twin where the engine needs one; a console line
+    for the model and one for the checkpoint, as a run shows them."""
+    import datetime as dt
+    import time
+
+    from qerl.pipeline.nvfp4.quality_report import quality_brief
+    from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE
+    from qerl.stages import evaluate, fetch_model
+
+    since = dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()  # older manifests: cache hits
+    t0 = time.perf_counter()
+    base = fetch_model.resolve_base(spec, store)  # a catalogue name becomes its directory
+    ui.stage("base", str(base), time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    quantized, twin = evaluate.base_artifacts(
+        base, store, need_twin, recipe, progress=lambda done, total: ui.progress("quantize", done, total, "tensors")
+    )  # fmt: skip
+    what = "unquantized base" if quantized.mode == UNQUANTIZED_MODE else "NVFP4 checkpoint"
+    detail = f"{what} {quantized.dir} ({quantized.mode}){quality_brief(quantized.extra.get('quality'))}"
+    ui.stage("quantize", detail, time.perf_counter() - t0, cached=quantized.created_at < since)
+    return quantized, twin
 
 
 def _registered_adapter(spec: str, registry_sets: list[str], work: str) -> Any:

@@ -325,7 +325,11 @@ def run(
 
 
 def base_artifacts(
-    base: str | Path, store: ArtifactStore, need_twin: bool = True, recipe: QuantizeConfig | None = None
+    base: str | Path,
+    store: ArtifactStore,
+    need_twin: bool = True,
+    recipe: QuantizeConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Manifest, Manifest | None]:
     """(quantized, twin) for a base given as a ``qerl quantize`` export or as a plain HF model dir.
 
@@ -334,7 +338,7 @@ def base_artifacts(
     ``recipe`` (default: the default recipe; a cached stage, so a repeat is a lookup); so is a store
     artifact that is one (a catalogue model's ``fetch-model`` directory, which ``--base NAME``
     resolves to, or the ``demo-base``). The twin (what CPU serving needs) is derived through the
-    dequantize stage, also cached.
+    dequantize stage, also cached. ``progress(done, total)``: the quantize's tensors, when it builds.
     """
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.stages import demo_base, dequantize, fetch_model, quantize
@@ -356,7 +360,7 @@ def base_artifacts(
         qcfg = QuantizeConfig.model_validate(quantized.config)
     elif stage in (None, fetch_model.STAGE, demo_base.STAGE):
         qcfg = recipe or QuantizeConfig()
-        quantized = quantize.run(qcfg, base, store)
+        quantized = quantize.run(qcfg, base, store, progress=progress)
     else:
         raise ArtifactError(
             f"{base} holds a '{stage}' artifact, not a model: pass a '{quantize.STAGE}' checkpoint, "

@@ -52,6 +52,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import qerl.kernels.nvfp4_dispatch as nvfp4_dispatch
@@ -193,22 +194,34 @@ def _gptq_producers(layers: Iterator[tuple[int, dict[str, torch.Tensor]]]) -> Ca
     return for_group
 
 
+Progress = Callable[[int, int], None]
+
+
 def run(
-    cfg: QuantizeConfig, src: str | Path, store: ArtifactStore, data: DataConfig | None = None
+    cfg: QuantizeConfig,
+    src: str | Path,
+    store: ArtifactStore,
+    data: DataConfig | None = None,
+    progress: Progress | None = None,
 ) -> Manifest:
     """Quantize SRC to an NVFP4A16 checkpoint artifact (cached by base digest + recipe + code).
 
-    ``data`` (the run's data config) is where ``method: gptq`` finds its calibration text."""
-    return run_with_status(cfg, src, store, data)[0]
+    ``data`` (the run's data config) is where ``method: gptq`` finds its calibration text;
+    ``progress(done, total)`` counts the tensors written (a build only: a cache hit calls nothing)."""
+    return run_with_status(cfg, src, store, data, progress)[0]
 
 
 def run_with_status(
-    cfg: QuantizeConfig, src: str | Path, store: ArtifactStore, data: DataConfig | None = None
+    cfg: QuantizeConfig,
+    src: str | Path,
+    store: ArtifactStore,
+    data: DataConfig | None = None,
+    progress: Progress | None = None,
 ) -> tuple[Manifest, bool]:
     """``run`` that also says whether the artifact came from the cache."""
     src_dir = resolve_source(src)
     if cfg.scheme == "none":
-        return _run_unquantized(cfg, src_dir, str(src), store)
+        return _run_unquantized(cfg, src_dir, str(src), store, progress)
     model_config = read_model_config(src_dir)
     arch = check_architecture(model_config, cfg)
     specs = safetensors_index(src_dir)
@@ -242,12 +255,9 @@ def run_with_status(
         else:
             quant = lambda g: _quant_producer(g, device, cfg)  # noqa: E731
         groups = [(g.outputs, quant(g) if g.quantize else copy_producer(g.sources[0])) for g in plan]
-        n_tensors = sum(len(g.sources) for g in plan)
-        with tqdm(total=n_tensors, desc=f"quantize {src_dir.name}", unit="tensor", disable=None) as bar:
-            sizes = iter([len(g.sources) for g in plan])
-            write_sharded(
-                tmp, groups, int(cfg.max_shard_mb * 2**20), progress=lambda _: bar.update(next(sizes))
-            )
+        sizes = iter([len(g.sources) for g in plan])
+        with _tensor_bar(sum(len(g.sources) for g in plan), f"quantize {src_dir.name}", progress) as advance:
+            write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=lambda _: advance(next(sizes)))
         seconds = time.perf_counter() - t0
         n_quant = sum(len(g.sources) for g in plan if g.quantize)
         bytes_in = sum(s.nbytes for s in specs.values())
@@ -286,6 +296,23 @@ def run_with_status(
     return store.produce(STAGE, _recipe_key(cfg, calib), inputs, code, build)
 
 
+@contextmanager
+def _tensor_bar(total: int, desc: str, progress: Progress | None) -> Iterator[Callable[[int], None]]:
+    """``advance(n)``: n more tensors written, on tqdm's bar (stderr: the log under a console) and
+    to the caller's ``progress(done, total)`` (a console's own bar)."""
+    done = 0
+    with tqdm(total=total, desc=desc, unit="tensor", disable=None) as bar:
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            bar.update(n)
+            if progress is not None:
+                progress(done, total)
+
+        yield advance
+
+
 def _device_and_backend(cfg: QuantizeConfig) -> tuple[torch.device, str]:
     """Where the quantizer runs and the backend the manifest names: RTN dispatches to the kernels of
     the device; GPTQ is plain torch, on the GPU where there is one (its last bits differ from the
@@ -320,7 +347,7 @@ def _recipe_key(cfg: QuantizeConfig, calibration: dict | None = None) -> dict:
 
 
 def _run_unquantized(
-    cfg: QuantizeConfig, src_dir: Path, source: str, store: ArtifactStore
+    cfg: QuantizeConfig, src_dir: Path, source: str, store: ArtifactStore, progress: Progress | None
 ) -> tuple[Manifest, bool]:
     """``scheme: none``: the base with its floating tensors in the twin dtype (see the module docstring)."""
     read_model_config(src_dir)  # a clear error for a directory that is no HF model
@@ -344,8 +371,8 @@ def _run_unquantized(
                 groups.append(([out], lambda spec=spec: {spec.name: read_tensor(spec).to(dtype)}))
             else:
                 groups.append(([TensorSpec(name, spec.dtype, spec.shape)], copy_producer(spec)))
-        with tqdm(total=len(groups), desc=f"unquantized {src_dir.name}", unit="tensor", disable=None) as bar:
-            write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
+        with _tensor_bar(len(groups), f"unquantized {src_dir.name}", progress) as advance:
+            write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=advance)
         log.info("quantize.scheme none: %s copied unquantized in %s", src_dir, dtype_name)
         return BuildResult(
             mode=UNQUANTIZED_MODE,

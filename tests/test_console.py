@@ -143,6 +143,10 @@ def test_evaluation_progress_is_a_line_per_quarter_or_a_bar_on_a_terminal():
     shown = term.stream.getvalue()
     assert "100/400 items" in shown and "WARNING qerl.x: something" in shown and "evaluate    done" in shown
     assert term._progress is None
+    term.progress("quantize", 30, 211, "tensors")  # another stage counts in its own unit
+    assert "/211 tensors" in term.stream.getvalue()  # tqdm draws the count when it next refreshes
+    ui.progress("quantize", 110, 211, "tensors")
+    assert ui.lines[-1].startswith("quantize    110/211 tensors")
 
 
 def test_a_run_without_a_session_logs_to_its_run_log(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from qerl.kernels.nvfp4_reference import dequantize_nvfp4, global_scale
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig, UnsupportedModelError
-from qerl.pipeline.nvfp4.safetensors_io import iter_quantized_linears
+from qerl.pipeline.nvfp4.safetensors_io import iter_quantized_linears, safetensors_index
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.manifest import ArtifactError
 from qerl.stages import dequantize
@@ -119,11 +119,21 @@ def test_small_shards_and_index(tiny_model_dir, tmp_path):
 
 def test_cache_hit_is_fast_and_corruption_recomputes(tiny_model_dir, tmp_path):
     store = ArtifactStore(tmp_path / "store")
-    first, cached = stage.run_with_status(QuantizeConfig(), tiny_model_dir, store)
+    seen: list[tuple[int, int]] = []
+    first, cached = stage.run_with_status(
+        QuantizeConfig(), tiny_model_dir, store, progress=lambda *a: seen.append(a)
+    )
     assert not cached
+    # progress counts every source tensor once, in order, up to the total (a console's quantize bar)
+    n_sources = len(safetensors_index(tiny_model_dir))
+    assert seen[-1] == (n_sources, n_sources) and [d for d, _ in seen] == sorted({d for d, _ in seen})
+    reported = len(seen)
     t0 = time.perf_counter()
-    again, cached = stage.run_with_status(QuantizeConfig(), tiny_model_dir, store)
+    again, cached = stage.run_with_status(
+        QuantizeConfig(), tiny_model_dir, store, progress=lambda *a: seen.append(a)
+    )
     assert cached and time.perf_counter() - t0 < 1.0 and again.key == first.key
+    assert len(seen) == reported  # a cache hit builds nothing and reports nothing
     shard = again.dir / "model-00001-of-00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF

@@ -13,7 +13,7 @@ from qerl.kernels.nvfp4_reference import dequantize_nvfp4
 from qerl.pipeline.data.heldout import held_out_texts
 from qerl.pipeline.nvfp4 import quality
 from qerl.pipeline.nvfp4.quality import QualityConfig, logit_metrics, relative_error
-from qerl.pipeline.nvfp4.quality_report import quality_line, quality_table
+from qerl.pipeline.nvfp4.quality_report import quality_brief, quality_line, quality_table
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.stages import quantize as stage
@@ -345,8 +345,8 @@ def test_quality_metrics_reach_the_mlflow_run(tmp_path):
     rl_phases._log_quantize_quality(run, run_id, SimpleNamespace(extra={"quality": SECTION}))
     logged = tracking.MlflowClient().get_run(run_id).data.metrics
     assert {k: logged[k] for k in quality_metrics(SECTION)} == quality_metrics(SECTION)
-    # the run console's quantize line carries the short form
-    assert rl_phases._quality_brief(SECTION) == ", KL 0.215 nats/token, top-1 0.808"
+    # the run console's quantize line and `qerl eval`'s base line carry the short form
+    assert quality_brief(SECTION) == ", KL 0.215 nats/token, top-1 0.808"
     weights_only = {"weight_error": SECTION["weight_error"]}
-    assert rl_phases._quality_brief(weights_only) == ", weight error 5.0%"
-    assert rl_phases._quality_brief(None) == ""
+    assert quality_brief(weights_only) == ", weight error 5.0%"
+    assert quality_brief(None) == ""

@@ -58,8 +58,9 @@ def test_session_gives_the_descriptors_back_after_an_error(tmp_path, capfd):
 
 @pytest.mark.slow
 def test_cli_eval_console_is_its_stage_lines_and_the_result(tiny_model_dir, tmp_path, capfd):
-    """``qerl eval`` on the transformers engine: the terminal has its stage lines, the log's path and
-    the result; qerl's INFO lines are in the log file it names."""
+    """``qerl eval`` on the transformers engine: the terminal has its stage lines (with the quantize's
+    progress, for a plain base), the log's path and the result; qerl's INFO lines are in the
+    log file it names."""
     from qerl.flows.cli import main
 
     work = tmp_path / "work"
@@ -69,9 +70,19 @@ def test_cli_eval_console_is_its_stage_lines_and_the_result(tiny_model_dir, tmp_
     assert main(argv) == 0
     out, err = capfd.readouterr()
     assert json.loads(out.strip().splitlines()[-1])["n_items"] == 2
-    names = [line.split()[0] for line in err.splitlines() if line.strip()]
-    assert names == ["base", "adapter", "WARNING", "evaluate", "log:"], err  # the warning: the engine's mode
+    lines = [line for line in err.splitlines() if line.strip()]
+    # the plain base is quantized: its progress is a line a quarter without a terminal
+    progress = [line for line in lines if line.startswith("quantize") and " tensors  " in line]
+    assert progress, err
+    names = [line.split()[0] for line in lines if line not in progress]
+    expected = ["base", "quantize", "adapter", "WARNING", "evaluate", "log:"]  # WARNING: the engine's mode
+    assert names == expected, err
+    assert "nats/token, top-1" in lines[lines.index(progress[-1]) + 1], err  # what quantization cost
     assert "WARNING qerl.engines: rollout engine mode hf-nvfp4-emulated" in err
     (log_file,) = (work / "logs").glob("eval-*.log")
     assert err.splitlines()[-1] == f"log: {log_file}"
     assert "INFO qerl.stages.evaluate: evaluating arithmetic/test@" in log_file.read_text()
+    assert main(argv) == 0  # again: the checkpoint is a cache hit, with no progress
+    again = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert [line.split()[0] for line in again] == expected
+    assert again[1].startswith("quantize") and again[1].endswith("(cached)"), again

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["quality_line", "quality_metrics", "quality_table"]
+__all__ = ["quality_brief", "quality_line", "quality_metrics", "quality_table"]
 
 
 def _short(name: str) -> str:
@@ -33,6 +33,16 @@ def quality_line(section: dict[str, Any] | None) -> str:
         f"ppl {section['ppl_base']:.2f} -> {section['ppl_quant']:.2f} "
         f"({t['count']} {what}, {section['tokens']:,} tokens); {worst}"
     )
+
+
+def quality_brief(section: dict[str, Any] | None) -> str:
+    """What quantization cost, short enough for a console's stage line (``quality_line`` has it all):
+    ", KL ... nats/token, top-1 ..." or ", weight error ...%"; empty without a section."""
+    if not section:
+        return ""
+    if "kl" in section:
+        return f", KL {section['kl']:.3f} nats/token, top-1 {section['top1']:.3f}"
+    return f", weight error {100 * section['weight_error']['mean']:.1f}%"
 
 
 def quality_metrics(section: dict[str, Any] | None) -> dict[str, float]:
