@@ -228,7 +228,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def _add_gc(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "gc",
-        help="free store space: old optimizer states, thinned adapters, trash (live runs are never touched)",
+        help="free store space: old optimizer states, thinned adapters, trash, base copies an upgrade superseded (live runs are never touched)",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="list what would be deleted and the bytes; delete nothing"

@@ -248,6 +248,15 @@ def _eval_adapter(spec: str, registered: Any, quantized: Any, store: Any, ui: An
     return manifest.dir / "adapter"
 
 
+def _base_code_versions() -> dict[str, str]:
+    """The installed code version of each base stage, as its ``run`` computes it (from the module's
+    source: nothing is imported), for ``qerl gc``'s superseded copies."""
+    from qerl.pipeline.store.code_version import code_version
+    from qerl.pipeline.store.superseded import BASE_STAGES
+
+    return {stage: code_version("qerl.stages." + stage.replace("-", "_")) for stage in BASE_STAGES}
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     from qerl.pipeline.store import retention
     from qerl.pipeline.store.layout import default_work_dir
@@ -255,7 +264,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     work = default_work_dir(args.work_dir)
     names = ("keep_optimizer_last", "keep_adapters_every", "live_window_h")
     overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    gc_plan = retention.plan(work, overrides=overrides)
+    gc_plan = retention.plan(work, overrides=overrides, current_code=_base_code_versions())
     for note in gc_plan.notes:
         print(f"  {note}")
     for d in gc_plan.deletions:

@@ -18,7 +18,10 @@ the run config's ``store`` section, defaults here):
   MLflow keep every step's metrics; a chain through them can no longer be rebuilt);
 - everything in ``store/trash`` (corrupt artifacts moved aside) older than ten minutes (a younger
   entry may be a prune still moving files), and build folders in ``store/tmp`` whose producer is
-  dead (its key's lock is free).
+  dead (its key's lock is free);
+- with the installed code versions (``qerl gc``), the copies of the base model's artifacts that an
+  older qerl built and the installed one built again byte for byte
+  (``qerl.pipeline.store.superseded``), whole, manifest included: no lookup by this qerl reaches them.
 
 What is never deleted: anything of a *live* run (status ``running`` and updated within
 ``live_window_h``: gc cannot know which of its files the running process holds, so all of them stay),
@@ -26,7 +29,7 @@ the adapter of every version registered from this store (its register manifest n
 digest; MLflow holds its own copy, but ``qerl eval`` and champion lookups read the store's), the
 final evaluated adapter of every run an ablation lists (below), every artifact of every run an
 unfinished ablation lists (below), any train artifact that no run record names (benchmarks, tests:
-not ours to judge), manifests, and anything outside the store: run records, logs, and ablations (``<work>/ablations/<id>/``: ``ablation.json``, ``report.md``, ``plots/``).
+not ours to judge), manifests (but a superseded copy's), and anything outside the store: run records, logs, and ablations (``<work>/ablations/<id>/``: ``ablation.json``, ``report.md``, ``plots/``).
 
 Ablations (``qerl ablate``, ``qerl.flows.ablate``): each (arm, seed) is an ordinary run with its own run
 record. Its runs share their steps up to where their configs part (the NVFP4 arms while sigma is 0),
@@ -64,6 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qerl.pipeline.store import superseded
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.layout import (
     MANIFEST,
@@ -97,7 +101,8 @@ TRASH_MIN_AGE_S = 600.0  # younger trash entries may still be filling (a prune i
 
 @dataclass
 class Deletion:
-    """One thing the plan deletes: files of an artifact (``prune``) or a folder (``trash``/``tmp``)."""
+    """One thing the plan deletes: files of an artifact (``prune``), a whole superseded artifact
+    (``remove``) or a folder (``trash``/``tmp``)."""
 
     kind: str
     path: Path
@@ -222,11 +227,14 @@ def plan(
     overrides: dict[str, Any] | None = None,
     now: _dt.datetime | None = None,
     only_run: str | None = None,
+    current_code: dict[str, str] | None = None,
 ) -> GcPlan:
     """What gc would delete under ``work`` (nothing is touched).
 
     ``overrides`` replace RetentionConfig fields for every run; ``only_run`` restricts pruning to that
-    run's steps and treats it as not live (the flow pruning its own past steps) and skips the sweeps.
+    run's steps and treats it as not live (the flow pruning its own past steps) and skips the sweeps;
+    ``current_code`` (stage -> the installed code version) adds the superseded base artifacts
+    (``qerl.pipeline.store.superseded``), unless a run is live.
     """
     work = Path(work)
     if not (work / STORE_DIR / OBJECTS_DIR).is_dir():
@@ -235,12 +243,14 @@ def plan(
     result = GcPlan()
     marks = Marks()
     records = load_runs(work)
+    live_runs: list[str] = []
     if only_run is not None and only_run not in {r["run_id"] for r in records}:
         raise RetentionError(f"no run record for '{only_run}' under {work / RUNS_DIR}")
     for record in records:
         policy = policy_for(record, overrides)
         live = record["run_id"] != only_run and is_live(record, policy.live_window_h, now)
         if live:
+            live_runs.append(record["run_id"])
             result.notes.append(
                 f"kept every artifact of live run {record['run_id']} (updated within {policy.live_window_h} h)"
             )
@@ -252,7 +262,19 @@ def plan(
     result.deletions += _table_pruning(store, marks, result.notes)
     if only_run is None:
         result.deletions += _sweeps(store, result.notes, now or _dt.datetime.now(_dt.UTC))
+    if only_run is None and current_code:
+        result.deletions += _superseded(store, current_code, live_runs, result.notes)
     return result
+
+
+def _superseded(
+    store: ArtifactStore, current: dict[str, str], live: list[str], notes: list[str]
+) -> list[Deletion]:
+    found = superseded.superseded(store, current, notes)
+    if found and live:
+        notes.append(f"kept {len(found)} superseded base artifacts: run {live[0]} is live (it may read one)")
+        return []
+    return [Deletion("remove", m.dir, _tree_bytes(m.dir), why, m.stage, m.key) for m, why in found]
 
 
 def apply(work: str | Path, gc_plan: GcPlan) -> int:
@@ -270,6 +292,8 @@ def apply(work: str | Path, gc_plan: GcPlan) -> int:
                 continue
             freed += _tree_bytes(claimed)
             shutil.rmtree(claimed) if claimed.is_dir() else claimed.unlink()
+        elif d.kind == "remove":
+            freed += superseded.remove(store, d.stage, d.key, d.reason)
         elif d.kind == "tmp":
             with store.try_lock(d.key) as free:
                 if free and d.path.exists():  # re-checked: a producer may have started since the plan
