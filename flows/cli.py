@@ -199,7 +199,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         required=True,
         metavar="DIR|none|models:/NAME@ALIAS",
         help="peft adapter folder, 'none', or a registered version: models:/NAME/VERSION or "
-        "models:/NAME@ALIAS (e.g. models:/qerl-adapter@champion)",
+        "models:/NAME@ALIAS (e.g. models:/qerl-adapter@champion), evaluated under the eval, reward and "
+        "quantize sections of the run that registered it when its record is in the work dir",
     )
     p.add_argument(
         "--benchmark", default=None, metavar="NAME", help="arithmetic|gsm8k|math500|aime24|amc23|FILE"
@@ -213,12 +214,13 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="rollout engine (default vllm)")
     _config_options(
         p,
-        "YAML file with evaluation settings (EvalConfig)",
+        "YAML file with evaluation settings (EvalConfig; for a registered adapter, instead of its run's)",
         (
             "override an eval setting, the engine's with rollout.KEY (e.g. rollout.max_model_len=4096; "
             "by default the context is capped by the model and the LoRA rank read from the adapter), or the "
             "recipe that quantizes a plain --base with quantize.KEY (e.g. quantize.method=gptq), or the "
-            "registry a models:/ adapter is read from with registry.KEY (default: the work dir's)"
+            "registry a models:/ adapter is read from with registry.KEY (default: the work dir's), or "
+            "the scorer with reward.KEY (e.g. reward.answer_format=answer_tags)"
         ),
     )
     _common(p)

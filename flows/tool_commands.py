@@ -164,17 +164,30 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
     from qerl.pipeline.store.layout import STORE_DIR
     from qerl.stages import evaluate
 
-    engine_sets = [s.removeprefix("rollout.") for s in args.set if s.startswith("rollout.")]
-    recipe_sets = [s.removeprefix("quantize.") for s in args.set if s.startswith("quantize.")]
-    registry_sets = [s.removeprefix("registry.") for s in args.set if s.startswith("registry.")]
-    own = [s for s in args.set if not s.startswith(("rollout.", "quantize.", "registry."))]
-    cfg = load_config(EvalConfig, args.config, own)
+    sections = ("rollout", "quantize", "registry", "reward")
+    sets = {
+        name: [s.removeprefix(f"{name}.") for s in args.set if s.startswith(f"{name}.")] for name in sections
+    }
+    own = [s for s in args.set if not s.startswith(tuple(f"{name}." for name in sections))]
+    registered = _registered_adapter(args.adapter, sets["registry"], work_dir(args))
+    run_cfg = None if registered is None or args.config else _registering_run(registered, work_dir(args), ui)
+    recipe = (
+        load_config(QuantizeConfig, None, sets["quantize"], prefix="quantize") if sets["quantize"] else None
+    )
+    run_recipe = None
+    if run_cfg is None:
+        cfg = load_config(EvalConfig, args.config, own)
+        reward = load_config(RewardConfig, None, sets["reward"], prefix="reward")
+    else:  # the protocol the version was evaluated under and the recipe its adapter was trained on
+        cfg = apply_overrides(EvalConfig.model_validate(run_cfg["eval"]), own)
+        reward = apply_overrides(RewardConfig.model_validate(run_cfg["reward"]), sets["reward"], "reward")
+        run_recipe = QuantizeConfig.model_validate(run_cfg["quantize"])
+        recipe = recipe and apply_overrides(run_recipe, sets["quantize"], "quantize")
     if args.benchmark:
         cfg = apply_overrides(cfg, {"benchmark": {"dataset": args.benchmark}})
-    recipe = load_config(QuantizeConfig, None, recipe_sets, prefix="quantize") if recipe_sets else None
-    registered = _registered_adapter(args.adapter, registry_sets, work_dir(args))
+    engine_sets = sets["rollout"]
     store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
-    quantized, twin = _eval_base(args.base, needs_twin(args.engine), recipe, store, ui)
+    quantized, twin = _eval_base(args.base, needs_twin(args.engine), recipe, store, ui, run_recipe)
     adapter = _eval_adapter(args.adapter, registered, quantized, store, ui)
     adapter = None if adapter is None else check_adapter_fits(adapter, quantized.dir)
     digest = None if adapter is None else store.source_digest(adapter)
@@ -184,7 +197,7 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
     try:
         context = rollout_cfg.max_model_len  # items that leave no room for the completion are dropped
         manifest = evaluate.run(
-            cfg, quantized, adapter, digest, store, engine, RewardConfig(), max_model_len=context,
+            cfg, quantized, adapter, digest, store, engine, reward, max_model_len=context,
             progress=lambda done, total: ui.progress("evaluate", done, total),
         )  # fmt: skip
     finally:
@@ -194,28 +207,57 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
     return manifest
 
 
-def _eval_base(spec: str, need_twin: bool, recipe: Any, store: Any, ui: Any) -> tuple[Any, Any]:
+def _registering_run(version: Any, work: str, ui: Any) -> dict[str, Any] | None:
+    """The config of the run that registered ``version``, from its record in this work dir (its
+    ``run_id`` tag), or None (a console line says which): ``qerl eval`` then evaluates under that
+    run's ``eval`` and ``reward`` sections and quantizes a plain base by its ``quantize`` section."""
+    import json
+
+    from qerl.pipeline.config import ConfigError
+    from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR
+
+    run_id = version.tags.get("run_id")
+    path = Path(work) / RUNS_DIR / str(run_id) / RUN_RECORD
+    if not run_id or not path.is_file():
+        where = f"run {run_id}'s record is not in {Path(work) / RUNS_DIR}" if run_id else "it names no run"
+        ui.stage("protocol", f"the defaults ({where}; --config for another)")
+        return None
+    config = json.loads(path.read_text()).get("config") or {}
+    missing = [name for name in ("eval", "reward", "quantize") if name not in config]
+    if missing:
+        raise ConfigError(f"run record {path} has no {', '.join(missing)} section: pass --config FILE")
+    ui.stage("protocol", f"run {run_id}'s eval, reward and quantize sections (--config for another)")
+    return config
+
+
+def _eval_base(
+    spec: str, need_twin: bool, recipe: Any, store: Any, ui: Any, run_recipe: Any = None
+) -> tuple[Any, Any]:
     """``qerl eval --base``: the model (a catalogue name is fetched), its NVFP4 checkpoint (a plain
-    model is quantized, with a progress bar) and the twin where the engine needs one; a console line
-    for the model and one for the checkpoint, as a run shows them."""
-    import datetime as dt
+    model is quantized, with a progress bar, by ``recipe``, else ``run_recipe``: the adapter's run's)
+    and the twin where the engine needs one; a console line for the model and one for the checkpoint,
+    as a run shows them."""
     import time
 
     from qerl.pipeline.nvfp4.quality_report import quality_brief
     from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE
     from qerl.stages import evaluate, fetch_model
 
-    since = dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()  # older manifests: cache hits
     t0 = time.perf_counter()
     base = fetch_model.resolve_base(spec, store)  # a catalogue name becomes its directory
     ui.stage("base", str(base), time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    quantized, twin = evaluate.base_artifacts(
-        base, store, need_twin, recipe, progress=lambda done, total: ui.progress("quantize", done, total, "tensors")
-    )  # fmt: skip
+    if recipe is None and not evaluate.is_checkpoint(base):
+        recipe = run_recipe
+    t0, written = time.perf_counter(), []  # a build reports its tensors; a cache hit reports nothing
+
+    def progress(done: int, total: int) -> None:
+        written.append(done)
+        ui.progress("quantize", done, total, "tensors")
+
+    quantized, twin = evaluate.base_artifacts(base, store, need_twin, recipe, progress=progress)
     what = "unquantized base" if quantized.mode == UNQUANTIZED_MODE else "NVFP4 checkpoint"
     detail = f"{what} {quantized.dir} ({quantized.mode}){quality_brief(quantized.extra.get('quality'))}"
-    ui.stage("quantize", detail, time.perf_counter() - t0, cached=quantized.created_at < since)
+    ui.stage("quantize", detail, time.perf_counter() - t0, cached=not written)
     return quantized, twin
 
 

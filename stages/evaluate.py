@@ -324,6 +324,14 @@ def run(
     return manifest
 
 
+def is_checkpoint(base: str | Path) -> bool:
+    """Whether ``base`` is a ``qerl quantize`` checkpoint (its manifest's stage), not a model to quantize."""
+    from qerl.stages import quantize
+
+    path = Path(base)
+    return (path / MANIFEST).is_file() and Manifest.load(path).stage == quantize.STAGE
+
+
 def base_artifacts(
     base: str | Path,
     store: ArtifactStore,

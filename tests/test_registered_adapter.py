@@ -6,17 +6,22 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from qerl.pipeline.registry import adapters, promotion
 from qerl.pipeline.registry import tracking as registry
 from qerl.pipeline.registry.lock import RegistryError
 from qerl.pipeline.store.artifact_store import ArtifactStore
 
 
-def _register(work: Path, adapter: Path, base_digest: str, name: str = "qerl-adapter") -> str:
-    """``adapter`` registered as a version of ``name`` trained on ``base_digest``, made champion."""
+def _register(
+    work: Path, adapter: Path, base_digest: str, name: str = "qerl-adapter", run_id: str | None = None
+) -> str:
+    """``adapter`` registered as a version of ``name`` trained on ``base_digest`` (by run ``run_id``),
+    made champion."""
     reg = registry.connect(registry.RegistryConfig(model_name=name), work)
     lineage = {"base_digest": base_digest, "quant_recipe": "q", "dataset_digest": "d", "code_version": "c",
-               "flow_run_id": "f", "adapter_digest": f"adapter-{adapter.name}"}  # fmt: skip
+               "flow_run_id": "f", "adapter_digest": f"adapter-{adapter.name}",
+               **({"run_id": run_id} if run_id else {})}  # fmt: skip
     run_id = registry.start_run(reg, run_name="probe")
     version, _ = promotion.register_adapter(
         reg, run_id, adapter, None, {"benchmark": "b", "accuracy": 0.5}, lineage
@@ -110,3 +115,74 @@ def test_cli_eval_reads_the_champion_from_the_registry(tiny_model_dir, tiny_mode
         in err
     )
     assert len(list((work / "store" / "objects" / "evaluate").iterdir())) == 1
+
+
+def test_cli_eval_of_a_registered_version_uses_its_runs_protocol(tiny_model_dir, tmp_path, capfd):
+    """Without ``--config``, ``qerl eval --adapter models:/...`` evaluates under the eval and reward
+    sections of the run that registered the version (its record in the work dir) and quantizes a
+    plain base by that run's quantize section: the registered figure's protocol, ``--benchmark``
+    replacing only the dataset. ``--config`` or a missing record: the defaults, said on the console."""
+    from qerl.flows.cli import main
+    from qerl.pipeline.config import key_payload
+    from qerl.pipeline.data.rewards import RewardConfig
+    from qerl.pipeline.evaluation.eval_config import EvalConfig
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.store.files import atomic_write_json
+    from qerl.pipeline.store.manifest import Manifest
+    from qerl.stages.evaluate import base_artifacts, load_summary
+
+    from tests.test_engines import make_adapter
+
+    work = tmp_path / "work"
+    store = ArtifactStore(work / "store")
+    quantized, _ = base_artifacts(tiny_model_dir, store, need_twin=False)
+    _register(work, make_adapter(tiny_model_dir, tmp_path / "adapter", rank=8),
+              adapters.base_lineage_digest(quantized), run_id="night-1")  # fmt: skip
+    eval_section = EvalConfig.model_validate(
+        {
+            "greedy": True,
+            "max_new_tokens": 6,
+            "benchmark": {"dataset": "arithmetic", "limit": 3, "template": "terse"},
+        }
+    )
+    config = {"eval": eval_section.model_dump(mode="json"),
+              "reward": RewardConfig(answer_format="answer_tags", workers=1).model_dump(mode="json"),
+              "quantize": QuantizeConfig(twin_dtype="float32").model_dump(mode="json")}  # fmt: skip
+    atomic_write_json(
+        work / "runs" / "night-1" / "run.json", {"run_id": "night-1", "steps": [], "config": config}
+    )
+    common = ["--adapter", "models:/qerl-adapter@champion", "--base", str(tiny_model_dir), "--engine", "hf",
+              "--work-dir", str(work)]  # fmt: skip
+    capfd.readouterr()
+
+    def evaluation(argv: list[str]) -> tuple[Manifest, str]:
+        assert main(["eval", *common, *argv]) == 0
+        out, err = capfd.readouterr()
+        return Manifest.load(out.strip().splitlines()[-2].rsplit(" -> ", 1)[1]), err
+
+    ev, err = evaluation([])
+    assert "protocol    run night-1's eval, reward and quantize sections (--config for another)" in err
+    assert ev.config["eval"] == key_payload(eval_section)  # the run's eval section
+    twins = [Manifest.load(d) for d in (work / "store" / "objects" / "dequantize").iterdir()]
+    assert [t.config["twin_dtype"] for t in twins] == ["float32"]  # the run's quantize section
+    # the same evaluation by hand: the run's sections as a --config and --set reward.* (one store entry)
+    own = tmp_path / "eval.yaml"
+    own.write_text(yaml.safe_dump(config["eval"]))
+    by_hand, err = evaluation(["--config", str(own), "--set", "reward.answer_format=answer_tags",
+                               "--set", "quantize.twin_dtype=float32"])  # fmt: skip
+    assert "protocol" not in err and by_hand.dir == ev.dir
+    default, _ = evaluation(["--config", str(own)])  # the default reward: another protocol
+    assert load_summary(default)["benchmark"] != load_summary(ev)["benchmark"]
+    mixed, _ = evaluation(
+        ["--benchmark", "arithmetic", "--set", "benchmark.limit=2"]
+    )  # the run's, then --set
+    assert (
+        mixed.config["eval"]["benchmark"]["limit"] == 2
+        and mixed.config["eval"]["benchmark"]["template"] == "terse"
+    )
+    (work / "runs" / "night-1" / "run.json").unlink()
+    _, err = evaluation(["--set", "benchmark.limit=3", "--set", "greedy=true", "--set", "max_new_tokens=6"])
+    assert (
+        f"protocol    the defaults (run night-1's record is not in {work / 'runs'}; --config for another)"
+        in err
+    )
