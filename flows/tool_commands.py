@@ -179,9 +179,9 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
         cfg = load_config(EvalConfig, args.config, own)
         reward = load_config(RewardConfig, None, sets["reward"], prefix="reward")
     else:  # the protocol the version was evaluated under and the recipe its adapter was trained on
-        cfg = apply_overrides(EvalConfig.model_validate(run_cfg["eval"]), own)
-        reward = apply_overrides(RewardConfig.model_validate(run_cfg["reward"]), sets["reward"], "reward")
-        run_recipe = QuantizeConfig.model_validate(run_cfg["quantize"])
+        run_eval, run_reward, run_recipe = run_cfg
+        cfg = apply_overrides(run_eval, own)
+        reward = apply_overrides(run_reward, sets["reward"], "reward")
         recipe = recipe and apply_overrides(run_recipe, sets["quantize"], "quantize")
     if args.benchmark:
         cfg = apply_overrides(cfg, {"benchmark": {"dataset": args.benchmark}})
@@ -207,13 +207,16 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
     return manifest
 
 
-def _registering_run(version: Any, work: str, ui: Any) -> dict[str, Any] | None:
-    """The config of the run that registered ``version``, from its record in this work dir (its
-    ``run_id`` tag), or None (a console line says which): ``qerl eval`` then evaluates under that
-    run's ``eval`` and ``reward`` sections and quantizes a plain base by its ``quantize`` section."""
+def _registering_run(version: Any, work: str, ui: Any) -> tuple[Any, Any, Any] | None:
+    """The (eval, reward, quantize) sections of the run that registered ``version``, from its record
+    in this work dir (its ``run_id`` tag), or None (a console line says which): ``qerl eval`` then
+    evaluates under that run's protocol and quantizes a plain base by its recipe."""
     import json
 
     from qerl.pipeline.config import ConfigError
+    from qerl.pipeline.data.rewards import RewardConfig
+    from qerl.pipeline.evaluation.eval_config import EvalConfig
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR
 
     run_id = version.tags.get("run_id")
@@ -222,12 +225,20 @@ def _registering_run(version: Any, work: str, ui: Any) -> dict[str, Any] | None:
         where = f"run {run_id}'s record is not in {Path(work) / RUNS_DIR}" if run_id else "it names no run"
         ui.stage("protocol", f"the defaults ({where}; --config for another)")
         return None
-    config = json.loads(path.read_text()).get("config") or {}
-    missing = [name for name in ("eval", "reward", "quantize") if name not in config]
-    if missing:
-        raise ConfigError(f"run record {path} has no {', '.join(missing)} section: pass --config FILE")
+    try:
+        config = json.loads(path.read_text())["config"]
+        sections = (
+            (EvalConfig, config["eval"]),
+            (RewardConfig, config["reward"]),
+            (QuantizeConfig, config["quantize"]),
+        )
+        parsed = tuple(model.model_validate(data) for model, data in sections)
+    except (ValueError, KeyError, TypeError) as err:  # an unreadable record, or one of an older qerl
+        raise ConfigError(
+            f"run record {path}: no valid eval, reward and quantize sections ({err}); pass --config FILE"
+        ) from err
     ui.stage("protocol", f"run {run_id}'s eval, reward and quantize sections (--config for another)")
-    return config
+    return parsed  # type: ignore[return-value]
 
 
 def _eval_base(

@@ -180,7 +180,11 @@ def test_cli_eval_of_a_registered_version_uses_its_runs_protocol(tiny_model_dir,
         mixed.config["eval"]["benchmark"]["limit"] == 2
         and mixed.config["eval"]["benchmark"]["template"] == "terse"
     )
-    (work / "runs" / "night-1" / "run.json").unlink()
+    record = work / "runs" / "night-1" / "run.json"
+    atomic_write_json(record, {"run_id": "night-1", "steps": [], "config": {**config, "eval": {"k": "many"}}})
+    assert main(["eval", *common]) == 2  # a record of another qerl's making: named, nothing evaluated
+    assert f"run record {record}: no valid eval, reward and quantize sections" in capfd.readouterr().err
+    record.unlink()
     _, err = evaluation(["--set", "benchmark.limit=3", "--set", "greedy=true", "--set", "max_new_tokens=6"])
     assert (
         f"protocol    the defaults (run night-1's record is not in {work / 'runs'}; --config for another)"
