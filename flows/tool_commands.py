@@ -137,7 +137,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     log_file = tool_console.log_path(work_dir(args), "eval")
     with tool_console.session(log_file, args.verbose) as ui:
-        manifest = _evaluate(args, ui)
+        manifest, registered = _evaluate(args, ui)
     s = evaluate.load_summary(manifest)
     if not args.verbose:
         print(f"log: {log_file}", file=sys.stderr, flush=True)
@@ -145,12 +145,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
         f"{s['benchmark']}: avg@{s['k']} = {s['accuracy']:.4f} +- {s['stderr']:.4f} over {s['n_items']} items "
         f"(engine {s['engine_mode']}) -> {manifest.dir}"
     )
+    if registered is not None and registered.tags.get("eval_benchmark"):
+        print(_registered_figure(registered, s["benchmark"]))
     print(json.dumps({k: s[k] for k in ("benchmark", "accuracy", "stderr", "n_items", "k")}))
     return 0
 
 
-def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
-    """``qerl eval``'s work: the base, the adapter, the engine and the evaluate stage's manifest."""
+def _registered_figure(version: Any, benchmark: str) -> str:
+    """What the registered version's own run measured, and whether it is comparable with this
+    evaluation (the same benchmark id: the same items and protocol)."""
+    tags = version.tags
+    same = tags["eval_benchmark"] == benchmark
+    where = (
+        "this benchmark and protocol" if same else f"{tags['eval_benchmark']} (another benchmark or protocol)"
+    )
+    return f"registered: {version.name} v{version.version} at {float(tags.get('eval_accuracy', 'nan')):.4f} on {where}"
+
+
+def _evaluate(args: argparse.Namespace, ui: Any) -> tuple[Any, Any]:
+    """``qerl eval``'s work: the base, the adapter, the engine; the evaluate stage's manifest and the
+    registered version evaluated (None for a folder or 'none')."""
     import time
 
     from qerl.pipeline.config import apply_overrides, load_config
@@ -204,7 +218,7 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> Any:
         engine.close()
     s = evaluate.load_summary(manifest)
     ui.stage("evaluate", f"accuracy {s['accuracy']:.3f} ± {s['stderr']:.3f} ({s['benchmark']}, {s['n_items']} items)", time.perf_counter() - t0)  # fmt: skip
-    return manifest
+    return manifest, registered
 
 
 def _registering_run(version: Any, work: str, ui: Any) -> tuple[Any, Any, Any] | None:

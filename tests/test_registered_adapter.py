@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -123,6 +124,7 @@ def test_cli_eval_of_a_registered_version_uses_its_runs_protocol(tiny_model_dir,
     plain base by that run's quantize section: the registered figure's protocol, ``--benchmark``
     replacing only the dataset. ``--config`` or a missing record: the defaults, said on the console."""
     from qerl.flows.cli import main
+    from qerl.flows.tool_commands import _registered_figure
     from qerl.pipeline.config import key_payload
     from qerl.pipeline.data.rewards import RewardConfig
     from qerl.pipeline.evaluation.eval_config import EvalConfig
@@ -155,13 +157,21 @@ def test_cli_eval_of_a_registered_version_uses_its_runs_protocol(tiny_model_dir,
               "--work-dir", str(work)]  # fmt: skip
     capfd.readouterr()
 
+    last_out: list[str] = [""]
+
     def evaluation(argv: list[str]) -> tuple[Manifest, str]:
         assert main(["eval", *common, *argv]) == 0
         out, err = capfd.readouterr()
-        return Manifest.load(out.strip().splitlines()[-2].rsplit(" -> ", 1)[1]), err
+        last_out[0] = out
+        result = next(line for line in out.splitlines() if " -> " in line)
+        return Manifest.load(result.rsplit(" -> ", 1)[1]), err
 
     ev, err = evaluation([])
     assert "protocol    run night-1's eval, reward and quantize sections (--config for another)" in err
+    # the figure the version's run registered, said to be comparable or not (the helper registers "b")
+    assert "registered: qerl-adapter v1 at 0.5000 on b (another benchmark or protocol)" in last_out[0]
+    same = SimpleNamespace(name="m", version="3", tags={"eval_benchmark": "x@1~2", "eval_accuracy": "0.25"})
+    assert _registered_figure(same, "x@1~2") == "registered: m v3 at 0.2500 on this benchmark and protocol"
     assert ev.config["eval"] == key_payload(eval_section)  # the run's eval section
     twins = [Manifest.load(d) for d in (work / "store" / "objects" / "dequantize").iterdir()]
     assert [t.config["twin_dtype"] for t in twins] == ["float32"]  # the run's quantize section
