@@ -146,7 +146,8 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     src = base_task(cfg, store)
     ui.stage("base", src, time.perf_counter() - t0)
     t0 = time.perf_counter()
-    quantized = quantize_task(cfg, src, store, progress=_progress(run, "quantize", "tensors"))
+    measures = cfg.quantize.scheme == "nvfp4" and cfg.quantize.quality.enabled
+    quantized = quantize_task(cfg, src, store, progress=console.quantize_progress(ui, measures))
     what = "unquantized base" if cfg.quantize.scheme == "none" else "NVFP4 checkpoint"
     detail = f"{what} ({quantized.mode}){quality_brief(quantized.extra.get('quality'))}"
     ui.stage("quantize", detail, time.perf_counter() - t0, run.cached(quantized))
@@ -302,12 +303,11 @@ def evaluate_adapter(
     return ev
 
 
-def _progress(run: Run, stage: str = "evaluate", unit: str = "items") -> Callable[[int, int], None]:
-    """A stage's ``progress(done, total)`` in ``unit`` (evaluate: items, quantize: tensors), shown by
-    the run's console."""
+def _progress(run: Run) -> Callable[[int, int], None]:
+    """The evaluate stage's ``progress(done, total)``, shown by the run's console."""
 
     def progress(done: int, total: int) -> None:
-        run.ui.progress(stage, done, total, unit)
+        run.ui.progress("evaluate", done, total)
 
     return progress
 

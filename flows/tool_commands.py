@@ -264,8 +264,9 @@ def _eval_base(
     as a run shows them."""
     import time
 
+    from qerl.flows.console import quantize_progress
     from qerl.pipeline.nvfp4.quality_report import quality_brief
-    from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE
+    from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE, QuantizeConfig
     from qerl.stages import evaluate, fetch_model
 
     t0 = time.perf_counter()
@@ -274,10 +275,12 @@ def _eval_base(
     if recipe is None and not evaluate.is_checkpoint(base):
         recipe = run_recipe
     t0, written = time.perf_counter(), []  # a build reports its tensors; a cache hit reports nothing
+    qcfg = recipe or QuantizeConfig()  # what a build of a plain base runs (evaluate.base_artifacts)
+    shown = quantize_progress(ui, qcfg.scheme == "nvfp4" and qcfg.quality.enabled)
 
     def progress(done: int, total: int) -> None:
         written.append(done)
-        ui.progress("quantize", done, total, "tensors")
+        shown(done, total)
 
     quantized, twin = evaluate.base_artifacts(base, store, need_twin, recipe, progress=progress)
     what = "unquantized base" if quantized.mode == UNQUANTIZED_MODE else "NVFP4 checkpoint"
