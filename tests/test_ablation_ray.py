@@ -86,7 +86,8 @@ class _RefusingRay:
     def __init__(self, refusals: int):
         self.refusals, self.inits, self.shutdowns = refusals, 0, 0
 
-    def init(self, address: str, namespace: str, runtime_env: dict) -> None:
+    def init(self, address: str, namespace: str, runtime_env: dict, log_to_driver: bool) -> None:
+        assert not log_to_driver  # each run has its own run.log; Ray's log printer races the shutdown
         self.inits += 1
         if self.inits <= self.refusals:
             raise ConnectionAbortedError(
