@@ -231,8 +231,8 @@ class TerminalConsole(RunConsole):
 
 def quantize_progress(ui: RunConsole, measures_quality: bool) -> Callable[[int, int], None]:
     """The quantize stage's ``progress(done, total)`` on ``ui``: the tensors written, then, when the
-    quality section comes next (``quantize.quality``: both models over the held-out texts, a minute
-    at 135M, with no progress of its own), a line that says so."""
+    quality section comes next (``quantize.quality``: both models over the held-out texts, with no
+    progress of its own), a line that says so."""
 
     def progress(done: int, total: int) -> None:
         ui.progress("quantize", done, total, "tensors")

@@ -101,7 +101,7 @@ def connect(ray: Any, address: str, runtime_env: dict[str, Any]) -> None:
             # log_to_driver off: each run writes its own run.log in the shared work dir, and Ray's
             # driver-side log printer, still printing a worker's last lines after ray.shutdown, can
             # reach the shut core worker, on which Ray ends the driver with status 1 before the CLI
-            # prints the ablation's error or result (a killed-worker ablation in CI did that)
+            # prints the ablation's error or result
             ray.init(address=address, namespace="prefect", runtime_env=runtime_env, log_to_driver=False)
             return
         except ConnectionAbortedError as err:

@@ -70,6 +70,7 @@ from typing import Any
 from qerl.pipeline.store import superseded
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.layout import (
+    GC_LOG,
     MANIFEST,
     OBJECTS_DIR,
     OPTIMIZER_FILE,
@@ -277,6 +278,16 @@ def _superseded(
     return [Deletion("remove", m.dir, _tree_bytes(m.dir), why, m.stage, m.key) for m, why in found]
 
 
+def _delete_aside(store: ArtifactStore, folder: Path) -> int:
+    """Rename ``folder`` into trash, then delete it (a crash in between leaves trash for the next
+    sweep, never half a folder in place); the bytes freed."""
+    aside = store.root / TRASH_DIR / f"gc-{folder.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(folder, aside)
+    freed = _tree_bytes(aside)
+    shutil.rmtree(aside)
+    return freed
+
+
 def apply(work: str | Path, gc_plan: GcPlan) -> int:
     """Carry out ``gc_plan``; returns the bytes freed. Folders are renamed aside, then deleted."""
     store = ArtifactStore(Path(work) / STORE_DIR)
@@ -292,15 +303,17 @@ def apply(work: str | Path, gc_plan: GcPlan) -> int:
                 continue
             freed += _tree_bytes(claimed)
             shutil.rmtree(claimed) if claimed.is_dir() else claimed.unlink()
-        elif d.kind == "remove":
-            freed += superseded.remove(store, d.stage, d.key, d.reason)
+        elif d.kind == "remove":  # a superseded artifact, whole; a build of its key waits for the lock
+            with store.lock(f"{d.stage}-{d.key}"):
+                if d.path.is_dir():
+                    freed += _delete_aside(store, d.path)
+                    store._journal(
+                        {"stage": d.stage, "key": d.key, "event": "removed", "reason": d.reason}, GC_LOG
+                    )
         elif d.kind == "tmp":
             with store.try_lock(d.key) as free:
                 if free and d.path.exists():  # re-checked: a producer may have started since the plan
-                    aside = store.root / TRASH_DIR / f"gc-{d.path.name}-{uuid.uuid4().hex[:8]}"
-                    os.replace(d.path, aside)
-                    freed += _tree_bytes(aside)
-                    shutil.rmtree(aside)
+                    freed += _delete_aside(store, d.path)
         else:
             raise ValueError(f"unknown deletion kind {d.kind!r} for {d.path}")
     log.info("gc freed %s in %d deletions", human_bytes(freed), len(gc_plan.deletions))

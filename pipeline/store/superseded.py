@@ -4,7 +4,7 @@ Every cache key holds its stage's code version (``qerl.pipeline.store.code_versi
 upgrade that edits a base stage's import closure (the kernels, the checkpoint format, the store
 itself), the next run builds the fetched model, the quantized checkpoint and the dequantized twin
 again under new keys. Where the change did not touch the numbers, the new artifacts hold the old
-ones' bytes. At 7B the quantized checkpoint alone is about 6 GB, and the run-based retention
+ones' bytes. A quantized checkpoint of a 7B model is gigabytes, and the run-based retention
 (``qerl.pipeline.store.retention``) never frees it, since no run record drops it.
 
 An artifact is *superseded* when all of these hold:
@@ -25,19 +25,16 @@ A copy whose content no current artifact holds is kept: a code change that moved
 leaves the old base as the only record of what earlier runs trained on. While any run is live,
 nothing is removed, because it may be an older qerl's run, reading the old copy by path.
 
-The caller names the installed code versions (``current``: stage -> version). The store layer does
-not import the stages (data flows one way), so ``qerl gc`` computes them (``qerl.flows.tool_commands``).
+``qerl.pipeline.store.retention`` plans and applies the removal: renamed into trash, then deleted,
+under the key's lock, ``removed`` in ``gc.jsonl``. The caller names the installed code versions
+(``current``: stage -> version). The store layer does not import the stages (data flows one way),
+so ``qerl gc`` computes them (``qerl.flows.tool_commands``).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
-from pathlib import Path
-
 from qerl.pipeline.store.artifact_store import ArtifactStore
-from qerl.pipeline.store.layout import GC_LOG, MANIFEST, OBJECTS_DIR, TRASH_DIR
+from qerl.pipeline.store.layout import MANIFEST, OBJECTS_DIR
 from qerl.pipeline.store.manifest import ArtifactError, Manifest
 
 BASE_STAGES = ("demo-base", "fetch-model", "quantize", "dequantize")
@@ -70,19 +67,3 @@ def superseded(store: ArtifactStore, current: dict[str, str], notes: list[str]) 
                 why = f"superseded: built by an older qerl (code {m.code_version}); {holder.key} holds the same bytes"
                 out.append((m, why))
     return out
-
-
-def remove(store: ArtifactStore, stage: str, key: str, reason: str) -> int:
-    """Remove a superseded artifact whole, under its key's lock (a build of the same key waits);
-    returns the bytes freed. Renamed into trash first, so a crash leaves trash, never half an
-    artifact; logged to ``gc.jsonl``."""
-    with store.lock(f"{stage}-{key}"):
-        directory = store.path_for(stage, key)
-        if not directory.is_dir():
-            return 0
-        aside = store.root / TRASH_DIR / f"superseded-{stage}-{key}-{uuid.uuid4().hex[:8]}"
-        os.replace(directory, aside)
-    freed = sum(p.stat().st_size for p in Path(aside).rglob("*") if p.is_file() and not p.is_symlink())
-    shutil.rmtree(aside)
-    store._journal({"stage": stage, "key": key, "event": "removed", "reason": reason}, GC_LOG)
-    return freed
