@@ -6,6 +6,8 @@ engine state it changes (adapter none, sigma 0).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from qerl.pipeline.data.prompts import render_prompt
@@ -200,6 +202,23 @@ def test_logprobs_mode_choice():
     assert logprobs_mode_for(SamplingSpec(temperature=1.0, top_p=0.9)) == "raw_logprobs"
     with pytest.raises(EngineError, match="un-renormalised"):
         logprobs_mode_for(SamplingSpec(temperature=0.7, top_k=20))
+
+
+def test_a_cuda_engine_core_is_spawned_not_forked(monkeypatch, tmp_path):
+    """torch.cuda.is_available() arms torch's fork guard without initialising CUDA, and vLLM forks
+    unless CUDA is initialised: the forked engine core then cannot use CUDA (bench_vllm on an H100).
+    An inherited ``fork`` is overridden too; an in-process engine starts no process."""
+    from qerl.pipeline.rollout.vllm_engine import _llm_kwargs
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    _llm_kwargs(RolloutConfig(in_process=True), tmp_path, "processed_logprobs", True)
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    _llm_kwargs(RolloutConfig(in_process=False), tmp_path, "processed_logprobs", False)
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"  # the CPU has no CUDA to guard
+    _llm_kwargs(RolloutConfig(in_process=False), tmp_path, "processed_logprobs", True)
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_vllm_engine_rejects_incompatible_sampling_and_long_prompts(vllm_engine, prompts, tmp_path):

@@ -148,7 +148,13 @@ def _llm_kwargs(
         # which is most of a CPU startup.
         kwargs["distributed_executor_backend"] = "uni"
         log.info("vLLM engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor, no thread binding)")
-    elif not cuda:
+    elif cuda:
+        # torch.cuda.is_available() alone arms torch's fork guard without initialising CUDA, and
+        # vLLM forces spawn only once CUDA is initialised: it would fork an engine core that then
+        # fails with "Cannot re-initialize CUDA in forked subprocess" (seen on an H100).
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        log.info("vLLM engine core in a spawned process (VLLM_WORKER_MULTIPROC_METHOD=spawn)")
+    else:
         log.info(
             "vLLM engine in worker processes: VLLM_CPU_OMP_THREADS_BIND=%s pins the worker's OpenMP "
             "threads ('auto': one NUMA node, one core left to the engine process); this process's "
