@@ -63,6 +63,7 @@ from qerl.pipeline.planning.prompt_stream import DataCursor, data_slice, step_pr
 from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.registry import tracking
 from qerl.pipeline.registry.adapters import base_lineage_digest
+from qerl.pipeline.registry.protocol import log_protocol, protocol_of
 from qerl.pipeline.rollout.aqn import sigma_schedule
 from qerl.pipeline.rollout.lazy import LazyEngine
 from qerl.pipeline.store import retention
@@ -347,6 +348,9 @@ def register_final(
     )
     if reg.metrics.get("created") and not run.cached(reg):
         _log_quantize_quality(run, str(reg.extra["run_id"]), quantized)
+        # for `qerl eval` of this version where this run's record is not (another machine's work dir)
+        tracking.connect(run.cfg.registry, run.work)
+        log_protocol(str(reg.extra["run_id"]), protocol_of(rec["config"], run.run_id))
     decision = json.loads(reg.file("registration.json").read_text())
     rec["registration"] = {**reg.extra, **reg.metrics, "promotion": decision.get("promotion"),
                            "decided_on": decision.get("decided_on")}  # fmt: skip

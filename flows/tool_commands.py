@@ -222,37 +222,65 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> tuple[Any, Any]:
 
 
 def _registering_run(version: Any, work: str, ui: Any) -> tuple[Any, Any, Any] | None:
-    """The (eval, reward, quantize) sections of the run that registered ``version``, from its record
-    in this work dir (its ``run_id`` tag), or None (a console line says which): ``qerl eval`` then
-    evaluates under that run's protocol and quantizes a plain base by its recipe."""
+    """The (eval, reward, quantize) sections of the run that registered ``version``: from its record
+    in this work dir (its ``run_id`` tag), else from the ``protocol.json`` its registration logged on
+    the version's MLflow run (``qerl.pipeline.registry.protocol``), else None (the defaults). A console
+    line says which: ``qerl eval`` then evaluates under that run's protocol and quantizes a plain base
+    by its recipe."""
     import json
 
-    from qerl.pipeline.config import ConfigError
-    from qerl.pipeline.data.rewards import RewardConfig
-    from qerl.pipeline.evaluation.eval_config import EvalConfig
-    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.registry.protocol import read_protocol
     from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR
 
     run_id = version.tags.get("run_id")
     path = Path(work) / RUNS_DIR / str(run_id) / RUN_RECORD
-    if not run_id or not path.is_file():
-        where = f"run {run_id}'s record is not in {Path(work) / RUNS_DIR}" if run_id else "it names no run"
-        ui.stage("protocol", f"the defaults ({where}; --config for another)")
-        return None
+    if run_id and path.is_file():
+        where = f"run record {path}"
+        try:
+            config = json.loads(path.read_text())["config"]
+        except (ValueError, KeyError, TypeError) as err:
+            return _bad_protocol(where, err)
+        sections = _protocol_sections(config, where)
+        ui.stage("protocol", f"run {run_id}'s eval, reward and quantize sections (--config for another)")
+        return sections
     try:
-        config = json.loads(path.read_text())["config"]
-        sections = (
-            (EvalConfig, config["eval"]),
-            (RewardConfig, config["reward"]),
-            (QuantizeConfig, config["quantize"]),
+        logged = read_protocol(version)
+    except ValueError as err:
+        return _bad_protocol(f"MLflow run {version.run_id}", err)
+    if logged is None:
+        where = f"run {run_id}'s record is not in {Path(work) / RUNS_DIR}" if run_id else "it names no run"
+        ui.stage(
+            "protocol", f"the defaults ({where}, nor a protocol.json in its MLflow run; --config for another)"
         )
-        parsed = tuple(model.model_validate(data) for model, data in sections)
-    except (ValueError, KeyError, TypeError) as err:  # an unreadable record, or one of an older qerl
-        raise ConfigError(
-            f"run record {path}: no valid eval, reward and quantize sections ({err}); pass --config FILE"
-        ) from err
-    ui.stage("protocol", f"run {run_id}'s eval, reward and quantize sections (--config for another)")
-    return parsed  # type: ignore[return-value]
+        return None
+    sections = _protocol_sections(logged, f"MLflow run {version.run_id}'s protocol.json")
+    ui.stage(
+        "protocol",
+        f"run {logged.get('run_id')}'s eval, reward and quantize sections, from its MLflow run's "
+        "protocol.json (--config for another)",
+    )
+    return sections
+
+
+def _protocol_sections(config: Any, where: str) -> tuple[Any, Any, Any]:
+    """``config``'s eval, reward and quantize sections, validated; a ConfigError naming ``where``."""
+    from qerl.pipeline.data.rewards import RewardConfig
+    from qerl.pipeline.evaluation.eval_config import EvalConfig
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+
+    models = {"eval": EvalConfig, "reward": RewardConfig, "quantize": QuantizeConfig}
+    try:
+        return tuple(model.model_validate(config[name]) for name, model in models.items())  # type: ignore[return-value]
+    except (ValueError, KeyError, TypeError) as err:  # one of an older or newer qerl
+        return _bad_protocol(where, err)
+
+
+def _bad_protocol(where: str, err: Exception) -> Any:
+    from qerl.pipeline.config import ConfigError
+
+    raise ConfigError(
+        f"{where}: no valid eval, reward and quantize sections ({err}); pass --config FILE"
+    ) from err
 
 
 def _eval_base(

@@ -69,6 +69,7 @@ def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_mod
     from qerl.flows import runner
     from qerl.pipeline.planning.run_config import RunConfig
     from qerl.pipeline.registry import promotion
+    from qerl.pipeline.registry.protocol import SECTIONS, read_protocol
 
     model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
     cfg = RunConfig.model_validate(_night_config(model, _dataset(tmp_path / "data.jsonl")))
@@ -93,6 +94,9 @@ def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_mod
     assert all("difference +0.0000" in r["registration"]["promotion"] for r in records[1:])
     assert all(r["registration"]["decided_on"].startswith("data/validation@") for r in records)
     assert str(MlflowClient().get_model_version_by_alias("qerl-adapter", "champion").version) == "2"
+    # each version carries its run's protocol, for `qerl eval` where the run's record is not
+    logged = read_protocol(MlflowClient().get_model_version("qerl-adapter", "3"))
+    assert logged == {"run_id": records[2]["run_id"], **{k: records[2]["config"][k] for k in SECTIONS}}
 
     # the data advances: disjoint slices, the cursor after the last night, the long prompt dropped
     assert [r["plan"]["start_slot"] for r in records] == [0, 2, 4]

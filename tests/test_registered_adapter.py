@@ -197,6 +197,65 @@ def test_cli_eval_of_a_registered_version_uses_its_runs_protocol(tiny_model_dir,
     record.unlink()
     _, err = evaluation(["--set", "benchmark.limit=3", "--set", "greedy=true", "--set", "max_new_tokens=6"])
     assert (
-        f"protocol    the defaults (run night-1's record is not in {work / 'runs'}; --config for another)"
+        f"protocol    the defaults (run night-1's record is not in {work / 'runs'}, nor a protocol.json "
+        "in its MLflow run; --config for another)" in err
+    )
+
+
+def test_cli_eval_follows_the_protocol_logged_with_the_version_where_its_run_record_is_not(
+    tiny_model_dir, tmp_path, capfd
+):
+    """A registry read from another work dir (a shared server, a copied mlflow.db) has no run record:
+    the ``protocol.json`` that the registration logs on the version's MLflow run gives the same
+    evaluation the record would. One that does not validate is refused, naming that MLflow run."""
+    from qerl.flows.cli import main
+    from qerl.pipeline.data.rewards import RewardConfig
+    from qerl.pipeline.evaluation.eval_config import EvalConfig
+    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
+    from qerl.pipeline.registry.protocol import log_protocol, protocol_of, read_protocol
+    from qerl.pipeline.store.files import atomic_write_json
+    from qerl.pipeline.store.manifest import Manifest
+    from qerl.stages.evaluate import base_artifacts
+
+    from tests.test_engines import make_adapter
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    quantized, _ = base_artifacts(tiny_model_dir, ArtifactStore(work / "store"), need_twin=False)
+    _register(work, make_adapter(tiny_model_dir, tmp_path / "adapter", rank=8),
+              adapters.base_lineage_digest(quantized), run_id="night-1")  # fmt: skip
+    version = registry.MlflowClient().get_model_version("qerl-adapter", "1")
+    assert read_protocol(version) is None  # registered without one (an older qerl's registration)
+    config = {"eval": EvalConfig.model_validate({"greedy": True, "max_new_tokens": 6,
+                                                 "benchmark": {"dataset": "arithmetic", "limit": 3}}).model_dump(mode="json"),
+              "reward": RewardConfig(answer_format="answer_tags", workers=1).model_dump(mode="json"),
+              "quantize": QuantizeConfig(twin_dtype="float32").model_dump(mode="json")}  # fmt: skip
+    log_protocol(version.run_id, protocol_of(config, "night-1"))
+    # the registry, not the work dir: the other work dir points its tracking at this one's database
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    common = ["--adapter", "models:/qerl-adapter@champion", "--base", str(tiny_model_dir), "--engine", "hf",
+              "--set", f"registry.tracking_uri={uri}"]  # fmt: skip
+
+    def evaluation(where: Path) -> tuple[Manifest, str]:
+        assert main(["eval", *common, "--work-dir", str(where)]) == 0
+        out, err = capfd.readouterr()
+        return Manifest.load(next(x for x in out.splitlines() if " -> " in x).rsplit(" -> ", 1)[1]), err
+
+    capfd.readouterr()
+    atomic_write_json(work / "runs" / "night-1" / "run.json", {"run_id": "night-1", "config": config})
+    from_record, _ = evaluation(work)
+    logged, err = evaluation(elsewhere)
+    assert (
+        "protocol    run night-1's eval, reward and quantize sections, from its MLflow run's protocol.json"
         in err
+    )
+    assert logged.config == from_record.config and logged.key == from_record.key  # the same protocol
+    assert [
+        Manifest.load(d).config["twin_dtype"]
+        for d in (elsewhere / "store" / "objects" / "dequantize").iterdir()
+    ] == ["float32"]
+
+    log_protocol(version.run_id, protocol_of({**config, "eval": {"k": "many"}}, "night-1"))
+    assert main(["eval", *common, "--work-dir", str(elsewhere)]) == 2
+    assert f"MLflow run {version.run_id}'s protocol.json: no valid eval, reward and quantize sections" in (
+        capfd.readouterr().err
     )
