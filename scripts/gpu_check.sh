@@ -247,13 +247,25 @@ fi
 
 # 2b. the extracted vLLM bundle goes on sys.path after the image's site-packages
 VLLM_IMPORTS=""
-if [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* ]]; then
+# A later call of the same lease reuses a clean check (about 30 s a call on an H100): the stamp names
+# the roots list it checked, and a new bundle is extracted into a fresh folder, without the stamp.
+IMPORTS_STAMP=.gpu-vllm-site/.imports-ok
+ROOTS_SUM=$(sha256sum scripts/gpu_vllm_roots.txt | cut -d' ' -f1)
+if [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* && -f "$IMPORTS_STAMP" \
+  && "$(head -1 "$IMPORTS_STAMP")" == "$ROOTS_SUM" ]]; then
+  VLLM_IMPORTS="$(tail -n +2 "$IMPORTS_STAMP"), by an earlier call on this machine"
+  say "vLLM $VLLM_IMPORTS"
+elif [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* ]]; then
+  PAIRED=1
   if ! "$PY" -c "import torch, vllm, sys; sys.exit('.gpu-vllm-site' in torch.__file__ or '.gpu-vllm-site' not in vllm.__file__)" 2>>"$LOG"; then
     say "vLLM from .gpu-vllm-site is not importable next to the image's torch (see $LOG)"
+    PAIRED=0
   fi
   # every root of the bundle's import scan, each on its own: all the modules the scan missed show in
   # this call, not only the first one an engine start hits
-  VLLM_IMPORTS=$("$PY" scripts/gpu_import_roots.py scripts/gpu_vllm_roots.txt 2>>"$LOG")
+  if VLLM_IMPORTS=$("$PY" scripts/gpu_import_roots.py scripts/gpu_vllm_roots.txt 2>>"$LOG") && ((PAIRED)); then
+    printf '%s\n%s\n' "$ROOTS_SUM" "$(grep -m1 '^imports:' <<<"$VLLM_IMPORTS")" >"$IMPORTS_STAMP"
+  fi
   say "vLLM $VLLM_IMPORTS"
 fi
 
