@@ -54,14 +54,23 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def step_text(metrics: dict[str, Any], seconds: float | None, cached: bool) -> str:
-    """``reward 0.234  acc 0.250  412 tok/s  4.1 s`` for one step's record."""
+def step_text(metrics: dict[str, Any], seconds: float | None, cached: bool, startup: float = 0.0) -> str:
+    """``reward 0.234  acc 0.250  412 tok/s  4.1 s`` for one step's record; a step that started the
+    rollout engine or loaded the policy says how much of its time that took (a GPU engine compiles
+    and captures graphs first: over a minute)."""
     parts = [f"reward {metrics.get('reward_mean', float('nan')):.3f}", f"acc {metrics.get('accuracy', float('nan')):.3f}"]  # fmt: skip
     rate = metrics.get("rollout_tokens_per_s")
     if isinstance(rate, int | float):
         parts.append(f"{rate:.0f} tok/s")
-    parts.append("cached" if cached else f"{seconds:.1f} s" if seconds is not None else "")
+    parts.append(
+        "cached" if cached else f"{seconds:.1f} s{_startup_text(startup)}" if seconds is not None else ""
+    )
     return "  ".join(p for p in parts if p)
+
+
+def _startup_text(startup: float) -> str:
+    """`` (start-up 70.2 s)`` when a second or more went to one-time start-up (the engine, the policy), else nothing."""
+    return f" (start-up {startup:.1f} s)" if startup >= 1.0 else ""
 
 
 class RunConsole:
@@ -86,6 +95,8 @@ class RunConsole:
         if name == "evaluate":
             self.evals_left = max(0, self.evals_left - 1)
         when = "cached" if cached else fmt_duration(seconds) if seconds is not None else ""
+        if when and not cached and startup >= 1.0:
+            when += f", start-up {fmt_duration(startup)}"
         self.line(f"{name:<11} {detail}" + (f"  ({when})" if when else ""))
 
     def steps_start(self, total: int, evals: int) -> None:
@@ -96,7 +107,7 @@ class RunConsole:
     ) -> None:
         """Step ``step`` done in ``seconds`` (shown), ``startup`` of them one-time start-up (not in the ETA)."""
         self._account(step, seconds, cached, startup)
-        self.line(self._step_line(step, metrics, seconds, cached))
+        self.line(self._step_line(step, metrics, seconds, cached, startup))
 
     def _account(self, step: int, seconds: float, cached: bool, startup: float = 0.0) -> None:
         self.steps_done = step + 1
@@ -122,12 +133,12 @@ class RunConsole:
         """The running stage's progress is over (its bar, if any, goes)."""
         self._progress = None
 
-    def _step_line(self, step: int, metrics: dict[str, Any], seconds: float, cached: bool) -> str:
+    def _step_line(
+        self, step: int, metrics: dict[str, Any], seconds: float, cached: bool, startup: float = 0.0
+    ) -> str:
         width = len(str(self.steps_total))
-        eta = fmt_duration(self.eta())
-        return (
-            f"step {step + 1:>{width}}/{self.steps_total}  {step_text(metrics, seconds, cached)}  ETA {eta}"
-        )
+        text = step_text(metrics, seconds, cached, startup)
+        return f"step {step + 1:>{width}}/{self.steps_total}  {text}  ETA {fmt_duration(self.eta())}"
 
     def steps_end(self) -> None:
         pass
@@ -199,9 +210,11 @@ class TerminalConsole(RunConsole):
         if self._bar is None:  # no terminal: the first, every tenth of the run, and the last step
             every = max(1, math.ceil(self.steps_total / 10))
             if step == 0 or (step + 1) % every == 0 or step + 1 == self.steps_total:
-                self.line(self._step_line(step, metrics, seconds, cached))
+                self.line(self._step_line(step, metrics, seconds, cached, startup))
             return
-        self._bar.set_postfix_str(f"{step_text(metrics, seconds, cached)}  ETA {fmt_duration(self.eta())}")
+        self._bar.set_postfix_str(
+            f"{step_text(metrics, seconds, cached, startup)}  ETA {fmt_duration(self.eta())}"
+        )
         self._bar.update(step + 1 - self._bar.n)
 
     def steps_end(self) -> None:

@@ -103,10 +103,15 @@ def test_eta_counts_built_steps_and_pending_evaluations_without_start_up():
     ui.step(0, {}, 0.01, cached=True)  # cached steps do not count towards the rate
     ui.step(1, {}, 40.0, cached=False, startup=36.0)  # the first built step started the engine
     assert ui.eta() == 8 * 4.0 + 2 * 4.0  # right after the first step: its 4 s of work, not 40 s
+    assert "  40.0 s (start-up 36.0 s)  ETA" in ui._step_line(1, {}, 40.0, False, 36.0)
+    assert "(start-up" not in ui._step_line(2, {}, 6.0, False, 0.2)  # a warm engine says nothing
     ui.step(2, {}, 6.0, cached=False)
     assert ui.eta() == 7 * 5.0 + 2 * 5.0
+    lines: list[str] = []
+    ui.line = lines.append  # type: ignore[method-assign]
     ui.stage("evaluate", "adapter", 12.0, startup=2.0)
     assert ui.eta() == 7 * 5.0 + 1 * 10.0
+    assert lines == ["evaluate    adapter  (12s, start-up 2s)"]
     assert console.fmt_duration(3725) == "1h02m" and console.fmt_duration(75) == "1m15s"
 
 
