@@ -22,6 +22,10 @@
   top-k/top-p are off, raw_logprobs at T = 1, otherwise an error).
 - Mode: on CUDA it reads back the quantization scheme the workers built and refuses to call itself
   ``vllm-nvfp4-marlin`` unless an NVFP4 scheme is there.
+- Processes: ``rollout.in_process`` keeps the engine core in this process; otherwise, on CUDA, the
+  engine core is spawned, never forked (``VLLM_WORKER_MULTIPROC_METHOD=spawn``): a process that has
+  only asked ``torch.cuda.is_available()`` cannot fork a child that uses CUDA, and vLLM spawns on its
+  own only once CUDA is initialised.
 """
 
 from __future__ import annotations
