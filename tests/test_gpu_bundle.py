@@ -200,6 +200,49 @@ def test_the_kit_stages_one_chunk_a_call_then_extracts(synthetic, tmp_path):
     ).is_file()
 
 
+FAKE_IMAGE_PYTHON = """#!/usr/bin/env bash
+# the GPU image's python as the kit's probes see it, without CUDA; counts the import checks it runs
+case "$*" in
+  --version) echo "Python 3.12.3" ;;
+  *gpu_import_roots.py*) echo run >>"$IMPORT_CHECKS"; echo "imports: 39 of 39 roots import (9.9 s)" ;;
+  *is_available*) exit 1 ;;
+  -) cat >/dev/null; echo "python 3.12.3 on x86_64" ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+def test_a_clean_vllm_import_check_serves_the_later_calls_of_a_lease(tmp_path):
+    """The roots' import check (23-26 s a call on an H100) runs once per extracted bundle and roots
+    list: a later call on the same machine reuses a clean result, and a changed list checks again."""
+    root, env = _device_root(tmp_path)
+    for name in ("gpu_src.sh", "gpu_sitecustomize.py", "gpu_vllm_roots.txt"):
+        (root / "scripts" / name).write_bytes((SCRIPTS / name).read_bytes())
+    (root / "qerl").mkdir()
+    (root / "qerl" / "__init__.py").write_bytes((SCRIPTS.parent / "qerl" / "__init__.py").read_bytes())
+    (root / ".gpu-vllm-site").mkdir()
+    (root / ".gpu-vllm-site" / ".bundle-sha256").write_text("ab" * 32 + "\n")  # an extracted bundle
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_IMAGE_PYTHON)
+    fake.chmod(0o755)
+    checks = tmp_path / "import-checks"
+    env = {**env, "PYTHON": str(fake), "IMPORT_CHECKS": str(checks)}
+
+    def call() -> str:
+        proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--tests-only"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 2 and "no CUDA device" in proc.stderr, proc.stderr  # stops there
+        return proc.stderr
+
+    assert "vLLM imports: 39 of 39 roots import (9.9 s)\n" in call()
+    assert "roots import (9.9 s), by an earlier call on this machine" in call()
+    assert checks.read_text().count("run") == 1
+    with (root / "scripts" / "gpu_vllm_roots.txt").open("a") as roots:
+        roots.write("vllm.extra\n")
+    assert "by an earlier call" not in call()  # another list: checked again
+    assert checks.read_text().count("run") == 2
+
+
 def test_the_kit_stages_the_run_bundle_beside_the_vllm_one(synthetic, tmp_path):
     """The run bundle (Prefect, MLflow, ...) travels in .gpu-run/ the same way, in a call that also
     carries a vLLM chunk; each bundle is staged and extracted into its own site folder."""
