@@ -348,7 +348,10 @@ def register_final(
     )
     if reg.metrics.get("created") and not run.cached(reg):
         _log_quantize_quality(run, str(reg.extra["run_id"]), quantized)
-        # for `qerl eval` of this version where this run's record is not (another machine's work dir)
+    if reg.metrics.get("created"):
+        # for `qerl eval` of this version where this run's record is not (another machine's work dir);
+        # a re-run logs it again (the same file): it backfills one registered before it existed, or
+        # whose logging failed after the registration
         tracking.connect(run.cfg.registry, run.work)
         log_protocol(str(reg.extra["run_id"]), protocol_of(rec["config"], run.run_id))
     decision = json.loads(reg.file("registration.json").read_text())

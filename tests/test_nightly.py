@@ -10,6 +10,7 @@ import datetime as dt
 import json
 from collections import Counter
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pyarrow.parquet as pq
 import pytest
@@ -69,7 +70,7 @@ def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_mod
     from qerl.flows import runner
     from qerl.pipeline.planning.run_config import RunConfig
     from qerl.pipeline.registry import promotion
-    from qerl.pipeline.registry.protocol import SECTIONS, read_protocol
+    from qerl.pipeline.registry.protocol import PROTOCOL_FILE, SECTIONS, read_protocol
 
     model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
     cfg = RunConfig.model_validate(_night_config(model, _dataset(tmp_path / "data.jsonl")))
@@ -131,7 +132,11 @@ def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_mod
 
     # resuming night 2 is night 2: same slice, same warm start (v1, though v2 is champion now), nothing rebuilt
     builds = (work / "store" / "builds.jsonl").read_text().count("\n")
+    v2 = MlflowClient().get_model_version("qerl-adapter", "2")
+    (Path(urlparse(MlflowClient().get_run(v2.run_id).info.artifact_uri).path) / PROTOCOL_FILE).unlink()
+    assert read_protocol(v2) is None  # as for a version registered before protocol.json existed
     again = runner.resume(records[1]["run_id"], work)
+    assert read_protocol(v2)["run_id"] == records[1]["run_id"]  # the re-run logged it again
     assert again["plan"]["start_slot"] == 2 and again["plan"]["warm_start"]["version"] == "1"  # champion: v2
     assert again["final_adapter"] == records[1]["final_adapter"]
     assert (work / "store" / "builds.jsonl").read_text().count("\n") == builds
