@@ -57,7 +57,7 @@ def fmt_duration(seconds: float | None) -> str:
 def step_text(metrics: dict[str, Any], seconds: float | None, cached: bool, startup: float = 0.0) -> str:
     """``reward 0.234  acc 0.250  412 tok/s  4.1 s`` for one step's record; a step that started the
     rollout engine or loaded the policy says how much of its time that took (a GPU engine compiles
-    and captures graphs first: over a minute)."""
+    and captures its graphs first), so that a slow first step is not read as a slow step."""
     parts = [f"reward {metrics.get('reward_mean', float('nan')):.3f}", f"acc {metrics.get('accuracy', float('nan')):.3f}"]  # fmt: skip
     rate = metrics.get("rollout_tokens_per_s")
     if isinstance(rate, int | float):

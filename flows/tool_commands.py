@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def work_dir(args: argparse.Namespace) -> str:
@@ -239,14 +239,14 @@ def _registering_run(version: Any, work: str, ui: Any) -> tuple[Any, Any, Any] |
         try:
             config = json.loads(path.read_text())["config"]
         except (ValueError, KeyError, TypeError) as err:
-            return _bad_protocol(where, err)
+            _bad_protocol(where, err)
         sections = _protocol_sections(config, where)
         ui.stage("protocol", f"run {run_id}'s eval, reward and quantize sections (--config for another)")
         return sections
     try:
         logged = read_protocol(version)
     except ValueError as err:
-        return _bad_protocol(f"MLflow run {version.run_id}", err)
+        _bad_protocol(f"MLflow run {version.run_id}", err)
     if logged is None:
         where = f"run {run_id}'s record is not in {Path(work) / RUNS_DIR}" if run_id else "it names no run"
         ui.stage(
@@ -272,10 +272,10 @@ def _protocol_sections(config: Any, where: str) -> tuple[Any, Any, Any]:
     try:
         return tuple(model.model_validate(config[name]) for name, model in models.items())  # type: ignore[return-value]
     except (ValueError, KeyError, TypeError) as err:  # one of an older or newer qerl
-        return _bad_protocol(where, err)
+        _bad_protocol(where, err)
 
 
-def _bad_protocol(where: str, err: Exception) -> Any:
+def _bad_protocol(where: str, err: Exception) -> NoReturn:
     from qerl.pipeline.config import ConfigError
 
     raise ConfigError(

@@ -68,8 +68,8 @@
 # That is about 2 + 0.5 + 6 + 5 minutes. With more than one chunk, calls 2..N-1 are call 1 with
 # part-02 ... part-(N-1). Another session's lease can go to what the budget cut (e.g. `--bench-only
 # --vllm-models 7b`, or `--bench-only --models 14b,32b --merge`).
-# What a lease is worth now: the vLLM tests passed on an H100 (2026-11-27), so the next lease goes to
-# what no lease has measured. Staging runs in every call, so call 1 can run part 2 while it stages:
+# Once the vLLM tests have passed on a GPU (BENCHMARKS.md, the GPU kit section), a lease goes further
+# to what no lease has measured. Staging runs in every call, so call 1 can run part 2 while it stages:
 #   call 1  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"], timeout_s 260
 #           `bash scripts/gpu_check.sh --no-vllm --tests-only --budget-s 220`   tests/test_gpu.py
 #   call 2  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-02", ".gpu-run/manifest.json",
@@ -247,8 +247,9 @@ fi
 
 # 2b. the extracted vLLM bundle goes on sys.path after the image's site-packages
 VLLM_IMPORTS=""
-# A later call of the same lease reuses a clean check (about 30 s a call on an H100): the stamp names
-# the roots list it checked, and a new bundle is extracted into a fresh folder, without the stamp.
+# A later call of the same lease reuses a clean check (importing vLLM's roots takes tens of seconds):
+# the stamp names the roots list it checked, and a new bundle is extracted into a fresh folder,
+# without the stamp. Written aside, then renamed: a call cut off mid-write leaves no half stamp.
 IMPORTS_STAMP=.gpu-vllm-site/.imports-ok
 ROOTS_SUM=$(sha256sum scripts/gpu_vllm_roots.txt | cut -d' ' -f1)
 if [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* && -f "$IMPORTS_STAMP" \
@@ -264,7 +265,8 @@ elif [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* ]]; then
   # every root of the bundle's import scan, each on its own: all the modules the scan missed show in
   # this call, not only the first one an engine start hits
   if VLLM_IMPORTS=$("$PY" scripts/gpu_import_roots.py scripts/gpu_vllm_roots.txt 2>>"$LOG") && ((PAIRED)); then
-    printf '%s\n%s\n' "$ROOTS_SUM" "$(grep -m1 '^imports:' <<<"$VLLM_IMPORTS")" >"$IMPORTS_STAMP"
+    printf '%s\n%s\n' "$ROOTS_SUM" "$(grep -m1 '^imports:' <<<"$VLLM_IMPORTS")" >"$IMPORTS_STAMP.tmp"
+    mv -f "$IMPORTS_STAMP.tmp" "$IMPORTS_STAMP"
   fi
   say "vLLM $VLLM_IMPORTS"
 fi

@@ -213,8 +213,8 @@ esac
 
 
 def test_a_clean_vllm_import_check_serves_the_later_calls_of_a_lease(tmp_path):
-    """The roots' import check (23-26 s a call on an H100) runs once per extracted bundle and roots
-    list: a later call on the same machine reuses a clean result, and a changed list checks again."""
+    """The roots' import check (tens of seconds a call on a GPU machine) runs once per extracted
+    bundle and roots list: a later call on the same machine reuses a clean result, and a changed list checks again."""
     root, env = _device_root(tmp_path)
     for name in ("gpu_src.sh", "gpu_sitecustomize.py", "gpu_vllm_roots.txt"):
         (root / "scripts" / name).write_bytes((SCRIPTS / name).read_bytes())

@@ -155,7 +155,7 @@ def _llm_kwargs(
     elif cuda:
         # torch.cuda.is_available() alone arms torch's fork guard without initialising CUDA, and
         # vLLM forces spawn only once CUDA is initialised: it would fork an engine core that then
-        # fails with "Cannot re-initialize CUDA in forked subprocess" (seen on an H100).
+        # fails with "Cannot re-initialize CUDA in forked subprocess".
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         log.info("vLLM engine core in a spawned process (VLLM_WORKER_MULTIPROC_METHOD=spawn)")
     else:
