@@ -230,7 +230,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def _add_gc(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "gc",
-        help="free store space: old optimizer states, thinned adapters, trash, base copies an upgrade superseded (live runs are never touched)",
+        help="free store space: old optimizer states, thinned adapters, released versions, trash, base copies an upgrade superseded (live runs are never touched)",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="list what would be deleted and the bytes; delete nothing"
@@ -241,6 +241,9 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
                    help="override every run's store.keep_adapters_every (0: keep all adapters)")  # fmt: skip
     p.add_argument("--live-window-h", type=float, default=None, metavar="H",
                    help="override store.live_window_h: a running run updated within H hours is live")  # fmt: skip
+    p.add_argument("--keep-versions", type=int, default=None, metavar="N",
+                   help="override store.keep_versions: release registered versions older than the newest N "
+                   "(an alias-holding version always stays)")  # fmt: skip
     _common(p)
     COMMANDS["gc"] = tool_commands.cmd_gc
 

@@ -54,7 +54,7 @@ from qerl.pipeline.planning.disk_plan import check_disk
 from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_stream import DataCursor, parse_night
 from qerl.pipeline.planning.run_config import RunConfig
-from qerl.pipeline.registry import tracking
+from qerl.pipeline.registry import release, tracking
 from qerl.pipeline.store import retention
 from qerl.pipeline.store.layout import default_work_dir
 from qerl.stages import train
@@ -116,6 +116,11 @@ def rl_flow(
         publish(rec)
         detach_log(failure)
     retention.prune_run(run.work, run.run_id, cfg.store)  # completed: no optimizer state stays
+    freed, released = release.release_old_versions(run.work)  # store.keep_versions: older nights go
+    if released:
+        run.ui.line(
+            f"{'retention':<11} released {', '.join(released)} (store.keep_versions), {retention.human_bytes(freed)} freed"
+        )
     return rec
 
 

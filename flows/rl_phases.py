@@ -66,7 +66,7 @@ from qerl.pipeline.registry.adapters import base_lineage_digest
 from qerl.pipeline.registry.protocol import log_protocol, protocol_of
 from qerl.pipeline.rollout.aqn import sigma_schedule
 from qerl.pipeline.rollout.lazy import LazyEngine
-from qerl.pipeline.store import retention
+from qerl.pipeline.store import releases, retention
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import package_version
 from qerl.pipeline.store.layout import RUN_RECORD, STORE_DIR
@@ -337,7 +337,14 @@ def register_final(
     t0 = time.perf_counter()
     # a run that registered before (a re-run) finds its registration in the store: the champion, maybe
     # this very run's version by now, is not fetched or evaluated again
-    registered_before = bool((run.previous.get("registration") or {}).get("version"))
+    before = run.previous.get("registration") or {}
+    released = releases.by_run(releases.load(run.store)).get(run.run_id)
+    if before.get("version") and released:  # its adapter is gone: the registration stays as it was
+        rec["registration"] = before
+        detail = f"{before.get('model_name')} v{before['version']}, {released}: not registered again"
+        run.ui.stage("register", detail, time.perf_counter() - t0, True)
+        return
+    registered_before = bool(before.get("version"))
     champion = (
         None
         if run.ablation is not None or registered_before

@@ -114,15 +114,25 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from qerl.pipeline.config import load_config
-    from qerl.pipeline.registry import promotion
+    from qerl.pipeline.registry import adapters, promotion
     from qerl.pipeline.registry import tracking as registry
+    from qerl.pipeline.registry.lock import RegistryError
+    from qerl.pipeline.registry.release import RELEASED_TAG, check_not_released
 
     cfg = load_config(registry.RegistryConfig, args.config, args.set).model_copy(
         update={"model_name": args.name}
     )
     registry.open_tracking(cfg, work_dir(args))
+    version = adapters.registered_version(args.name, args.version)
+    if version is not None:  # None: promote says the version does not exist
+        check_not_released(version)
     promotion.promote(cfg, args.name, args.version)
     info = promotion.version_info(cfg, args.version)
+    if RELEASED_TAG in info["tags"]:  # released between the check and the lock: say so, loudly
+        raise RegistryError(
+            f"{args.name} v{args.version} was released by retention while being promoted: "
+            f"@{cfg.champion_alias} now names a version without an adapter; promote another"
+        )
     print(f"{args.name} v{args.version} is now @{cfg.champion_alias} (aliases: {', '.join(info['aliases'])})")
     return 0
 
@@ -325,10 +335,13 @@ def _registered_adapter(spec: str, registry_sets: list[str], work: str) -> Any:
         return None
     from qerl.pipeline.config import load_config
     from qerl.pipeline.registry import adapters
+    from qerl.pipeline.registry.release import check_not_released
     from qerl.pipeline.registry.tracking import RegistryConfig
 
     registry = load_config(RegistryConfig, None, registry_sets, prefix="registry")
-    return adapters.resolve_model_uri(spec, registry, work)
+    found = adapters.resolve_model_uri(spec, registry, work)
+    check_not_released(found)
+    return found
 
 
 def _eval_adapter(spec: str, registered: Any, quantized: Any, store: Any, ui: Any) -> Path | None:
@@ -355,26 +368,43 @@ def _base_code_versions() -> dict[str, str]:
     return {stage: code_version("qerl.stages." + stage.replace("-", "_")) for stage in BASE_STAGES}
 
 
+def _releases(n: int) -> str:
+    return f"{n} release" + ("" if n == 1 else "s")
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
+    from qerl.pipeline.registry import release
     from qerl.pipeline.store import retention
     from qerl.pipeline.store.layout import default_work_dir
 
     work = default_work_dir(args.work_dir)
-    names = ("keep_optimizer_last", "keep_adapters_every", "live_window_h")
+    names = ("keep_optimizer_last", "keep_adapters_every", "live_window_h", "keep_versions")
     overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    gc_plan = retention.plan(work, overrides=overrides, current_code=_base_code_versions())
-    for note in gc_plan.notes:
+    notes: list[str] = []
+    planned = release.plan_releases(work, overrides, notes) if (work / "store").is_dir() else []
+    gc_plan = retention.plan(work, overrides=overrides, current_code=_base_code_versions(), releasing=planned)
+    for note in notes + gc_plan.notes:
         print(f"  {note}")
+    human = retention.human_bytes
+    for rel in planned:
+        what = "already tagged released; its files" if rel.already else "its adapter in MLflow"
+        print(f"  {human(rel.nbytes):>10}  release {rel.label} in {rel.registry}: {what}  [{rel.reason}]")
     for d in gc_plan.deletions:
         what = ", ".join(d.files) if d.files else "(leftovers)" if d.kind == "prune" else "whole folder"
-        print(f"  {retention.human_bytes(d.nbytes):>10}  {d.kind:5} {d.path}: {what}  [{d.reason}]")
-    if not gc_plan.deletions:
+        print(f"  {human(d.nbytes):>10}  {d.kind:5} {d.path}: {what}  [{d.reason}]")
+    count = f"{len(gc_plan.deletions)} deletions" + (f" and {_releases(len(planned))}" if planned else "")
+    nbytes = gc_plan.nbytes + sum(r.nbytes for r in planned)
+    if not gc_plan.deletions and not planned:
         print(f"gc {work / 'store'}: nothing to delete")
     elif args.dry_run:
-        print(
-            f"gc --dry-run: would free {retention.human_bytes(gc_plan.nbytes)} in {len(gc_plan.deletions)} deletions"
-        )
+        print(f"gc --dry-run: would free {human(nbytes)} in {count}")
     else:
-        freed = retention.apply(work, gc_plan)
-        print(f"gc: freed {retention.human_bytes(freed)} in {len(gc_plan.deletions)} deletions")
+        failed: list[str] = []
+        done = release.release_all(work, planned, failed)
+        for note in failed:
+            print(f"  {note}: its store copies stay until the next gc")
+        gc_plan.deletions = [d for d in gc_plan.deletions if not d.release or d.release in done]
+        freed = retention.apply(work, gc_plan) + sum(r.nbytes for r in planned if r.label in done)
+        count = f"{len(gc_plan.deletions)} deletions" + (f" and {_releases(len(done))}" if planned else "")
+        print(f"gc: freed {human(freed)} in {count}")
     return 0

@@ -15,13 +15,16 @@ from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
 OPT_BYTES, ADAPTER_BYTES = 3000, 1000
 
 
-def fake_step(store: ArtifactStore, run: str, step: int, prev: Manifest | None) -> Manifest:
-    """A correctly formed train artifact (the real stage's file layout) with small files."""
+def fake_step(store: ArtifactStore, run: str, step: int, prev: Manifest | None, salt: int = 0) -> Manifest:
+    """A correctly formed train artifact (the real stage's file layout) with small files (``salt``
+    makes their bytes differ from another run's)."""
 
     def build(tmp: Path) -> BuildResult:
         (tmp / "adapter").mkdir()
         (tmp / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8}))
-        (tmp / "adapter" / "adapter_model.safetensors").write_bytes(bytes([step % 251]) * ADAPTER_BYTES)
+        (tmp / "adapter" / "adapter_model.safetensors").write_bytes(
+            bytes([(step + salt) % 251]) * ADAPTER_BYTES
+        )
         (tmp / "optimizer.safetensors").write_bytes(bytes([step % 251]) * OPT_BYTES)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step + 1}))
         return BuildResult(mode="test", extra={"step": step, "adapter": "adapter"})
@@ -31,13 +34,13 @@ def fake_step(store: ArtifactStore, run: str, step: int, prev: Manifest | None) 
 
 
 def fake_run(
-    work: Path, run: str, steps: int, status: str = "failed", age_h: float = 0.0, **extra
+    work: Path, run: str, steps: int, status: str = "failed", age_h: float = 0.0, salt: int = 0, **extra
 ) -> list[Manifest]:
     """A run record over fake steps; a failed run by default (it keeps what its resume needs)."""
     store = ArtifactStore(work / "store")
     out: list[Manifest] = []
     for step in range(steps):
-        out.append(fake_step(store, run, step, out[-1] if out else None))
+        out.append(fake_step(store, run, step, out[-1] if out else None, salt))
     updated = _dt.datetime.now(_dt.UTC) - _dt.timedelta(hours=age_h)
     record = {
         "run_id": run,

@@ -142,6 +142,31 @@ def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_mod
     assert (work / "store" / "builds.jsonl").read_text().count("\n") == builds
     assert json.loads((work / "cursors" / "nightly.json").read_text()) == cursor
 
+    # a fourth night under store.keep_versions 1 releases v1 and v3 (v2 is champion, v4 the newest and
+    # challenger): their MLflow copies, their nights' adapters and v1's warm-start copy go
+    # (another weight decay: from the same champion with zero gradients, night 3's would be its weights)
+    kept = cfg.model_copy(
+        update={
+            "store": cfg.store.model_copy(update={"keep_versions": 1}),
+            "train": cfg.train.model_copy(update={"weight_decay": 0.2}),
+        }
+    )
+    records.append(runner.run(kept, work, dt.date(2026, 1, 4)))
+    client = MlflowClient()
+    released = {v: "released" in client.get_model_version("qerl-adapter", v).tags for v in "1234"}
+    assert released == {"1": True, "2": False, "3": True, "4": False}
+    for record, gone in zip(records, [True, False, True, False], strict=True):
+        pruned = Manifest.load(Path(record["final_adapter"]).parent).pruned
+        assert ("adapter/adapter_model.safetensors" in pruned) == gone, record["run_id"]
+        version = client.get_model_version("qerl-adapter", str(record["registration"]["version"]))
+        assert Path(urlparse(version.source).path).exists() != gone
+    v1_copy = warm_dirs[records[1]["plan"]["warm_start"]["digest"]]
+    assert "adapter/adapter_model.safetensors" in Manifest.load(v1_copy).pruned
+    # a released night's manifests stay: re-running night 1 is still all cache hits
+    builds = (work / "store" / "builds.jsonl").read_text().count("\n")
+    assert runner.resume(records[0]["run_id"], work)["status"] == "completed"
+    assert (work / "store" / "builds.jsonl").read_text().count("\n") == builds
+
 
 def test_data_slices_wrap_into_a_new_shuffled_epoch():
     problems = [{"id": str(i)} for i in range(7)]

@@ -474,6 +474,28 @@ def test_tracking_server_backend(mlflow_server, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_release_through_the_server_deletes_the_uploaded_adapter(mlflow_server, tmp_path):
+    """store.keep_versions through a tracking server: the adapter the server holds is deleted over its
+    REST API, the version stays, tagged."""
+    from qerl.pipeline.registry import release
+
+    from tests.test_release import NAME, _night
+
+    uri, root = mlflow_server
+    [_night(tmp_path, f"s{i}", 1, champion=i == 0, uri=uri) for i in range(3)]
+    planned = release.plan_releases(tmp_path)
+    assert [(r.label, r.registry) for r in planned] == [(f"{NAME} v2", uri)] and planned[0].nbytes > 0
+    source = reg.MlflowClient().get_model_version(NAME, "2").source
+    assert source.startswith("mlflow-artifacts:/")
+    held = root / "artifacts" / source.removeprefix("mlflow-artifacts:/")
+    assert (held / "adapter_model.safetensors").is_file()
+    assert release.release_old_versions(tmp_path)[0] > 0
+    assert not held.exists() and "released" in reg.MlflowClient().get_model_version(NAME, "2").tags
+    kept = reg.MlflowClient().get_model_version(NAME, "3").source.removeprefix("mlflow-artifacts:/")
+    assert (root / "artifacts" / kept / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
 def test_server_lock_lease(mlflow_server, tmp_path):
     """A dead holder's ticket (never renewed) is broken after the lease; a live one is not."""
     uri, _ = mlflow_server

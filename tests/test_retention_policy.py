@@ -98,9 +98,10 @@ def test_the_run_is_refused_when_its_estimate_does_not_fit(tmp_path, monkeypatch
     assert parts["adapters"] == 4 * disk_plan.adapter_bytes(cfg, disk_plan.model_shape(cfg))
 
 
-def test_thirty_nights_of_the_7b_preset_hold_the_store_under_50_gb(tmp_path, monkeypatch):
+def test_the_7b_presets_nights_hold_the_store_under_30_gb_however_many(tmp_path, monkeypatch):
     """The retention arithmetic, no run: the policy's marks on 30 completed 500-step nights (what
-    mark_run keeps) agree with the estimate's counts, and the store stays under 50 GB."""
+    mark_run keeps) agree with the estimate's counts; with the preset's keep_versions the store stays
+    under 30 GB for any number of nights, and a released night keeps no adapter."""
     monkeypatch.setattr(disk_plan, "needs_twin", lambda engine, scheme: False)  # vLLM on the GPU
     cfg = load_run_config("qwen2.5-7b-gsm8k", [])
     one = disk_plan.adapter_bytes(cfg, disk_plan.model_shape(cfg))
@@ -121,11 +122,21 @@ def test_thirty_nights_of_the_7b_preset_hold_the_store_under_50_gb(tmp_path, mon
     kept_tables = {k for k in marks.keep_tables} | {k for k in marks.drop_tables if k in marks.keep_tables}
     assert kept_opt == set() and kept_tables == set()
     assert len(kept_adapters) == 30 * disk_plan.kept_adapters(cfg, finished=True) == 60
+    released = retention_policy.Marks()
+    retention_policy.mark_run(released, record, retention_policy.policy_for(record), False, "released")
+    assert set(released.drop_adapter) == set(released.released) == {f"n29-s{s}" for s in range(steps)}
+    assert released.keep_adapter == set()
     total = disk_plan.store_after_nights(cfg, 30)
-    assert total < 50 * GB, total / GB
+    assert total < 30 * GB, total / GB
+    # store.keep_versions bounds it: a year of nights holds what 15 do (14 kept and an older champion)
+    assert disk_plan.store_after_nights(cfg, 365) == disk_plan.store_after_nights(cfg, 15) == total
+    unbounded = load_run_config("qwen2.5-7b-gsm8k", ["store.keep_versions=null"])
+    assert disk_plan.store_after_nights(unbounded, 30) > 40 * GB
+    assert disk_plan.store_after_nights(unbounded, 365) > 300 * GB
     # the defaults alone (every adapter at the eval interval, the step tables kept) would not hold
     plain = load_run_config(
-        "qwen2.5-7b-gsm8k", ["store.keep_adapters_every=null", "store.keep_step_tables=true"]
+        "qwen2.5-7b-gsm8k",
+        ["store.keep_adapters_every=null", "store.keep_step_tables=true", "store.keep_versions=null"],
     )
     assert disk_plan.store_after_nights(plain, 30) > 100 * GB
 

@@ -23,7 +23,8 @@ system and raises ``DiskSpaceError`` with the numbers; ``store.check_disk: false
 whose shape is not known offline (a hub id outside the known shapes, a catalogue entry) counts the
 tables only, and says so. ``store_after_nights`` is the same arithmetic for the steady state of
 nightly runs: what stays of each completed night (its adapters at the interval and its final one,
-no optimizer state, its tables unless ``keep_step_tables`` is false) plus one night in flight.
+and its registry copy, for the newest ``keep_versions`` nights only when that is set; no optimizer
+state; its tables unless ``keep_step_tables`` is false) plus one night in flight.
 """
 
 from __future__ import annotations
@@ -117,16 +118,20 @@ def estimate_run(cfg: RunConfig, store_root: Path | None = None) -> tuple[dict[s
 
 
 def store_after_nights(cfg: RunConfig, nights: int) -> int:
-    """The store (and local registry) after ``nights`` completed nights of ``cfg`` plus one in flight."""
+    """The store (and local registry) after ``nights`` completed nights of ``cfg`` plus one in flight.
+
+    With ``store.keep_versions`` K only the newest K nights and the champion (at worst an older one)
+    keep their adapters and registry copy; every night keeps its tables when ``keep_step_tables``."""
     shape = model_shape(cfg)
     if shape is None:
         raise RunPlanError(f"model '{cfg.model.source}' has no shape known offline")
     one = adapter_bytes(cfg, shape)
-    night = kept_adapters(cfg, finished=True) * one
-    if cfg.store.keep_step_tables:
-        night += cfg.loop.steps * table_bytes(cfg)
+    night = kept_adapters(cfg, finished=True) * one + one  # + one: the night's registry copy
+    keep = cfg.store.keep_versions
+    holding = nights if keep is None else min(nights, keep + 1)  # + 1: an older champion
+    tables = cfg.loop.steps * table_bytes(cfg) if cfg.store.keep_step_tables else 0
     in_flight, _ = estimate_run(cfg)  # the first run's writes: the checkpoint and twin included
-    return nights * (night + one) + sum(in_flight.values())  # + one: each night's registry copy
+    return holding * night + nights * tables + sum(in_flight.values())
 
 
 def check_disk(cfg: RunConfig, work: Path) -> dict[str, int]:

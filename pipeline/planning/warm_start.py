@@ -30,6 +30,7 @@ def warm_start_adapter(
     adapter must have been trained on."""
     from qerl.pipeline.registry import adapters, tracking
     from qerl.pipeline.registry.lock import RegistryError
+    from qerl.pipeline.registry.release import check_not_released
 
     reg = tracking.connect(cfg.registry, work)
     if version is None:
@@ -43,6 +44,7 @@ def warm_start_adapter(
         champion = tracking.MlflowClient().get_model_version(reg.model_name, str(version))
     what = f"{reg.model_name} v{champion.version}"
     try:
+        check_not_released(champion)
         hint = "it cannot warm-start this run (set loop.warm_start: base, or promote a matching version)"
         adapters.check_base(champion, base_digest, "this run's base", hint)
     except RegistryError as err:

@@ -16,6 +16,10 @@ the run config's ``store`` section, defaults here):
   registered one's and every step whose optimizer is kept stay;
 - with ``keep_step_tables: false``, a completed run's rollout and scored tables (its record and
   MLflow keep every step's metrics; a chain through them can no longer be rebuilt);
+- every adapter of a completed run whose registered version was released (``keep_versions``;
+  ``qerl.pipeline.registry.release`` releases it in MLflow first and writes the store's ledger,
+  ``qerl.pipeline.store.releases``), the final one included, and the warm-start copies of that
+  version (none while a run is live);
 - everything in ``store/trash`` (corrupt artifacts moved aside) older than ten minutes (a younger
   entry may be a prune still moving files), and build folders in ``store/tmp`` whose producer is
   dead (its key's lock is free);
@@ -25,8 +29,9 @@ the run config's ``store`` section, defaults here):
 
 What is never deleted: anything of a *live* run (status ``running`` and updated within
 ``live_window_h``: gc cannot know which of its files the running process holds, so all of them stay),
-the adapter of every version registered from this store (its register manifest names the train
-digest; MLflow holds its own copy, but ``qerl eval`` and champion lookups read the store's), the
+the adapter of every version registered from this store until that version is released (its
+register manifest names the train digest; MLflow holds its own copy, but ``qerl eval`` and champion
+lookups read the store's), the
 final evaluated adapter of every run an ablation lists (below), every artifact of every run an
 unfinished ablation lists (below), any train artifact that no run record names (benchmarks, tests:
 not ours to judge), manifests (but a superseded copy's), and anything outside the store: run records, logs, and ablations (``<work>/ablations/<id>/``: ``ablation.json``, ``report.md``, ``plots/``).
@@ -63,24 +68,20 @@ import logging
 import os
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qerl.pipeline.store import superseded
+from qerl.pipeline.store import releases, superseded
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.layout import (
     GC_LOG,
-    MANIFEST,
     OBJECTS_DIR,
-    OPTIMIZER_FILE,
     RUNS_DIR,
     STORE_DIR,
     TMP_DIR,
-    TRAIN_STAGE,
     TRASH_DIR,
 )
-from qerl.pipeline.store.manifest import ArtifactError, Manifest
 from qerl.pipeline.store.retention_policy import (
     Marks,
     RetentionConfig,
@@ -94,104 +95,20 @@ from qerl.pipeline.store.retention_policy import (
     registered_train_digests,
     unfinished_listed,
 )
+from qerl.pipeline.store.retention_prunes import (
+    Deletion,
+    GcPlan,
+    adapter_and_optimizer_prunes,
+    human_bytes,
+    name_releases,
+    table_prunes,
+    tree_bytes,
+    warm_start_prunes,
+)
 
 log = logging.getLogger("qerl.retention")
 
 TRASH_MIN_AGE_S = 600.0  # younger trash entries may still be filling (a prune in progress)
-
-
-@dataclass
-class Deletion:
-    """One thing the plan deletes: files of an artifact (``prune``), a whole superseded artifact
-    (``remove``) or a folder (``trash``/``tmp``)."""
-
-    kind: str
-    path: Path
-    nbytes: int
-    reason: str
-    stage: str = ""
-    key: str = ""
-    files: list[str] = field(default_factory=list)
-
-
-@dataclass
-class GcPlan:
-    deletions: list[Deletion] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(d.nbytes for d in self.deletions)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _tree_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def _pruning(store: ArtifactStore, marks: Marks, registered: set[str], notes: list[str]) -> list[Deletion]:
-    out = []
-    for key in sorted(set(marks.drop_opt) | set(marks.drop_adapter)):
-        directory = store.path_for(TRAIN_STAGE, key)
-        if not (directory / MANIFEST).is_file():
-            continue  # already gone (a re-run rebuilds it if ever needed)
-        try:
-            manifest = Manifest.load(directory)
-        except (ValueError, ArtifactError) as err:  # the next lookup moves it aside; not gc's to judge
-            notes.append(f"kept {directory}: unreadable manifest ({err})")
-            continue
-        names, reasons = [], []
-        if key in marks.drop_opt and key not in marks.keep_opt:
-            if OPTIMIZER_FILE in manifest.files:
-                names.append(OPTIMIZER_FILE)
-            reasons.append(f"optimizer: {marks.drop_opt[key]}")
-        if key in marks.drop_adapter and key not in marks.keep_adapter and manifest.digest not in registered:
-            folder = str(manifest.extra.get("adapter", "adapter")).rstrip("/") + "/"
-            names += [n for n in manifest.files if n.startswith(folder)]
-            reasons.append(f"adapter: {marks.drop_adapter[key]}")
-        names = [n for n in names if n not in manifest.pruned]
-        # files an interrupted prune marked but did not delete (ArtifactStore.prune removes them too)
-        leftovers = [n for n in manifest.pruned if (directory / n).is_file()]
-        if leftovers:
-            reasons.append(f"left over by an interrupted prune: {leftovers}")
-        if names or leftovers:
-            nbytes = sum(
-                (directory / n).stat().st_size for n in {*names, *leftovers} if (directory / n).is_file()
-            )
-            out.append(Deletion("prune", directory, nbytes, "; ".join(reasons), TRAIN_STAGE, key, names))
-    return out
-
-
-def _table_pruning(store: ArtifactStore, marks: Marks, notes: list[str]) -> list[Deletion]:
-    """Every file of the rollout and scored tables ``marks`` drops (``keep_step_tables: false``)."""
-    out = []
-    for stage, key in sorted(set(marks.drop_tables) - marks.keep_tables):
-        directory = store.path_for(stage, key)
-        if not (directory / MANIFEST).is_file():
-            continue
-        try:
-            manifest = Manifest.load(directory)
-        except (ValueError, ArtifactError) as err:
-            notes.append(f"kept {directory}: unreadable manifest ({err})")
-            continue
-        names = [n for n in manifest.files if n not in manifest.pruned]
-        leftovers = [n for n in manifest.pruned if (directory / n).is_file()]
-        if names or leftovers:
-            nbytes = sum(
-                (directory / n).stat().st_size for n in {*names, *leftovers} if (directory / n).is_file()
-            )
-            reason = marks.drop_tables[(stage, key)]
-            out.append(Deletion("prune", directory, nbytes, reason, stage, key, names))
-    return out
 
 
 def _tmp_lock_name(folder: Path) -> str | None:
@@ -207,7 +124,7 @@ def _sweeps(store: ArtifactStore, notes: list[str], now: _dt.datetime) -> list[D
         if now.timestamp() - entry.lstat().st_mtime < TRASH_MIN_AGE_S:
             notes.append(f"kept {entry}: moved to trash less than {TRASH_MIN_AGE_S:.0f} s ago")
             continue
-        out.append(Deletion("trash", entry, _tree_bytes(entry), "moved aside earlier (corrupt or pruned)"))
+        out.append(Deletion("trash", entry, tree_bytes(entry), "moved aside earlier (corrupt or pruned)"))
     for entry in sorted((store.root / TMP_DIR).iterdir()):
         name = _tmp_lock_name(entry)
         if name is None:
@@ -216,7 +133,7 @@ def _sweeps(store: ArtifactStore, notes: list[str], now: _dt.datetime) -> list[D
         with store.try_lock(name) as free:
             if free:  # the lock name rides in ``key``: apply re-takes it before deleting
                 out.append(
-                    Deletion("tmp", entry, _tree_bytes(entry), "unfinished build of a dead process", key=name)
+                    Deletion("tmp", entry, tree_bytes(entry), "unfinished build of a dead process", key=name)
                 )
             else:
                 notes.append(f"kept {entry}: its build is running")
@@ -229,21 +146,26 @@ def plan(
     now: _dt.datetime | None = None,
     only_run: str | None = None,
     current_code: dict[str, str] | None = None,
+    releasing: Sequence[releases.Release] = (),
 ) -> GcPlan:
     """What gc would delete under ``work`` (nothing is touched).
 
     ``overrides`` replace RetentionConfig fields for every run; ``only_run`` restricts pruning to that
     run's steps and treats it as not live (the flow pruning its own past steps) and skips the sweeps;
     ``current_code`` (stage -> the installed code version) adds the superseded base artifacts
-    (``qerl.pipeline.store.superseded``), unless a run is live.
+    (``qerl.pipeline.store.superseded``), unless a run is live. ``releasing``: versions to release
+    first (``qerl.pipeline.registry.release``); their runs' adapters and warm-start copies are
+    planned as if released, each deletion naming the release it waits for (``Deletion.release``).
     """
     work = Path(work)
     if not (work / STORE_DIR / OBJECTS_DIR).is_dir():
         raise RetentionError(f"no artifact store under {work} (expected {work / STORE_DIR / OBJECTS_DIR})")
     store = ArtifactStore(work / STORE_DIR)
-    result = GcPlan()
+    result = GcPlan(releases=list(releasing))
     marks = Marks()
     records = load_runs(work)
+    released = releases.load(store)
+    why_released = releases.by_run([*released, *releasing])
     live_runs: list[str] = []
     if only_run is not None and only_run not in {r["run_id"] for r in records}:
         raise RetentionError(f"no run record for '{only_run}' under {work / RUNS_DIR}")
@@ -257,10 +179,14 @@ def plan(
             )
         # with only_run, every other run only protects (as a live one does): none of its drops count
         protect_only = live or (only_run is not None and record["run_id"] != only_run)
-        mark_run(marks, record, policy, protect_only)
+        mark_run(marks, record, policy, protect_only, why_released.get(record["run_id"]))
     mark_ablations(marks, load_ablations(work, result.notes), records, result.notes)
-    result.deletions += _pruning(store, marks, registered_train_digests(store), result.notes)
-    result.deletions += _table_pruning(store, marks, result.notes)
+    result.deletions += adapter_and_optimizer_prunes(
+        store, marks, registered_train_digests(store), result.notes
+    )
+    result.deletions += table_prunes(store, marks, result.notes)
+    name_releases(result.deletions, releasing, records)
+    result.deletions += warm_start_prunes(store, released, releasing, live_runs, result.notes)
     if only_run is None:
         result.deletions += _sweeps(store, result.notes, now or _dt.datetime.now(_dt.UTC))
     if only_run is None and current_code:
@@ -275,7 +201,7 @@ def _superseded(
     if found and live:
         notes.append(f"kept {len(found)} superseded base artifacts: run {live[0]} is live (it may read one)")
         return []
-    return [Deletion("remove", m.dir, _tree_bytes(m.dir), why, m.stage, m.key) for m, why in found]
+    return [Deletion("remove", m.dir, tree_bytes(m.dir), why, m.stage, m.key) for m, why in found]
 
 
 def _delete_aside(store: ArtifactStore, folder: Path) -> int:
@@ -283,7 +209,7 @@ def _delete_aside(store: ArtifactStore, folder: Path) -> int:
     sweep, never half a folder in place); the bytes freed."""
     aside = store.root / TRASH_DIR / f"gc-{folder.name}-{uuid.uuid4().hex[:8]}"
     os.replace(folder, aside)
-    freed = _tree_bytes(aside)
+    freed = tree_bytes(aside)
     shutil.rmtree(aside)
     return freed
 
@@ -301,7 +227,7 @@ def apply(work: str | Path, gc_plan: GcPlan) -> int:
                 os.replace(d.path, claimed)
             except FileNotFoundError:
                 continue
-            freed += _tree_bytes(claimed)
+            freed += tree_bytes(claimed)
             shutil.rmtree(claimed) if claimed.is_dir() else claimed.unlink()
         elif d.kind == "remove":  # a superseded artifact, whole; a build of its key waits for the lock
             with store.lock(f"{d.stage}-{d.key}"):

@@ -6,9 +6,10 @@ tables of those steps may go and which stay. Protections add to the keep marks a
 every artifact of a live run, an unfinished run's last ``keep_optimizer_last`` steps, its final
 adapter, each ablation's final evaluated adapters, every artifact of every run an unfinished
 ablation lists (another of its runs may continue from them), and (in
-``qerl.pipeline.store.retention``) every registered adapter. The reasons are written in that
-module's docstring; ``qerl.pipeline.store.retention`` turns the marks into a plan of deletions and
-carries it out.
+``qerl.pipeline.store.retention``) every registered adapter. A completed run whose registered
+version was released (``keep_versions``) keeps no adapter at all, unless a protection keeps one.
+The reasons are written in that module's docstring; ``qerl.pipeline.store.retention`` turns the
+marks into a plan of deletions and carries it out.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class RetentionConfig(StrictModel):
     )
     live_window_h: float = Field(
         24.0, gt=0, description="a run 'running' and updated within this many hours is live: gc skips it"
+    )
+    keep_versions: int | None = Field(
+        None,
+        ge=1,
+        description="keep the adapters of the newest N versions this work dir registered (and of any "
+        "holding an alias); older ones are released: their MLflow and store copies go (unset: keep all)",
     )
 
 
@@ -228,13 +235,20 @@ class Marks:
     drop_adapter: dict[str, str] = field(default_factory=dict)
     keep_tables: set[tuple[str, str]] = field(default_factory=set)  # (rollout|score, key)
     drop_tables: dict[tuple[str, str], str] = field(default_factory=dict)
+    released: set[str] = field(default_factory=set)  # train keys of runs whose version was released
 
 
-def mark_run(marks: Marks, record: dict[str, Any], policy: RetentionConfig, live: bool) -> None:
+def mark_run(
+    marks: Marks, record: dict[str, Any], policy: RetentionConfig, live: bool, released: str | None = None
+) -> None:
+    """Set ``record``'s marks under ``policy``. ``released``: why the version this completed run
+    registered was released (``store.keep_versions``); then none of its adapters stays, the final
+    one included (other protections, an ablation's above all, still win)."""
     steps = train_keys(record)
     keys = [k for _, k in steps]
     rid = record["run_id"]
     finished = record.get("status") == "completed"
+    released = released if finished else None
     if live or not keys:
         marks.keep_opt.update(keys)
         marks.keep_adapter.update(keys)
@@ -244,16 +258,20 @@ def mark_run(marks: Marks, record: dict[str, Any], policy: RetentionConfig, live
     last_k = [] if finished else keys[-policy.keep_optimizer_last :]
     marks.keep_opt.update(last_k)
     marks.keep_adapter.update(last_k)  # a resume from a kept optimizer state needs its adapter too
-    if record.get("final_adapter"):
+    if released:
+        marks.released.update(keys)
+    elif record.get("final_adapter"):
         marks.keep_adapter.add(Path(record["final_adapter"]).parent.name)
     every = adapter_interval(record, policy)
-    if not every:
+    if not every and not released:
         marks.keep_adapter.update(keys)
     why = "the run completed" if finished else f"older than its last {policy.keep_optimizer_last} steps"
     for step, key in steps:
         if key not in last_k:
             marks.drop_opt.setdefault(key, f"run {rid} step {step}: {why}")
-        if every and (step + 1) % every:
+        if released:
+            marks.drop_adapter[key] = f"run {rid} step {step}: {released}"
+        elif every and (step + 1) % every:
             marks.drop_adapter.setdefault(key, f"run {rid} step {step}: not a multiple of {every} steps")
     if finished and not policy.keep_step_tables:
         for stage, key in sorted(table_keys(record)):
