@@ -368,8 +368,8 @@ def _base_code_versions() -> dict[str, str]:
     return {stage: code_version("qerl.stages." + stage.replace("-", "_")) for stage in BASE_STAGES}
 
 
-def _releases(n: int) -> str:
-    return f"{n} release" + ("" if n == 1 else "s")
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -392,7 +392,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for d in gc_plan.deletions:
         what = ", ".join(d.files) if d.files else "(leftovers)" if d.kind == "prune" else "whole folder"
         print(f"  {human(d.nbytes):>10}  {d.kind:5} {d.path}: {what}  [{d.reason}]")
-    count = f"{len(gc_plan.deletions)} deletions" + (f" and {_releases(len(planned))}" if planned else "")
+    count = _count(len(gc_plan.deletions), "deletion") + (
+        f" and {_count(len(planned), 'release')}" if planned else ""
+    )
     nbytes = gc_plan.nbytes + sum(r.nbytes for r in planned)
     if not gc_plan.deletions and not planned:
         print(f"gc {work / 'store'}: nothing to delete")
@@ -405,6 +407,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"  {note}: its store copies stay until the next gc")
         gc_plan.deletions = [d for d in gc_plan.deletions if not d.release or d.release in done]
         freed = retention.apply(work, gc_plan) + sum(r.nbytes for r in planned if r.label in done)
-        count = f"{len(gc_plan.deletions)} deletions" + (f" and {_releases(len(done))}" if planned else "")
+        count = _count(len(gc_plan.deletions), "deletion") + (
+            f" and {_count(len(done), 'release')}" if planned else ""
+        )
         print(f"gc: freed {human(freed)} in {count}")
     return 0

@@ -175,5 +175,34 @@ def test_a_warm_start_from_a_released_version_is_refused(tmp_path):
     _night(tmp_path, "n3", 1)
     release.release_old_versions(tmp_path)
     cfg = SimpleNamespace(registry=registry.RegistryConfig(), train=None)
+    store = ArtifactStore(tmp_path / "store")
+    with pytest.raises(RunPlanError, match=r"started from qerl-adapter v2, which retention released \(.*"
+                       r"its store copy is gone too"):  # fmt: skip
+        warm_start_adapter(cfg, tmp_path, store, "base", version="2")
+    MlflowClient().set_registered_model_alias(NAME, "champion", "2")  # moved onto it by hand
     with pytest.raises(RunPlanError, match="qerl-adapter v2 was released by retention"):
-        warm_start_adapter(cfg, tmp_path, ArtifactStore(tmp_path / "store"), "base", version="2")
+        warm_start_adapter(cfg, tmp_path, store, "base")
+
+
+def test_a_version_a_run_started_from_stays_while_the_run_may_resume_and_its_copy_while_the_run_is_kept(
+    tmp_path,
+):
+    work = tmp_path
+    _night(work, "n1", 1, champion=True)
+    _, v2 = _night(work, "n2", 1)
+    _night(work, "n3", 1)
+    store = ArtifactStore(work / "store")
+    copy, _ = adapters.fetch_adapter(MlflowClient().get_model_version(NAME, v2), store)
+    started = {"from": "champion", "version": v2, "digest": copy.digest}
+    fake_run(work, "resumable", 1, status="failed", salt=100, plan={"warm_start": started})
+    notes: list[str] = []
+    assert release.plan_releases(work, notes=notes) == []
+    assert f"kept {NAME} v2: unfinished run resumable started from it" in notes
+
+    record = json.loads((work / "runs" / "resumable" / "run.json").read_text())
+    record["status"] = "completed"  # completed and kept (it registered nothing): v2 goes, its copy stays
+    (work / "runs" / "resumable" / "run.json").write_text(json.dumps(record))
+    assert release.release_old_versions(work)[1] == [f"{NAME} v2"]
+    assert Manifest.load(copy.dir).pruned == {}
+    gc_plan = retention.plan(work)
+    assert f"kept the warm-start copy of {NAME} v2: run resumable started from it" in gc_plan.notes

@@ -4,7 +4,10 @@ A night's step 0 starts from the registered champion's adapter weights (fresh op
 through MLflow into the store (stage ``warm-start``, ``qerl.pipeline.registry.adapters``), whose
 digest enters every downstream cache key. A champion trained on another base model or with another
 LoRA shape is an error, not a silent start from scratch. A resumed night names its own registered
-version, so it starts where it first started.
+version, so it starts where it first started, even when that version has been released since
+(``qerl.pipeline.registry.release``): retention keeps the store copy a kept run started from, and
+without it the night cannot be re-run, which the error says. A released champion (an alias moved
+onto it by hand) is refused by name.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ def warm_start_adapter(
 
     ``cfg`` is the RunConfig; ``base_digest`` the lineage digest of this run's base model, which the
     adapter must have been trained on."""
+    from mlflow.exceptions import MlflowException
     from qerl.pipeline.registry import adapters, tracking
     from qerl.pipeline.registry.lock import RegistryError
-    from qerl.pipeline.registry.release import check_not_released
+    from qerl.pipeline.registry.release import RELEASED_TAG, check_not_released
 
     reg = tracking.connect(cfg.registry, work)
     if version is None:
@@ -44,12 +48,25 @@ def warm_start_adapter(
         champion = tracking.MlflowClient().get_model_version(reg.model_name, str(version))
     what = f"{reg.model_name} v{champion.version}"
     try:
-        check_not_released(champion)
+        if version is None:  # a resumed night's version may be released: its store copy serves (below)
+            check_not_released(champion)
         hint = "it cannot warm-start this run (set loop.warm_start: base, or promote a matching version)"
         adapters.check_base(champion, base_digest, "this run's base", hint)
     except RegistryError as err:
         raise RunPlanError(str(err)) from None
-    manifest, cached = adapters.fetch_adapter(champion, store)
+    released = champion.tags.get(RELEASED_TAG)
+    try:
+        manifest, cached = adapters.fetch_adapter(champion, store)
+    except (MlflowException, RegistryError):
+        if released is None:
+            raise
+        manifest, cached = None, False  # not in the store, and MLflow's copy is deleted
+    if released is not None and (manifest is None or manifest.pruned):
+        raise RunPlanError(
+            f"this night started from {what}, which retention released ({released}); its store copy is "
+            "gone too (no kept run started from it), so the night cannot be re-run"
+        )
+    assert manifest is not None
     from qerl.pipeline.rl.policy import check_adapter_shape
 
     try:

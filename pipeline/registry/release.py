@@ -16,9 +16,11 @@ tags: the history of what ran is kept, only the weights go. A crash at any point
 next pass (the tag is what says a version is released; deleting is idempotent).
 
 What is never released: a version holding an alias, a version registered by a run that did not
-complete (it may be resumed, and its registration re-decided), a version no run record of this work
-dir names (another work dir's, on a shared registry), and anything at all when ``keep_versions`` is
-unset (the default). Which ``keep_versions`` applies to a model: ``qerl gc --keep-versions``, else
+complete (it may be resumed, and its registration re-decided), a version a run that did not complete
+started from (its resume plans from it), a version no run record of this work dir names (another
+work dir's, on a shared registry), and anything at all when ``keep_versions`` is unset (the default).
+The store keeps the warm-start copy of a released version while a kept run started from it, so
+re-running that night still plans from it. Which ``keep_versions`` applies to a model: ``qerl gc --keep-versions``, else
 the ``store`` section of the newest run that registered into it.
 
 Readers refuse a released version with a ``RegistryError`` that names it and when it was released
@@ -96,6 +98,18 @@ def _registered_runs(
     return groups
 
 
+def _started_from(records: list[dict[str, Any]], name: str, version: str) -> list[str]:
+    """The runs not completed (a resume may need their starting adapter) that warm-started from
+    ``name`` v``version``."""
+    return [
+        r["run_id"]
+        for r in records
+        if r.get("status") != "completed"
+        and str(((r.get("plan") or {}).get("warm_start") or {}).get("version")) == version
+        and ((r.get("config") or {}).get("registry") or {}).get("model_name", name) == name
+    ]
+
+
 def plan_releases(
     work: str | Path, overrides: dict[str, Any] | None = None, notes: list[str] | None = None
 ) -> list[releases.Release]:
@@ -105,8 +119,9 @@ def plan_releases(
     work = Path(work)
     notes = notes if notes is not None else []
     done = {(r.registry, r.model_name, r.version) for r in releases.load(ArtifactStore(work / STORE_DIR))}
+    every_run = load_runs(work)
     out: list[releases.Release] = []
-    for (uri, name), records in sorted(_registered_runs(work, load_runs(work)).items()):
+    for (uri, name), records in sorted(_registered_runs(work, every_run).items()):
         newest = max(records, key=lambda r: str(r.get("updated_at") or r.get("started_at") or ""))
         keep = policy_for(newest, overrides).keep_versions
         if keep is None:
@@ -115,12 +130,13 @@ def plan_releases(
         for record in records:
             runs.setdefault(str(record["registration"]["version"]), []).append(record["run_id"])
         ordered = sorted(runs, key=int, reverse=True)
-        if len(ordered) <= keep:
-            continue
         shown = health.shown_uri(uri)
+        pending = [v for v in ordered[keep:] if (shown, name, v) not in done]  # the ledger's are done
+        if not pending:
+            continue
         try:
             open_registry(RegistryConfig(tracking_uri=uri), work)
-            found = {v: registered_version(name, v) for v in ordered[keep:]}
+            found = {v: registered_version(name, v) for v in pending}
         except (RegistryError, MlflowException, OSError) as err:
             notes.append(f"released no version of {name}: the registry {shown} cannot be read ({err})")
             continue
@@ -130,7 +146,9 @@ def plan_releases(
                 notes.append(f"{name} v{version} is no longer in {shown}: nothing to release")
             elif mv.aliases:
                 notes.append(f"kept {name} v{version}: it holds @{', @'.join(sorted(mv.aliases))}")
-            elif (shown, name, version) not in done:
+            elif starts := _started_from(every_run, name, version):
+                notes.append(f"kept {name} v{version}: unfinished run {starts[0]} started from it")
+            else:
                 already = RELEASED_TAG in mv.tags
                 nbytes = 0 if already else _artifact_bytes(mv.source)
                 out.append(releases.Release(shown, name, version, runs[version], mv.source, reason, nbytes,

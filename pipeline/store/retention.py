@@ -19,7 +19,7 @@ the run config's ``store`` section, defaults here):
 - every adapter of a completed run whose registered version was released (``keep_versions``;
   ``qerl.pipeline.registry.release`` releases it in MLflow first and writes the store's ledger,
   ``qerl.pipeline.store.releases``), the final one included, and the warm-start copies of that
-  version (none while a run is live);
+  version (none while a run is live, nor one a run not released started from: its re-run reads it);
 - everything in ``store/trash`` (corrupt artifacts moved aside) older than ten minutes (a younger
   entry may be a prune still moving files), and build folders in ``store/tmp`` whose producer is
   dead (its key's lock is free);
@@ -186,7 +186,12 @@ def plan(
     )
     result.deletions += table_prunes(store, marks, result.notes)
     name_releases(result.deletions, releasing, records)
-    result.deletions += warm_start_prunes(store, released, releasing, live_runs, result.notes)
+    started = {  # the warm-start copies kept runs started from: a re-run of one reads it
+        str(r["plan"]["warm_start"]["digest"]): r["run_id"]
+        for r in records
+        if r["run_id"] not in why_released and ((r.get("plan") or {}).get("warm_start") or {}).get("digest")
+    }
+    result.deletions += warm_start_prunes(store, released, releasing, live_runs, started, result.notes)
     if only_run is None:
         result.deletions += _sweeps(store, result.notes, now or _dt.datetime.now(_dt.UTC))
     if only_run is None and current_code:

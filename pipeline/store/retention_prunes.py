@@ -94,10 +94,10 @@ def adapter_and_optimizer_prunes(
         if manifest is None:
             continue
         names, reasons = [], []
-        if key in marks.drop_opt and key not in marks.keep_opt:
-            if OPTIMIZER_FILE in manifest.files:
+        if key in marks.drop_opt and key not in marks.keep_opt and OPTIMIZER_FILE in manifest.files:
+            if OPTIMIZER_FILE not in manifest.pruned:  # else gone already: no reason to give again
                 names.append(OPTIMIZER_FILE)
-            reasons.append(f"optimizer: {marks.drop_opt[key]}")
+                reasons.append(f"optimizer: {marks.drop_opt[key]}")
         # a released run's registered adapter is no longer protected as registered (its version is)
         protected = manifest.digest in registered and key not in marks.released
         if key in marks.drop_adapter and key not in marks.keep_adapter and not protected:
@@ -133,10 +133,12 @@ def warm_start_prunes(
     released: Sequence[releases.Release],
     releasing: Sequence[releases.Release],
     live: list[str],
+    started: dict[str, str],
     notes: list[str],
 ) -> list[Deletion]:
     """Every file of the warm-start copies (``qerl.pipeline.registry.adapters.fetch_adapter``) of a
-    released version, matched by its MLflow source; none while a run is live (it may be reading one)."""
+    released version, matched by its MLflow source; none while a run is live (it may be reading
+    one), and not those whose digest is in ``started`` (digest -> a kept run that started from it)."""
     pending = {r.source: r.label for r in releasing if r.source}
     sources = {**{r.source: r.label for r in released if r.source}, **pending}
     out: list[Deletion] = []
@@ -149,6 +151,10 @@ def warm_start_prunes(
             notes.append(
                 f"kept the warm-start copy of {sources[source]}: run {live[0]} is live (it may read it)"
             )
+            continue
+        if manifest.digest in started:
+            run = started[manifest.digest]
+            notes.append(f"kept the warm-start copy of {sources[source]}: run {run} started from it")
             continue
         deletion = _whole(
             manifest, f"warm-start copy of {sources[source]}, released", pending.get(source, "")
