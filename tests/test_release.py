@@ -206,3 +206,20 @@ def test_a_version_a_run_started_from_stays_while_the_run_may_resume_and_its_cop
     assert Manifest.load(copy.dir).pruned == {}
     gc_plan = retention.plan(work)
     assert f"kept the warm-start copy of {NAME} v2: run resumable started from it" in gc_plan.notes
+
+
+def test_a_registry_out_of_reach_releases_nothing_and_gc_goes_on(tmp_path, capsys):
+    from qerl.flows.cli import main
+
+    config = {"store": {"keep_versions": 1}, "registry": {"tracking_uri": "http://127.0.0.1:9"}}
+    for i in range(2):  # two completed nights registered on a server that no longer answers
+        fake_run(tmp_path, f"n{i}", 2, status="completed", salt=2 * i, config=config,
+                 registration={"model_name": NAME, "version": i + 1})  # fmt: skip
+    notes: list[str] = []
+    assert release.plan_releases(tmp_path, notes=notes) == []
+    assert notes[0].startswith(
+        f"released no version of {NAME}: the registry http://127.0.0.1:9 cannot be read"
+    )
+    assert main(["gc", "--work-dir", str(tmp_path)]) == 0  # the rest of gc still runs
+    out = capsys.readouterr().out
+    assert "cannot be read" in out and "freed" in out and "release" not in out.split("cannot be read")[1]
