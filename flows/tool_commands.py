@@ -373,13 +373,21 @@ def _count(n: int, what: str) -> str:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
     from qerl.pipeline.registry import release
     from qerl.pipeline.store import retention
     from qerl.pipeline.store.layout import default_work_dir
+    from qerl.pipeline.store.retention_policy import RetentionConfig, RetentionError
 
     work = default_work_dir(args.work_dir)
     names = ("keep_optimizer_last", "keep_adapters_every", "live_window_h", "keep_versions")
     overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    for name, value in overrides.items():  # the flag, not the first run record, is what is wrong
+        try:
+            RetentionConfig.model_validate({name: value})
+        except ValidationError as err:
+            reason = err.errors()[0]["msg"]
+            raise RetentionError(f"--{name.replace('_', '-')} {value}: {reason}") from None
     notes: list[str] = []
     planned = release.plan_releases(work, overrides, notes) if (work / "store").is_dir() else []
     gc_plan = retention.plan(work, overrides=overrides, current_code=_base_code_versions(), releasing=planned)

@@ -92,6 +92,8 @@ def test_gc_releases_versions_beyond_keep_versions_and_their_copies(tmp_path, ca
 
     assert main(["gc", "--work-dir", str(work)]) == 0  # done: nothing planned again
     assert "nothing to delete" in capsys.readouterr().out
+    assert main(["gc", "--keep-versions", "0", "--work-dir", str(work)]) == 2
+    assert "--keep-versions 0: Input should be greater than or equal to 1" in capsys.readouterr().err
 
     # readers refuse it, naming the release
     with pytest.raises(RegistryError, match=r"qerl-adapter v2 was released by retention \(.*keep_versions 1"):
