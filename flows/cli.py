@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from qerl.flows import flow_commands, tool_commands
+from qerl.flows import flow_commands, store_commands, tool_commands
 from qerl.pipeline.runtime.determinism import prepare_process
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
@@ -245,7 +245,7 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
                    help="override store.keep_versions: release registered versions older than the newest N "
                    "(an alias-holding version always stays)")  # fmt: skip
     _common(p)
-    COMMANDS["gc"] = tool_commands.cmd_gc
+    COMMANDS["gc"] = store_commands.cmd_gc
 
 
 # runs (their console session moves logging to run.log) and the nightly server: INFO is their record

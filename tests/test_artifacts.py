@@ -212,7 +212,7 @@ def test_disk_full_build_is_one_clear_error_and_leaves_nothing(tmp_path, monkeyp
 
     # the CLI prints it in one line (exit 2), no traceback
     monkeypatch.setattr(
-        cli.tool_commands, "cmd_gc", lambda a: store.produce("train", {"a": 3}, {}, "v1", build)
+        cli.store_commands, "cmd_gc", lambda a: store.produce("train", {"a": 3}, {}, "v1", build)
     )
     assert cli.main(["gc", "--work-dir", str(tmp_path)]) == 2
     out = capsys.readouterr()

@@ -1,0 +1,74 @@
+"""``qerl gc``: plan what retention releases and deletes, print it, and carry it out.
+
+The handler asks ``qerl.pipeline.registry.release`` which registered versions ``store.keep_versions``
+lets go, has ``qerl.pipeline.store.retention`` plan the deletions with those releases in view, prints
+both (``--dry-run`` stops there), then releases first and deletes after, skipping the deletions of a
+release that did not happen. Imports stay inside the handler, as for every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _base_code_versions() -> dict[str, str]:
+    """The installed code version of each base stage, as its ``run`` computes it (from the module's
+    source: nothing is imported), for ``qerl gc``'s superseded copies."""
+    from qerl.pipeline.store.code_version import code_version
+    from qerl.pipeline.store.superseded import BASE_STAGES
+
+    return {stage: code_version("qerl.stages." + stage.replace("-", "_")) for stage in BASE_STAGES}
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+    from qerl.pipeline.registry import release
+    from qerl.pipeline.store import retention
+    from qerl.pipeline.store.layout import default_work_dir
+    from qerl.pipeline.store.retention_policy import RetentionConfig, RetentionError
+
+    work = default_work_dir(args.work_dir)
+    names = ("keep_optimizer_last", "keep_adapters_every", "live_window_h", "keep_versions")
+    overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    for name, value in overrides.items():  # the flag, not the first run record, is what is wrong
+        try:
+            RetentionConfig.model_validate({name: value})
+        except ValidationError as err:
+            reason = err.errors()[0]["msg"]
+            raise RetentionError(f"--{name.replace('_', '-')} {value}: {reason}") from None
+    notes: list[str] = []
+    planned = release.plan_releases(work, overrides, notes) if (work / "store").is_dir() else []
+    gc_plan = retention.plan(work, overrides=overrides, current_code=_base_code_versions(), releasing=planned)
+    for note in notes + gc_plan.notes:
+        print(f"  {note}")
+    human = retention.human_bytes
+    for rel in planned:
+        what = "already tagged released; its files" if rel.already else "its adapter in MLflow"
+        print(f"  {human(rel.nbytes):>10}  release {rel.label} in {rel.registry}: {what}  [{rel.reason}]")
+    for d in gc_plan.deletions:
+        what = ", ".join(d.files) if d.files else "(leftovers)" if d.kind == "prune" else "whole folder"
+        print(f"  {human(d.nbytes):>10}  {d.kind:5} {d.path}: {what}  [{d.reason}]")
+    count = _count(len(gc_plan.deletions), "deletion") + (
+        f" and {_count(len(planned), 'release')}" if planned else ""
+    )
+    nbytes = gc_plan.nbytes + sum(r.nbytes for r in planned)
+    if not gc_plan.deletions and not planned:
+        print(f"gc {work / 'store'}: nothing to delete")
+    elif args.dry_run:
+        print(f"gc --dry-run: would free {human(nbytes)} in {count}")
+    else:
+        failed: list[str] = []
+        done = release.release_all(work, planned, failed)
+        for note in failed:
+            print(f"  {note}: its store copies stay until the next gc")
+        gc_plan.deletions = [d for d in gc_plan.deletions if not d.release or d.release in done]
+        freed = retention.apply(work, gc_plan) + sum(r.nbytes for r in planned if r.label in done)
+        count = _count(len(gc_plan.deletions), "deletion") + (
+            f" and {_count(len(done), 'release')}" if planned else ""
+        )
+        print(f"gc: freed {human(freed)} in {count}")
+    return 0
