@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from qerl.flows import flow_commands, store_commands, tool_commands
+from qerl.flows import flow_commands, registry_commands, store_commands, tool_commands
 from qerl.pipeline.runtime.determinism import prepare_process
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_score(sub)
     _add_quantize(sub)
     _add_promote(sub)
+    _add_versions(sub)
     _add_eval(sub)
     _add_run(sub)
     _add_bench(sub)
@@ -189,7 +190,18 @@ def _add_promote(sub: argparse._SubParsersAction) -> None:
     p.add_argument("version", metavar="VERSION", help="model version number")
     _config_options(p, "YAML file with registry settings (RegistryConfig)", "override a registry setting")
     _common(p)
-    COMMANDS["promote"] = tool_commands.cmd_promote
+    COMMANDS["promote"] = registry_commands.cmd_promote
+
+
+def _add_versions(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "versions", help="list a registered model's versions: aliases, run, accuracies, released or kept"
+    )
+    p.add_argument("name", nargs="?", default=None, metavar="NAME",
+                   help="registered model name (default: registry.model_name)")  # fmt: skip
+    _config_options(p, "YAML file with registry settings (RegistryConfig)", "override a registry setting")
+    _common(p)
+    COMMANDS["versions"] = registry_commands.cmd_versions
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:

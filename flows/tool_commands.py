@@ -1,4 +1,4 @@
-"""The one-shot commands: ``qerl score``, ``quantize``, ``eval``, ``promote``, ``plan``, ``bench``.
+"""The one-shot commands: ``qerl score``, ``quantize``, ``eval``, ``plan``, ``bench``.
 
 Each handler turns its parsed arguments into a call of the stage or library function that does the
 work and prints the result; none runs a Prefect flow. Stages are imported inside the handlers, so
@@ -109,31 +109,6 @@ def cmd_score(args: argparse.Namespace) -> int:
         f"no_answer {metrics['no_answer_count']}, timeout {metrics['timeout_count']}, error {metrics['error_count']}, "
         f"{metrics['answers_per_s'] or 0:.0f} answers/s -> {args.output}"
     )
-    return 0
-
-
-def cmd_promote(args: argparse.Namespace) -> int:
-    from qerl.pipeline.config import load_config
-    from qerl.pipeline.registry import adapters, promotion
-    from qerl.pipeline.registry import tracking as registry
-    from qerl.pipeline.registry.lock import RegistryError
-    from qerl.pipeline.registry.release import RELEASED_TAG, check_not_released
-
-    cfg = load_config(registry.RegistryConfig, args.config, args.set).model_copy(
-        update={"model_name": args.name}
-    )
-    registry.open_tracking(cfg, work_dir(args))
-    version = adapters.registered_version(args.name, args.version)
-    if version is not None:  # None: promote says the version does not exist
-        check_not_released(version)
-    promotion.promote(cfg, args.name, args.version)
-    info = promotion.version_info(cfg, args.version)
-    if RELEASED_TAG in info["tags"]:  # released between the check and the lock: say so, loudly
-        raise RegistryError(
-            f"{args.name} v{args.version} was released by retention while being promoted: "
-            f"@{cfg.champion_alias} now names a version without an adapter; promote another"
-        )
-    print(f"{args.name} v{args.version} is now @{cfg.champion_alias} (aliases: {', '.join(info['aliases'])})")
     return 0
 
 

@@ -220,7 +220,18 @@ def test_step_prompts_cover_the_dataset_in_turn():
 
 def test_cli_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "qerl.flows.cli", "--help"], capture_output=True, text=True)
-    for command in ("quantize", "score", "run", "resume", "eval", "promote", "schedule", "bench"):
+    for command in (
+        "quantize",
+        "score",
+        "run",
+        "resume",
+        "eval",
+        "promote",
+        "versions",
+        "schedule",
+        "bench",
+        "gc",
+    ):
         assert command in out.stdout
 
 

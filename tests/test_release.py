@@ -94,6 +94,17 @@ def test_gc_releases_versions_beyond_keep_versions_and_their_copies(tmp_path, ca
     assert "nothing to delete" in capsys.readouterr().out
     assert main(["gc", "--keep-versions", "0", "--work-dir", str(work)]) == 2
     assert "--keep-versions 0: Input should be greater than or equal to 1" in capsys.readouterr().err
+    assert main(["versions", "--work-dir", str(work)]) == 0  # what an operator sees
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].startswith(f"{NAME} in sqlite:///") and "3 versions" in listed[0]
+    assert [line.split()[:2] for line in listed[1:]] == [
+        ["v3", "-"],
+        ["v2", "-"],
+        ["v1", "@champion"],
+    ]
+    assert (
+        listed[2].split()[-2:][0] == "released" and listed[1].endswith("kept") and listed[3].endswith("kept")
+    )
 
     # readers refuse it, naming the release
     with pytest.raises(RegistryError, match=r"qerl-adapter v2 was released by retention \(.*keep_versions 1"):

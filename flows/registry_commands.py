@@ -1,0 +1,76 @@
+"""The registry's commands: ``qerl versions`` lists a model's versions, ``qerl promote`` moves the champion.
+
+``qerl versions`` is what an operator on a machine without a browser asks first: which version is
+champion and challenger, which night made each, what it scored on the test benchmark and on the
+validation split promotion decides on, and which were released by retention (``store.keep_versions``)
+and so have no adapter left. It reads the registry and creates nothing (``adapters.open_registry``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from qerl.flows.tool_commands import work_dir
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from qerl.pipeline.config import load_config
+    from qerl.pipeline.registry import adapters, promotion
+    from qerl.pipeline.registry import tracking as registry
+    from qerl.pipeline.registry.lock import RegistryError
+    from qerl.pipeline.registry.release import RELEASED_TAG, check_not_released
+
+    cfg = load_config(registry.RegistryConfig, args.config, args.set).model_copy(
+        update={"model_name": args.name}
+    )
+    registry.open_tracking(cfg, work_dir(args))
+    version = adapters.registered_version(args.name, args.version)
+    if version is not None:  # None: promote says the version does not exist
+        check_not_released(version)
+    promotion.promote(cfg, args.name, args.version)
+    info = promotion.version_info(cfg, args.version)
+    if RELEASED_TAG in info["tags"]:  # released between the check and the lock: say so, loudly
+        raise RegistryError(
+            f"{args.name} v{args.version} was released by retention while being promoted: "
+            f"@{cfg.champion_alias} now names a version without an adapter; promote another"
+        )
+    print(f"{args.name} v{args.version} is now @{cfg.champion_alias} (aliases: {', '.join(info['aliases'])})")
+    return 0
+
+
+def _accuracy(tags: dict[str, str], key: str) -> str:
+    try:
+        return f"{float(tags[key]):.3f}"
+    except (KeyError, ValueError):
+        return "-"
+
+
+def cmd_versions(args: argparse.Namespace) -> int:
+    from mlflow.tracking import MlflowClient
+    from qerl.pipeline.config import load_config
+    from qerl.pipeline.registry import adapters, health
+    from qerl.pipeline.registry import tracking as registry
+    from qerl.pipeline.registry.release import RELEASED_TAG
+
+    cfg = load_config(registry.RegistryConfig, args.config, args.set)
+    name = args.name or cfg.model_name
+    uri = adapters.open_registry(cfg, work_dir(args))
+    client = MlflowClient()
+    versions = sorted(client.search_model_versions(f"name = '{name}'"), key=lambda v: -int(v.version))
+    if not versions:
+        print(f"{name} in {health.shown_uri(uri)}: no versions")
+        return 0
+    aliases: dict[str, list[str]] = {}
+    for alias, number in client.get_registered_model(name).aliases.items():
+        aliases.setdefault(str(number), []).append(alias)
+    print(f"{name} in {health.shown_uri(uri)}: {len(versions)} versions (test / validation accuracy)")
+    for v in versions:
+        tags = dict(v.tags)
+        held = ", ".join(f"@{a}" for a in sorted(aliases.get(str(v.version), []))) or "-"
+        released = tags.get(RELEASED_TAG)
+        state = f"released {released.split(',')[0]}" if released else "kept"
+        if tags.get("complete") == "false":
+            state += ", incomplete run"
+        test, validation = _accuracy(tags, "eval_accuracy"), _accuracy(tags, "promotion_accuracy")
+        print(f"  v{v.version:<4} {held:<24} {tags.get('run_id', '-'):<32} {test} / {validation}  {state}")
+    return 0
