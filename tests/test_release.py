@@ -157,6 +157,26 @@ def test_the_flows_release_pass_releases_and_prunes_what_gc_would(tmp_path):
     assert release.release_old_versions(work) == (0, [])
 
 
+def test_the_flows_release_pass_never_fails_the_run_it_follows(tmp_path, monkeypatch, caplog):
+    from qerl.pipeline.store.manifest import ArtifactError
+
+    _night(tmp_path, "n1", 1, champion=True)
+    s2, _ = _night(tmp_path, "n2", 1)
+    _night(tmp_path, "n3", 1)
+
+    def broken(*_args, **_kwargs):
+        raise ArtifactError("a manifest went bad")
+
+    monkeypatch.setattr(retention, "apply", broken)
+    with caplog.at_level("WARNING", logger="qerl.registry"):
+        _, released = release.release_old_versions(tmp_path)  # returns: the run does not fail
+    assert released == [f"{NAME} v2"] and not ADAPTER & pruned_names(s2[-1])  # released in MLflow only
+    assert "release pass stopped (ArtifactError: a manifest went bad); qerl gc finishes it" in caplog.text
+    monkeypatch.undo()
+    retention.apply(tmp_path, retention.plan(tmp_path))  # qerl gc, by the ledger line
+    assert ADAPTER <= pruned_names(s2[-1])
+
+
 def test_a_release_cut_before_its_ledger_line_is_finished_by_the_next_pass(tmp_path, monkeypatch):
     work = tmp_path
     _night(work, "n1", 1, champion=True)
