@@ -28,7 +28,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
     from qerl.pipeline.registry import release
     from qerl.pipeline.store import retention
-    from qerl.pipeline.store.layout import default_work_dir
+    from qerl.pipeline.store.layout import STORE_DIR, default_work_dir
     from qerl.pipeline.store.retention_policy import RetentionConfig, RetentionError
 
     work = default_work_dir(args.work_dir)
@@ -41,7 +41,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             reason = err.errors()[0]["msg"]
             raise RetentionError(f"--{name.replace('_', '-')} {value}: {reason}") from None
     notes: list[str] = []
-    planned = release.plan_releases(work, overrides, notes) if (work / "store").is_dir() else []
+    planned = release.plan_releases(work, overrides, notes) if (work / STORE_DIR).is_dir() else []
     gc_plan = retention.plan(work, overrides=overrides, current_code=_base_code_versions(), releasing=planned)
     for note in notes + gc_plan.notes:
         print(f"  {note}")
@@ -57,7 +57,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     )
     nbytes = gc_plan.nbytes + sum(r.nbytes for r in planned)
     if not gc_plan.deletions and not planned:
-        print(f"gc {work / 'store'}: nothing to delete")
+        print(f"gc {work / STORE_DIR}: nothing to delete")
     elif args.dry_run:
         print(f"gc --dry-run: would free {human(nbytes)} in {count}")
     else:

@@ -52,6 +52,11 @@ def _night(
     return steps, version
 
 
+def _three_nights(work: Path) -> list[tuple[list[Manifest], str]]:
+    """Nights n1 (champion), n2 and n3 under ``keep_versions: 1``: v2 is the one to release."""
+    return [_night(work, f"n{i}", 1, champion=i == 1) for i in (1, 2, 3)]
+
+
 def _source_dir(version: str) -> Path:
     source = MlflowClient().get_model_version(NAME, version).source
     return Path(source.removeprefix("file://"))
@@ -61,9 +66,7 @@ def test_gc_releases_versions_beyond_keep_versions_and_their_copies(tmp_path, ca
     from qerl.flows.cli import main
 
     work = tmp_path
-    s1, v1 = _night(work, "n1", 1, champion=True)
-    s2, v2 = _night(work, "n2", 1)
-    s3, v3 = _night(work, "n3", 1)
+    (s1, v1), (s2, v2), (s3, v3) = _three_nights(work)
     assert (v1, v2, v3) == ("1", "2", "3")
     store = ArtifactStore(work / "store")
     copy, _ = adapters.fetch_adapter(
@@ -148,9 +151,7 @@ def test_unset_keep_versions_releases_nothing_and_the_override_applies(tmp_path)
 
 def test_the_flows_release_pass_releases_and_prunes_what_gc_would(tmp_path):
     work = tmp_path
-    _night(work, "n1", 1, champion=True)
-    s2, v2 = _night(work, "n2", 1)
-    _night(work, "n3", 1)
+    s2, v2 = _three_nights(work)[1]
     freed, released = release.release_old_versions(work)
     assert freed > 0 and released == [f"{NAME} v2"]
     assert ADAPTER <= pruned_names(s2[-1]) and not _source_dir(v2).exists()
@@ -160,9 +161,7 @@ def test_the_flows_release_pass_releases_and_prunes_what_gc_would(tmp_path):
 def test_the_flows_release_pass_never_fails_the_run_it_follows(tmp_path, monkeypatch, caplog):
     from qerl.pipeline.store.manifest import ArtifactError
 
-    _night(tmp_path, "n1", 1, champion=True)
-    s2, _ = _night(tmp_path, "n2", 1)
-    _night(tmp_path, "n3", 1)
+    s2, _ = _three_nights(tmp_path)[1]
 
     def broken(*_args, **_kwargs):
         raise ArtifactError("a manifest went bad")
@@ -179,9 +178,7 @@ def test_the_flows_release_pass_never_fails_the_run_it_follows(tmp_path, monkeyp
 
 def test_a_release_cut_before_its_ledger_line_is_finished_by_the_next_pass(tmp_path, monkeypatch):
     work = tmp_path
-    _night(work, "n1", 1, champion=True)
-    s2, v2 = _night(work, "n2", 1)
-    _night(work, "n3", 1)
+    s2, v2 = _three_nights(work)[1]
 
     def cut(*_args, **_kwargs):
         raise OSError("killed")
@@ -203,9 +200,7 @@ def test_a_warm_start_from_a_released_version_is_refused(tmp_path):
     from qerl.pipeline.planning.errors import RunPlanError
     from qerl.pipeline.planning.warm_start import warm_start_adapter
 
-    _night(tmp_path, "n1", 1, champion=True)
-    _night(tmp_path, "n2", 1)
-    _night(tmp_path, "n3", 1)
+    _three_nights(tmp_path)
     release.release_old_versions(tmp_path)
     cfg = SimpleNamespace(registry=registry.RegistryConfig(), train=None)
     store = ArtifactStore(tmp_path / "store")
@@ -221,9 +216,7 @@ def test_a_version_a_run_started_from_stays_while_the_run_may_resume_and_its_cop
     tmp_path,
 ):
     work = tmp_path
-    _night(work, "n1", 1, champion=True)
-    _, v2 = _night(work, "n2", 1)
-    _night(work, "n3", 1)
+    v2 = _three_nights(work)[1][1]
     store = ArtifactStore(work / "store")
     copy, _ = adapters.fetch_adapter(MlflowClient().get_model_version(NAME, v2), store)
     started = {"from": "champion", "version": v2, "digest": copy.digest}

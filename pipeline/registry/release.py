@@ -2,7 +2,7 @@
 
 Why: every night registers its adapter, and each registered version holds two copies of it, one in
 MLflow's artifacts and one in the store (its run's final adapter), which retention otherwise keeps
-forever: at 7B with r=32 that is 0.65 GB a night for as long as the schedule runs. With
+forever, so a nightly schedule's disk use grows by two adapters a night for as long as it runs. With
 ``store.keep_versions: N`` a version is *released* when it is not among the N newest versions this
 work dir registered of its model and holds no alias (the champion, the challenger or any other).
 
@@ -13,15 +13,16 @@ store, ``mlflow-artifacts:`` behind a server, cloud stores), then writes the sto
 (``qerl.pipeline.store.releases``), after which retention deletes the run's adapters and the
 version's warm-start copies. The version itself stays in the registry with its lineage, metrics and
 tags: the history of what ran is kept, only the weights go. A crash at any point is finished by the
-next pass (the tag is what says a version is released; deleting is idempotent).
+next release pass or ``qerl gc`` (the tag is what says a version is released; deleting is
+idempotent; the store side follows the ledger line).
 
 What is never released: a version holding an alias, a version registered by a run that did not
 complete (it may be resumed, and its registration re-decided), a version a run that did not complete
 started from (its resume plans from it), a version no run record of this work dir names (another
-work dir's, on a shared registry), and anything at all when ``keep_versions`` is unset (the default).
-The store keeps the warm-start copy of a released version while a kept run started from it, so
-re-running that night still plans from it. Which ``keep_versions`` applies to a model: ``qerl gc --keep-versions``, else
-the ``store`` section of the newest run that registered into it.
+work dir's, on a shared registry), and anything at all when ``keep_versions`` is unset (the
+default). The store keeps the warm-start copy of a released version while a kept run started from
+it, so re-running that night still plans from it. Which ``keep_versions`` applies to a model:
+``qerl gc --keep-versions``, else the ``store`` section of the newest run that registered into it.
 
 Readers refuse a released version with a ``RegistryError`` that names it and when it was released
 (``check_not_released``): ``qerl eval --adapter models:/…``, ``qerl promote`` and the nightly warm
@@ -156,13 +157,13 @@ def plan_releases(
     return out
 
 
-def release(work: str | Path, rel: releases.Release, lock_timeout_s: float = 120.0) -> None:
+def release(work: str | Path, rel: releases.Release) -> None:
     """Carry out ``rel`` (see the module docstring); a ``RegistryError`` when the version took an
     alias since it was planned (it is not released then)."""
-    uri = rel.uri or rel.registry
-    open_registry(RegistryConfig(tracking_uri=uri), work)
+    cfg = RegistryConfig(tracking_uri=rel.uri or rel.registry)
+    uri = open_registry(cfg, work)
     client = MlflowClient()
-    with registry_lock(uri, rel.model_name, lock_timeout_s):
+    with registry_lock(uri, rel.model_name, cfg.lock_timeout_s):
         mv = client.get_model_version(rel.model_name, rel.version)
         if mv.aliases:
             raise RegistryError(f"{rel.label} now holds @{', @'.join(sorted(mv.aliases))}: not released")

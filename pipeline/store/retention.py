@@ -28,13 +28,14 @@ the run config's ``store`` section, defaults here):
   (``qerl.pipeline.store.superseded``), whole, manifest included: no lookup by this qerl reaches them.
 
 What is never deleted: anything of a *live* run (status ``running`` and updated within
-``live_window_h``: gc cannot know which of its files the running process holds, so all of them stay),
-the adapter of every version registered from this store until that version is released (its
+``live_window_h``: gc cannot know which of its files the running process holds, so all of them
+stay), the adapter of every version registered from this store until that version is released (its
 register manifest names the train digest; MLflow holds its own copy, but ``qerl eval`` and champion
-lookups read the store's), the
-final evaluated adapter of every run an ablation lists (below), every artifact of every run an
-unfinished ablation lists (below), any train artifact that no run record names (benchmarks, tests:
-not ours to judge), manifests (but a superseded copy's), and anything outside the store: run records, logs, and ablations (``<work>/ablations/<id>/``: ``ablation.json``, ``report.md``, ``plots/``).
+lookups read the store's), the final evaluated adapter of every run an ablation lists (below), every
+artifact of every run an unfinished ablation lists (below), any train artifact that no run record
+names (benchmarks, tests: not ours to judge), manifests (but a superseded copy's), and anything
+outside the store: run records, logs, and ablations (``<work>/ablations/<id>/``: ``ablation.json``,
+``report.md``, ``plots/``).
 
 Ablations (``qerl ablate``, ``qerl.flows.ablate``): each (arm, seed) is an ordinary run with its own run
 record. Its runs share their steps up to where their configs part (the NVFP4 arms while sigma is 0),
