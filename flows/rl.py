@@ -43,6 +43,7 @@ from qerl.flows.rl_phases import (
     TimedEngine,
     evaluate_adapter,
     load_data,
+    open_live,
     plan_data,
     prepare_base,
     read_data,
@@ -54,7 +55,7 @@ from qerl.pipeline.planning.disk_plan import check_disk
 from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_stream import DataCursor, parse_night
 from qerl.pipeline.planning.run_config import RunConfig
-from qerl.pipeline.registry import release, tracking
+from qerl.pipeline.registry import live, release, tracking
 from qerl.pipeline.store import retention
 from qerl.pipeline.store.layout import default_work_dir
 from qerl.stages import train
@@ -90,6 +91,7 @@ def rl_flow(
         run.logger.info("run %s: engine mode %s, work dir %s", run.run_id, engine.mode, run.work)
         problems = load_data(run, quantized, twin, rows)
         warm = plan_data(run, quantized, problems)
+        open_live(run)  # the MLflow run gets each step as it ends
         final = train_loop(run, quantized, engine, problems, warm)
         final_eval = evaluate_adapter(run, quantized, final, engine, cfg.loop.steps, run.validation)
         baseline = evaluate_adapter(run, quantized, None, engine, 0) if cfg.loop.eval_base else None
@@ -110,6 +112,8 @@ def rl_flow(
         raise
     finally:
         run.save()
+        if run.live is not None:
+            live.end_run(run.live, failed=failure is not None)
         if engine is not None:
             engine.close()
         train.drop_resident_policy()  # a serving process (qerl schedule) must not keep it across nights

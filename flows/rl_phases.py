@@ -1,7 +1,8 @@
 """The phases of one RL run, in the order ``qerl.flows.rl.rl_flow`` calls them: the base model and
 its NVFP4 checkpoint (and dequantized twin), the training data, the plan (data slice and warm start),
 the step loop (rollout -> score -> train, with interim evaluations), the final evaluation and the
-registration.
+registration. From the plan on, each step's metrics (and each interim evaluation) go to the run's
+MLflow run as the step ends (``qerl.pipeline.registry.live``), the run registration completes.
 
 The training data loses its validation slice first (``eval.validation``, held out after the prompt
 fit, so the data cursor's stream never holds it); the final evaluation scores it beside the test
@@ -33,6 +34,7 @@ from prefect.runtime import flow_run
 from qerl.flows import console
 from qerl.flows.rl_heal import heal_chain, healing
 from qerl.flows.rl_tasks import (
+    ablation_run_tags,
     base_task,
     evaluate_task,
     quantize_task,
@@ -61,7 +63,7 @@ from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_fit import fit_prompts, load_tokenizer, prompt_token_limit
 from qerl.pipeline.planning.prompt_stream import DataCursor, data_slice, step_prompts, stream_key
 from qerl.pipeline.planning.run_config import RunConfig
-from qerl.pipeline.registry import tracking
+from qerl.pipeline.registry import live, tracking
 from qerl.pipeline.registry.adapters import base_lineage_digest
 from qerl.pipeline.registry.protocol import log_protocol, protocol_of
 from qerl.pipeline.rollout.aqn import sigma_schedule
@@ -91,6 +93,7 @@ class Run:
         path = run_dir(work, self.run_id) / RUN_RECORD
         self.previous: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
         self.validation: list[Any] = []  # the held-out training problems promotion decides on
+        self.live: live.LiveRun | None = None  # its MLflow run, from the plan on (``open_live``)
         self.record: dict[str, Any] = {
             "run_id": self.run_id, "config": cfg.model_dump(mode="json"), "status": "running", "steps": [],
             "evaluations": [], "flow_run_id": flow_run.get_id(), "code_version": package_version(),
@@ -228,6 +231,19 @@ def plan_data(run: Run, quantized: Manifest, problems: list[Any]) -> Manifest | 
     return warm
 
 
+def open_live(run: Run) -> None:
+    """Open the run's MLflow run for its step metrics (``qerl.pipeline.registry.live``), tagged with
+    what is known of its lineage before the first step."""
+    rec, tags = run.record, {"flow_run_id": run.record["flow_run_id"], "code_version": package_version()}
+    if run.night is not None:
+        tags.update(night=run.night.isoformat(), warm_start=str(rec["plan"]["warm_start"].get("version")))
+    if run.ablation is not None:
+        tags.update(
+            ablation_id=run.ablation["id"], arm=run.ablation["arm"], **ablation_run_tags(run.ablation)
+        )
+    run.live = live.open_run(run.cfg.registry, run.work, rec, run.previous, tags)
+
+
 def train_loop(
     run: Run, quantized: Manifest, engine: LazyEngine, problems: list[Any], warm: Manifest | None
 ) -> Manifest:
@@ -275,6 +291,8 @@ def train_loop(
                 t,
                 lambda p, k=step + 1: evaluate_adapter(run, quantized, p, engine, k),
             )
+        if run.live is not None:
+            live.log_record(run.live, rec)
         run.save()
         retention.prune_run(run.work, run.run_id, cfg.store)  # after the save: the record names this step
     ui.steps_end()
@@ -351,8 +369,9 @@ def register_final(
         else _champion_evaluation(run, quantized, engine)
     )
     reg = register_task(
-        run.cfg, final, final_eval, lineage, history, run.work, run.store, run.ablation, champion
-    )
+        run.cfg, final, final_eval, lineage, history, run.work, run.store, run.ablation, champion,
+        rec.get(live.RECORD_KEY),
+    )  # fmt: skip
     if reg.metrics.get("created") and not run.cached(reg):
         _log_quantize_quality(run, str(reg.extra["run_id"]), quantized)
     if reg.metrics.get("created"):

@@ -141,15 +141,19 @@ def evaluate_task(
 def register_task(
     cfg: RunConfig, final: Manifest, evaluation: Manifest, lineage: dict[str, Any], history: list[dict[str, Any]],
     work: Path, store: ArtifactStore, ablation: dict[str, Any] | None = None,
-    champion_eval: tuple[str, Manifest] | str | None = None,
+    champion_eval: tuple[str, Manifest] | str | None = None, mlflow_run_id: str | None = None,
 ) -> Manifest:  # fmt: skip
     if ablation is None:
         return register.run(
             cfg.registry, final, evaluation, lineage, history, work, complete=True, store=store,
-            champion_eval=champion_eval,
+            champion_eval=champion_eval, mlflow_run_id=mlflow_run_id,
         )  # fmt: skip
-    parent = {"mlflow.parentRunId": ablation["parent_run_id"]} if ablation.get("parent_run_id") else {}
     return register.run(
         cfg.registry, final, evaluation, lineage, history, work, complete=True, store=store, promote=False,
-        run_tags=parent,
+        run_tags=ablation_run_tags(ablation), mlflow_run_id=mlflow_run_id,
     )  # fmt: skip
+
+
+def ablation_run_tags(ablation: dict[str, Any]) -> dict[str, str]:
+    """The MLflow run tags of an ablation's arm: its parent run, so MLflow nests the arms under it."""
+    return {"mlflow.parentRunId": ablation["parent_run_id"]} if ablation.get("parent_run_id") else {}

@@ -14,15 +14,26 @@ tagged (``eval_accuracy``), never decisive; the decision's split and accuracy ar
 registered (its lineage is worth keeping, tagged ``complete=false``) but gets no alias. The adapter
 is copied into the MLflow run's artifacts (uploaded through the tracking server when the URI is
 ``http[s]://``), so a registered version never depends on the store's copy; ``qerl gc`` keeps that
-copy anyway (local evaluation reads it), recognising it by this stage's manifest, whose ``train``
-input is its digest.
+copy while the version is kept (local evaluation reads it), recognising it by this stage's manifest,
+whose ``train`` input is its digest, and prunes it once the version is released
+(``store.keep_versions``, ``qerl.pipeline.registry.release``).
+
+The MLflow run is the one the flow opened before the first step and logged each step into
+(``mlflow_run_id``, ``qerl.pipeline.registry.live``) when it still exists, else a new one; either
+way only the points it lacks are logged (a step by its ``step`` metric, the final evaluation by
+``eval_accuracy`` at the last step), and only the params it lacks (a resumed run may differ in a
+resource setting; the first attempt's value stays).
 
 Idempotence has two layers. The artifact store caches this stage by (registry config, train and
 evaluation digests, lineage, history, completeness), so an identical re-run does nothing. Because
 the flow run id in the lineage changes when a crashed run is resumed, the registry is also asked
 first whether a version with this adapter digest, or of this run with the same adapter weights
-(a rebuilt step), exists; if so it is reused (its promotion is re-decided, which is a no-op when it
-already happened) and no second version or MLflow run is made.
+(a rebuilt step), exists; if so it is reused and no second version or MLflow run is made. A reused
+version keeps its promotion decision (its ``promotion`` tag): a re-run after an upgrade changed this
+stage's key, with no champion evaluation passed, must not re-decide it on the recorded accuracies
+alone, nor against a champion crowned since. Only a version registered by an attempt cut off before
+its decision (no tag) is decided now, and so is an ablation's version (never a candidate) or a
+partial run's, when a complete run's registration reuses it.
 
 ``promote=False`` (the runs of an ablation, ``qerl ablate``): the version is registered with its
 lineage but takes no alias at all, neither challenger nor champion: an ablation never moves them.
@@ -40,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl.pipeline.evaluation.statistics import paired_difference
-from qerl.pipeline.registry import promotion, tracking
+from qerl.pipeline.registry import live, promotion, tracking
 from qerl.pipeline.registry.lock import backend_kind
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
@@ -52,6 +63,7 @@ from qerl.pipeline.store.retention_inputs import require_adapter
 log = logging.getLogger("qerl.stages.register")
 
 STAGE = REGISTER_STAGE
+NOT_A_CANDIDATE = "not a candidate: an ablation run never moves aliases"  # its promotion tag
 
 
 def _flatten(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -115,19 +127,26 @@ class _Candidate:
     complete: bool
     run_tags: Mapping[str, Any] | None = None
     champion_eval: tuple[str, Manifest] | str | None = None
+    mlflow_run_id: str | None = None
 
 
 def _log_run(cfg: tracking.RegistryConfig, c: _Candidate, summary: Mapping[str, Any]) -> str:
-    """Create the MLflow run and log everything but the adapter; returns the run id."""
+    """Open the MLflow run (the live one, else a new one) and log what it lacks of everything but
+    the adapter; returns the run id."""
     name = f"qerl-{c.lineage.get('flow_run_id') or c.train.key[:12]}"
     tags = {**c.lineage, "complete": str(c.complete).lower(), **(c.run_tags or {})}
-    run_id = tracking.start_run(cfg, run_name=name, tags=tags)
-    tracking.log_params(run_id, _flatten(c.train.config))
-    n_metrics = tracking.log_history(run_id, c.history)
-    last_step = max((int(e.get("step", i)) for i, e in enumerate(c.history)), default=0)
-    tracking.log_step_metrics(run_id, last_step, eval_metrics(summary))
-    plots = tracking.log_plots(run_id, c.history)
+    run_id = live.reusable(c.mlflow_run_id)
+    if run_id is None:
+        run_id = tracking.start_run(cfg, run_name=name, tags=tags)
+    tracking.set_run_tags(run_id, tags)
     client = tracking.MlflowClient()
+    params = client.get_run(run_id).data.params
+    tracking.log_params(run_id, {k: v for k, v in _flatten(c.train.config).items() if k not in params})
+    n_metrics = live.new_steps(run_id, c.history)
+    last_step = max((int(e.get("step", i)) for i, e in enumerate(c.history)), default=0)
+    if last_step not in live.logged_steps(run_id, "eval_accuracy"):
+        n_metrics += tracking.log_step_metrics(run_id, last_step, eval_metrics(summary))
+    plots = tracking.log_plots(run_id, c.history)
     for fname in ("results.parquet", "summary.json"):
         client.log_artifact(run_id, str(c.evaluation.file(fname)), artifact_path="evaluation")
     client.log_artifact(run_id, str(c.evaluation.dir / MANIFEST), artifact_path="evaluation")
@@ -232,9 +251,7 @@ def _aliases(
 ) -> tuple[bool, bool]:
     """(challenger set, promoted); with ``promote=False`` no alias moves and the version says why."""
     if not promote:
-        tracking.MlflowClient().set_model_version_tag(
-            cfg.model_name, version, "promotion", "not a candidate: an ablation run never moves aliases"
-        )
+        tracking.MlflowClient().set_model_version_tag(cfg.model_name, version, "promotion", NOT_A_CANDIDATE)
         return False, False
     complete, decided = c.complete, decision_summary(summary)
     client = tracking.MlflowClient()
@@ -245,6 +262,22 @@ def _aliases(
         cfg, version, str(decided["benchmark"]), decided.get("accuracy"), complete, _evidence(c, summary)
     )
     return challenger, promoted
+
+
+def _earlier_decision(
+    cfg: tracking.RegistryConfig, version: str, c: _Candidate, promote: bool
+) -> tuple[bool, bool] | None:
+    """(holds challenger, holds champion) of a reused version whose promotion an earlier
+    registration decided (its ``promotion`` tag; see the module docstring); None when none did, or
+    when it decided less than this one would: an ablation's version (never a candidate) or a partial
+    run's, reused by a complete candidate."""
+    info = promotion.version_info(cfg, version)
+    tags = info["tags"]
+    if "promotion" not in tags or (promote and tags["promotion"] == NOT_A_CANDIDATE):
+        return None
+    if promote and c.complete and tags.get("complete") == "false":
+        return None
+    return cfg.challenger_alias in info["aliases"], cfg.champion_alias in info["aliases"]
 
 
 def run(
@@ -259,15 +292,18 @@ def run(
     promote: bool = True,
     run_tags: Mapping[str, Any] | None = None,
     champion_eval: tuple[str, Manifest] | str | None = None,
+    mlflow_run_id: str | None = None,
 ) -> Manifest:
     """Log, register and (maybe) promote the adapter of ``train``; writes ``registration.json``.
 
     ``promote=False``: no alias is touched (see the module docstring). ``champion_eval``: (champion
     version, its ``evaluate`` manifest under this run's protocol), or why there is none (no
-    promotion over a champion then); None: the recorded accuracies decide (a direct call)."""
+    promotion over a champion then); None: the recorded accuracies decide (a direct call).
+    ``mlflow_run_id``: the MLflow run the flow logged the steps into (not in the cache key)."""
     c = _Candidate(
-        train, evaluation, _checked_lineage(train, lineage), history, complete, run_tags, champion_eval
-    )
+        train, evaluation, _checked_lineage(train, lineage), history, complete, run_tags, champion_eval,
+        mlflow_run_id,
+    )  # fmt: skip
     resolved = tracking.resolve_config(cfg, work_dir)
     kind = backend_kind(str(resolved.tracking_uri))
     key_cfg, inputs = _cache_key(resolved, c, promote)
@@ -276,7 +312,8 @@ def run(
         tracking.open_tracking(resolved, work_dir)
         summary = _eval_summary(evaluation)
         version, run_id, created = _version(resolved, c, summary)
-        challenger, promoted = _aliases(resolved, version, c, summary, promote)
+        earlier = None if created else _earlier_decision(resolved, version, c, promote)
+        challenger, promoted = earlier or _aliases(resolved, version, c, summary, promote)
         info = promotion.version_info(resolved, version)
         record = {
             "model_name": resolved.model_name,

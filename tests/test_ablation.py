@@ -387,8 +387,9 @@ def _assert_registry(work: Path, record: dict, runs: dict) -> None:
     import mlflow
     from mlflow import MlflowClient
 
-    mlflow.set_tracking_uri(f"sqlite:///{work / 'mlflow.db'}")
-    client = MlflowClient()
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # an earlier test's registry URI may linger
     versions = client.search_model_versions("name='qerl-adapter'")
     assert len(versions) == 4
     assert {v.tags["arm"] for v in versions} == {"bf16-lora", "nvfp4-aqn"}

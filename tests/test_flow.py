@@ -110,6 +110,20 @@ def _final_adapter(work: Path) -> bytes:
     return (Path(record["final_adapter"]) / "adapter_model.safetensors").read_bytes()
 
 
+def _mlflow_steps(work: Path) -> tuple[dict, list[int], str]:
+    """(run record, the steps its MLflow run has of ``reward_mean``, that run's status); the
+    experiment holds no other run."""
+    from mlflow.tracking import MlflowClient
+
+    (record_path,) = (work / "runs").glob("*/run.json")
+    record = json.loads(record_path.read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("qerl").experiment_id])
+    assert run.info.run_id == record["mlflow_run_id"]
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward_mean"))
+    return record, steps, run.info.status
+
+
 def _journal(work: Path) -> list[dict]:
     path = work / "store" / "builds.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
@@ -166,9 +180,16 @@ def test_killed_runs_resume_to_the_identical_adapter(flow_model, tmp_path):
     for fault in ("rollout:2", "score:2", "train:1"):
         proc = _qerl(args, crashed, fault)
         assert proc.returncode == -signal.SIGKILL, (fault, proc.returncode, proc.stderr[-3000:])
+        # the steps done so far are in the run's MLflow run already, each once
+        record, logged, status = _mlflow_steps(crashed)
+        assert logged == [e["step"] for e in record["steps"]] and status == "RUNNING", (fault, logged)
     done = _qerl(args, crashed)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _final_adapter(crashed) == reference
+    # one MLflow run from the first step to the registered version, each step once across attempts
+    record, logged, status = _mlflow_steps(crashed)
+    assert (logged, status) == ([0, 1, 2], "FINISHED")
+    assert record["registration"]["run_id"] == record["mlflow_run_id"]
 
     built = Counter((e["stage"], e["key"]) for e in _journal(crashed))
     assert built and max(built.values()) == 1, [k for k, n in built.items() if n > 1]

@@ -175,3 +175,67 @@ def test_register_is_idempotent_per_run_and_weights(work):
     )  # fmt: skip
     assert json.loads(other.file("registration.json").read_text())["created"] is True
     assert len(client.search_model_versions("name = 'weights-adapter'")) == 2
+
+
+def test_a_reused_version_keeps_its_promotion_decision(work, monkeypatch):
+    """A registration rebuilt after its key changed (an upgrade of this stage), with no champion
+    evaluation passed (a re-run of a registered night), reuses the version and keeps its decision:
+    its higher recorded accuracy does not crown it over the champion it was never shown to beat."""
+    store = ArtifactStore(work / "store-keep")
+    cfg = reg.RegistryConfig(model_name="keep-adapter")
+    champion = register.run(
+        cfg, fake_train(store, "k1"), fake_eval(store, 0.5), LINEAGE, HISTORY, work, True, store
+    )
+    assert champion.metrics["promoted"]
+    lineage = {**LINEAGE, "run_id": "night-keep-2"}
+    train2, eval2 = fake_train(store, "k2"), fake_eval(store, 0.75)
+    lost = register.run(
+        cfg, train2, eval2, lineage, HISTORY, work, True, store, champion_eval="its base differs"
+    )  # fmt: skip
+    assert not lost.metrics["promoted"]
+    reason = promotion.version_info(cfg, "2")["tags"]["promotion"]
+
+    monkeypatch.setattr(register, "code_version", lambda module: "an upgraded register stage")
+    again = register.run(cfg, train2, eval2, lineage, HISTORY, work, True, store)
+    assert again.key != lost.key and again.metrics == {"version": 2, "promoted": False, "created": False}
+    assert str(promotion.alias_version(cfg, "champion").version) == "1"
+    assert promotion.version_info(cfg, "2")["tags"]["promotion"] == reason
+
+
+def test_registration_completes_the_live_run(work):
+    """The MLflow run the flow logged steps into becomes the registered version's run: the steps it
+    has are not logged twice, the rest are, and it ends FINISHED."""
+    from qerl.pipeline.registry import live
+
+    store = ArtifactStore(work / "store-live")
+    cfg = reg.RegistryConfig(model_name="live-adapter")
+    record = {"run_id": "tiny-live", "flow_run_id": "flow-live", "config": {"loop": {"steps": 3}},
+              "steps": HISTORY[:2], "evaluations": []}  # fmt: skip
+    opened = live.open_run(cfg, work, record, {}, {"night": "2026-01-01"})
+    assert live.log_record(opened, record) > 0 and record[live.RECORD_KEY] == opened.run_id
+    lineage = {**LINEAGE, "run_id": "tiny-live"}
+    m = register.run(
+        cfg, fake_train(store, "live"), fake_eval(store, 0.5), lineage, HISTORY, work, True, store,
+        mlflow_run_id=opened.run_id,
+    )  # fmt: skip
+    assert m.extra["run_id"] == opened.run_id
+    client = reg.MlflowClient()
+    assert sorted(p.step for p in client.get_metric_history(opened.run_id, "reward_mean")) == [0, 1, 2]
+    assert [p.step for p in client.get_metric_history(opened.run_id, "eval_accuracy")] == [2]
+    run = client.get_run(opened.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["complete"] == "true"
+    assert run.data.tags["night"] == "2026-01-01" and run.data.params["lora.r"] == "8"
+    live.end_run(opened, failed=False)  # registration ended it: stays FINISHED
+    assert client.get_run(opened.run_id).info.status == "FINISHED"
+
+
+def test_an_ablations_version_reused_by_a_candidate_is_decided(work):
+    """The same adapter registered first by an ablation's arm (never a candidate) and then by a plain
+    run: the plain run's registration reuses the version and decides its promotion."""
+    store = ArtifactStore(work / "store-arm")
+    cfg = reg.RegistryConfig(model_name="arm-adapter")
+    train, evaluation = fake_train(store, "arm"), fake_eval(store, 0.5)
+    arm = register.run(cfg, train, evaluation, LINEAGE, HISTORY, work, True, store, promote=False)
+    assert not arm.metrics["promoted"] and promotion.alias_version(cfg, "champion") is None
+    plain = register.run(cfg, train, evaluation, LINEAGE, HISTORY, work, True, store)
+    assert plain.metrics == {"version": 1, "promoted": True, "created": False}
