@@ -2,8 +2,8 @@
 
 This module is the parser and the dispatch: each ``_add_*`` block declares a subcommand's arguments
 and registers its handler in ``COMMANDS``. The handlers live beside it: ``flow_commands`` (the
-commands that run a Prefect flow: run, resume, schedule, ablate) and ``tool_commands`` (the one-shot
-commands). They import their stage lazily, so ``qerl --help`` stays fast and a missing optional
+commands that run a Prefect flow: run, resume, schedule, ablate), ``tool_commands`` (the one-shot
+commands), ``registry_commands``, ``store_commands`` and ``run_commands`` (``qerl runs``). They import their stage lazily, so ``qerl --help`` stays fast and a missing optional
 backend only fails the command that needs it. An expected failure (a ValueError, FileNotFoundError or
 RuntimeError: bad config, missing artifact, engine error) prints one line and exits 2.
 """
@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from qerl.flows import flow_commands, registry_commands, store_commands, tool_commands
+from qerl.flows import flow_commands, registry_commands, run_commands, store_commands, tool_commands
 from qerl.pipeline.runtime.determinism import prepare_process
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
@@ -135,6 +135,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     )
     _common(p)
     COMMANDS["resume"] = flow_commands.cmd_resume
+    p = sub.add_parser(
+        "runs", help="list the work dir's runs, newest first: completed, failed, running or interrupted"
+    )
+    p.add_argument("--limit", type=int, default=20, metavar="N", help="show the newest N (default 20)")
+    p.add_argument("--all", action="store_true", help="show every run")
+    _common(p)
+    COMMANDS["runs"] = run_commands.cmd_runs
     p = sub.add_parser("schedule", help="serve the nightly deployment on a Prefect server")
     p.add_argument("--cron", required=True, help="cron expression, e.g. '0 2 * * *'")
     p.add_argument(

@@ -138,8 +138,12 @@ def _run_with_console(args: argparse.Namespace, cfg: Any, work: Any, night: Any)
     # before qerl.flows.run_record imports Prefect, which reads its settings once
     runner.prepare_environment(work)
     from qerl.flows.run_record import run_dir, run_id_for
+    from qerl.pipeline.store import run_lock
 
     rid = run_id_for(cfg, night)
+    held = run_lock.holder(run_dir(work, rid))
+    if held is not None:  # refused before the console appends to that attempt's run.log
+        raise run_lock.busy(rid, held)
     with console.session(run_dir(work, rid), verbose=args.verbose) as ui:
         ui.line(f"run {rid}: starting (details in {run_dir(work, rid) / console.LOG_NAME})")
         record = runner.run(cfg, work, night)

@@ -4,7 +4,9 @@ Prefect lives only in ``qerl.flows``. Every task wraps one stage (``qerl.flows.r
 cache themselves in the content-addressed store, so resumption is exact: a re-run of the same config
 (``qerl run`` again or ``qerl resume RUN``) finds every finished stage under its key and executes only
 what is missing, down to the half-done step. The phases of a run are ``qerl.flows.rl_phases``; its
-record (``<work>/runs/<run_id>/run.json``) and id are ``qerl.flows.run_record``.
+record (``<work>/runs/<run_id>/run.json``) and id are ``qerl.flows.run_record``. An attempt at a run
+holds its lock (``qerl.pipeline.store.run_lock``) from start to end: a second attempt at the same
+run is refused while the first lives.
 
 The run's data is read first, so a malformed file fails the run before the base model is fetched or
 quantized. The rollout engine is built once per run (vLLM startup is the expensive part) and handed
@@ -56,7 +58,7 @@ from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_stream import DataCursor, parse_night
 from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.registry import live, release, tracking
-from qerl.pipeline.store import retention
+from qerl.pipeline.store import retention, run_lock
 from qerl.pipeline.store.layout import default_work_dir
 from qerl.stages import train
 
@@ -75,7 +77,13 @@ def rl_flow(
     if ablation is not None and (nightly or night):
         raise RunPlanError("an ablation run is a plain run, not a nightly one")
     run = Run(cfg, default_work_dir(work_dir), _resolve_night(nightly, night), ablation)
-    rec = run.record
+    with run_lock.hold(run_dir(run.work, run.run_id), run.run_id):  # one attempt at a time
+        return _attempt(run)
+
+
+def _attempt(run: Run) -> dict[str, Any]:
+    """One attempt at ``run``, under its lock: the phases, the record, the retention passes."""
+    cfg, rec = run.cfg, run.record
     detach_log = console.attach_run_log(run_dir(run.work, run.run_id))  # a scheduled night's run.log
     run.logger.info("run %s: started (flow run %s)", run.run_id, rec["flow_run_id"])
     run.save()

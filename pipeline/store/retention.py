@@ -27,9 +27,10 @@ the run config's ``store`` section, defaults here):
   older qerl built and the installed one built again byte for byte
   (``qerl.pipeline.store.superseded``), whole, manifest included: no lookup by this qerl reaches them.
 
-What is never deleted: anything of a *live* run (status ``running`` and updated within
-``live_window_h``: gc cannot know which of its files the running process holds, so all of them
-stay), the adapter of every version registered from this store until that version is released (its
+What is never deleted: anything of a *live* run (an attempt holds its lock,
+``qerl.pipeline.store.run_lock``, or its status is ``running`` and it was updated within
+``live_window_h``, for an attempt on another machine, whose lock is not seen here: gc cannot know
+which of its files the running process holds, so all of them stay), the adapter of every version registered from this store until that version is released (its
 register manifest names the train digest; MLflow holds its own copy, but ``qerl eval`` and champion
 lookups read the store's), the final evaluated adapter of every run an ablation lists (below), every
 artifact of every run an unfinished ablation lists (below), any train artifact that no run record
@@ -73,7 +74,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qerl.pipeline.store import releases, superseded
+from qerl.pipeline.store import releases, run_lock, superseded
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.layout import (
     GC_LOG,
@@ -172,12 +173,12 @@ def plan(
         raise RetentionError(f"no run record for '{only_run}' under {work / RUNS_DIR}")
     for record in records:
         policy = policy_for(record, overrides)
-        live = record["run_id"] != only_run and is_live(record, policy.live_window_h, now)
+        locked = record["run_id"] != only_run and run_lock.holder(work / RUNS_DIR / record["run_id"])
+        live = locked or (record["run_id"] != only_run and is_live(record, policy.live_window_h, now))
         if live:
             live_runs.append(record["run_id"])
-            result.notes.append(
-                f"kept every artifact of live run {record['run_id']} (updated within {policy.live_window_h} h)"
-            )
+            why = "an attempt holds its lock" if locked else f"updated within {policy.live_window_h} h"
+            result.notes.append(f"kept every artifact of live run {record['run_id']} ({why})")
         # with only_run, every other run only protects (as a live one does): none of its drops count
         protect_only = live or (only_run is not None and record["run_id"] != only_run)
         mark_run(marks, record, policy, protect_only, why_released.get(record["run_id"]))
