@@ -6,7 +6,8 @@ cache themselves in the content-addressed store, so resumption is exact: a re-ru
 what is missing, down to the half-done step. The phases of a run are ``qerl.flows.rl_phases``; its
 record (``<work>/runs/<run_id>/run.json``) and id are ``qerl.flows.run_record``. An attempt at a run
 holds its lock (``qerl.pipeline.store.run_lock``) from start to end: a second attempt at the same
-run is refused while the first lives.
+run is refused while the first lives; one that passes ``loop.deadline_h`` is stopped
+(``qerl.flows.deadline``).
 
 The run's data is read first, so a malformed file fails the run before the base model is fetched or
 quantized. The rollout engine is built once per run (vLLM startup is the expensive part) and handed
@@ -39,7 +40,7 @@ from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
-from qerl.flows import console
+from qerl.flows import console, deadline
 from qerl.flows.rl_phases import (
     Run,
     TimedEngine,
@@ -78,7 +79,11 @@ def rl_flow(
         raise RunPlanError("an ablation run is a plain run, not a nightly one")
     run = Run(cfg, default_work_dir(work_dir), _resolve_night(nightly, night), ablation)
     with run_lock.hold(run_dir(run.work, run.run_id), run.run_id):  # one attempt at a time
-        return _attempt(run)
+        cancel = deadline.arm(run, cfg.loop.deadline_h)  # a hung attempt is stopped, not waited for
+        try:
+            return _attempt(run)
+        finally:
+            cancel()
 
 
 def _attempt(run: Run) -> dict[str, Any]:
@@ -108,6 +113,7 @@ def _attempt(run: Run) -> dict[str, Any]:
         rec["baseline_accuracy"] = baseline.metrics.get("accuracy") if baseline else None
         rec["final_accuracy"] = final_eval.metrics.get("accuracy")
         rec["status"] = "completed"
+        run.park_if_stopped()
         if run.night is not None:  # only a completed night consumes its slice
             cursor = DataCursor(run.work, cfg.loop.name)
             rec["plan"]["cursor_after"] = cursor.advance(

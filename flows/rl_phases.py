@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,6 +95,7 @@ class Run:
         self.previous: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
         self.validation: list[Any] = []  # the held-out training problems promotion decides on
         self.live: live.LiveRun | None = None  # its MLflow run, from the plan on (``open_live``)
+        self.stopped = False  # set when the attempt passed loop.deadline_h (``park_if_stopped``)
         self.record: dict[str, Any] = {
             "run_id": self.run_id, "config": cfg.model_dump(mode="json"), "status": "running", "steps": [],
             "evaluations": [], "flow_run_id": flow_run.get_id(), "code_version": package_version(),
@@ -107,7 +109,14 @@ class Run:
         return manifest is not None and manifest.created_at < self.since
 
     def save(self) -> None:
+        self.park_if_stopped()
         save_record(self.work, self.record)
+
+    def park_if_stopped(self) -> None:
+        """Past its deadline (``qerl.flows.deadline``) the attempt's thread waits here for the exit:
+        the record is the deadline's, and nothing is registered or advanced after it."""
+        if self.stopped:
+            threading.Event().wait()
 
 
 class TimedEngine(LazyEngine):
@@ -335,6 +344,7 @@ def register_final(
     run: Run, quantized: Manifest, final: Manifest, final_eval: Manifest, engine: LazyEngine
 ) -> None:
     """Register the final adapter with its lineage (promoted on a win, never for an ablation run)."""
+    run.park_if_stopped()
     rec = run.record
     lineage = {
         "base_digest": base_lineage_digest(quantized),

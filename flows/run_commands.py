@@ -52,7 +52,7 @@ def _row(work: Path, record: dict[str, Any]) -> tuple[str, list[str]]:
     )
     below = []
     if record.get("error") and state == "failed":
-        below.append(f"      error: {str(record['error']).splitlines()[0][:200]}")
+        below.append(f"      error: {str(record['error']).splitlines()[0][:300]}")
     if state in ("failed", "interrupted"):
         below.append(f"      resume: qerl resume {record['run_id']}")
     return line, below

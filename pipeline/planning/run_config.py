@@ -56,6 +56,12 @@ class LoopConfig(StrictModel):
         description="nightly runs: step 0 starts from the registered champion's adapter (fresh optimizer) "
         "or from the bare base",
     )
+    deadline_h: float | None = resource_field(
+        None,
+        gt=0,
+        description="stop an attempt still running after this many hours: recorded as failed, its "
+        "processes killed, exit status 124, so a hung night cannot hold back the next (unset: no deadline)",
+    )
 
 
 class RunConfig(StrictModel):
