@@ -39,6 +39,7 @@ RESOURCE_SETTINGS = {
     "train.gradient_checkpointing": "flip",
     "train.deterministic": "flip",
     "registry.lock_timeout_s": 5.0,
+    "loop.deadline_h": 20.0,
 }
 RESULT_SETTINGS = {
     "rollout.n_samples": 3,
