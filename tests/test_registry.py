@@ -474,6 +474,36 @@ def test_tracking_server_backend(mlflow_server, tmp_path):
 
 
 @pytest.mark.slow
+def test_live_metrics_through_the_server(mlflow_server, tmp_path):
+    """Steps logged live over the server's REST API, a resumed attempt adding only the new ones, and
+    the registration completing that same run."""
+    from qerl.pipeline.registry import live
+    from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.stages import register as register_stage
+
+    from tests.test_register import HISTORY, LINEAGE, fake_eval, fake_train
+
+    uri, _ = mlflow_server
+    cfg = reg.RegistryConfig(tracking_uri=uri, model_name="srv-live")
+    record = {"run_id": "srv-live-run", "flow_run_id": "f", "config": {"loop": {"steps": 3}},
+              "steps": HISTORY[:1], "evaluations": []}  # fmt: skip
+    first = live.open_run(cfg, tmp_path, record, {}, {})
+    assert live.log_record(first, record) > 0 and not first.failing
+    resumed = {**record, "steps": HISTORY[:2]}
+    second = live.open_run(cfg, tmp_path, resumed, record, {})
+    assert second.run_id == first.run_id and live.log_record(second, resumed) > 0
+    store = ArtifactStore(tmp_path / "store-live")
+    m = register_stage.run(
+        cfg, fake_train(store, "srv-live"), fake_eval(store, 0.5), {**LINEAGE, "run_id": "srv-live-run"},
+        HISTORY, tmp_path, True, store, mlflow_run_id=first.run_id,
+    )  # fmt: skip
+    assert m.extra["run_id"] == first.run_id
+    client = reg.MlflowClient()
+    assert sorted(p.step for p in client.get_metric_history(first.run_id, "reward_mean")) == [0, 1, 2]
+    assert client.get_run(first.run_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow
 def test_a_release_through_the_server_deletes_the_uploaded_adapter(mlflow_server, tmp_path):
     """store.keep_versions through a tracking server: the adapter the server holds is deleted over its
     REST API, the version stays, tagged."""
