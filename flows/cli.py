@@ -3,7 +3,8 @@
 This module is the parser and the dispatch: each ``_add_*`` block declares a subcommand's arguments
 and registers its handler in ``COMMANDS``. The handlers live beside it: ``flow_commands`` (the
 commands that run a Prefect flow: run, resume, schedule, ablate), ``tool_commands`` (the one-shot
-commands), ``registry_commands``, ``store_commands`` and ``run_commands`` (``qerl runs``). They import their stage lazily, so ``qerl --help`` stays fast and a missing optional
+commands), ``registry_commands``, ``store_commands`` and ``run_commands`` (``qerl runs``). They
+import their stage lazily, so ``qerl --help`` stays fast and a missing optional
 backend only fails the command that needs it. An expected failure (a ValueError, FileNotFoundError or
 RuntimeError: bad config, missing artifact, engine error) prints one line and exits 2.
 """

@@ -81,7 +81,8 @@ def _stop(run: Any, hours: float, started: _dt.datetime) -> None:
     log.error("run %s: stopped (%d child processes killed), exit status %d", run.run_id, killed, EXIT_STATUS)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(EXIT_STATUS)  # no logging.shutdown: a handler lock the parked thread holds would block it
+    # no logging.shutdown: it takes every handler's lock, which the flow's thread may hold for good
+    os._exit(EXIT_STATUS)
 
 
 def arm(run: Any, hours: float | None) -> Callable[[], None]:

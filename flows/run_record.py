@@ -5,8 +5,9 @@ The record holds the config, night, data slice, warm start, status, per-step man
 evaluations and registration; the console's log is ``run.log`` beside it. Each attempt at a run
 rewrites the record from its first save on, and that first save already carries what the earlier
 attempts decided once for the run (``carried_over``: the plan, i.e. the data slice and the warm
-start, and the id of its MLflow run, ``mlflow_run_id``), so an attempt that dies before it restores its plan (while the base is fetched or quantized,
-or the data loaded) leaves the plan where the next attempt finds it. A plain run's id is
+start, and the id of its MLflow run, ``mlflow_run_id``), so an attempt that dies before it restores
+its plan (while the base is fetched or quantized, or the data loaded) leaves the plan where the next
+attempt finds it. A plain run's id is
 ``<loop.name>-<config hash>``, the hash of the settings that change results (resource settings, the
 retention policy ``store`` among them, are not part of it: ``qerl.pipeline.config.resource_field``);
 a nightly run's id adds the night (``-YYYYMMDD``). ``with_resources`` applies ``qerl resume RUN --set``:

@@ -138,7 +138,8 @@ def _log_run(cfg: tracking.RegistryConfig, c: _Candidate, summary: Mapping[str, 
     run_id = live.reusable(c.mlflow_run_id)
     if run_id is None:
         run_id = tracking.start_run(cfg, run_name=name, tags=tags)
-    tracking.set_run_tags(run_id, tags)
+    else:  # the live run holds the tags known before the first step
+        tracking.set_run_tags(run_id, tags)
     client = tracking.MlflowClient()
     params = client.get_run(run_id).data.params
     tracking.log_params(run_id, {k: v for k, v in _flatten(c.train.config).items() if k not in params})

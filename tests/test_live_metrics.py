@@ -7,7 +7,6 @@ import logging
 import socket
 from pathlib import Path
 
-import pytest
 from qerl.pipeline.registry import live
 from qerl.pipeline.registry import tracking as reg
 
@@ -106,6 +105,6 @@ def test_open_run_never_raises(tmp_path, monkeypatch):
     assert live.log_record(opened, record) == 3 and record[live.RECORD_KEY] == opened.run_id
 
 
-@pytest.mark.parametrize("evaluation", [{"step": 1, "adapter": "k", "accuracy": 0.5, "stderr": None}])
-def test_interim_metrics_leave_out_absent_values(evaluation):
+def test_interim_metrics_leave_out_absent_values():
+    evaluation = {"step": 1, "adapter": "k", "accuracy": 0.5, "stderr": None}
     assert live.interim_metrics(evaluation) == {"eval_accuracy": 0.5}

@@ -10,10 +10,11 @@ registration logs the final evaluation, so the evaluations form one curve. Regis
 adapter) and registers it: one MLflow run holds a training run from its first step to its version.
 A run that fails is left FAILED (``end_run``); its resume sets it back to RUNNING.
 
-What is logged is read back, not remembered: a step counts as logged when the run's ``step`` metric
-has it, an evaluation when ``eval_accuracy`` has its step. So a resumed run, a re-run, and a run
-registered before live metrics existed log each point once (``new_steps``, ``logged_steps``; the
-register stage uses them too, for the points a live run already has).
+What is logged is read back from MLflow when the run is opened, not carried in the record: a step
+counts as logged when the run's ``step`` metric has it, an evaluation when ``eval_accuracy`` has its
+step; the ``LiveRun`` then adds what it logs. So a resumed run, a re-run, and a run registered
+before live metrics existed log each point once (``new_steps``, ``logged_steps``: the register stage
+reads them too, for the points a live run already has).
 
 A failure to log never fails the run: it is logged as a warning (once until logging works again) and
 the next step logs the backlog. While a tracking server is down, each step asks it once
@@ -157,9 +158,8 @@ def log_record(live: LiveRun, record: dict[str, Any]) -> int:
         assert live.run_id is not None
         n = 0
         for entry in record.get("steps") or []:
-            if int(entry["step"]) not in live.known["step"]:
-                metrics = {k: v for k, v in entry.items() if k != "manifests"}
-                n += tracking.log_step_metrics(live.run_id, int(entry["step"]), metrics)
+            if int(entry["step"]) not in live.known["step"]:  # its non-numeric keys are not metrics
+                n += tracking.log_step_metrics(live.run_id, int(entry["step"]), entry)
                 live.known["step"].add(int(entry["step"]))
         for step, metrics in _evaluations(record):
             if step not in live.known["eval_accuracy"]:

@@ -30,7 +30,8 @@ the run config's ``store`` section, defaults here):
 What is never deleted: anything of a *live* run (an attempt holds its lock,
 ``qerl.pipeline.store.run_lock``, or its status is ``running`` and it was updated within
 ``live_window_h``, for an attempt on another machine, whose lock is not seen here: gc cannot know
-which of its files the running process holds, so all of them stay), the adapter of every version registered from this store until that version is released (its
+which of its files the running process holds, so all of them stay), the adapter of every version
+registered from this store until that version is released (its
 register manifest names the train digest; MLflow holds its own copy, but ``qerl eval`` and champion
 lookups read the store's), the final evaluated adapter of every run an ablation lists (below), every
 artifact of every run an unfinished ablation lists (below), any train artifact that no run record
@@ -173,8 +174,9 @@ def plan(
         raise RetentionError(f"no run record for '{only_run}' under {work / RUNS_DIR}")
     for record in records:
         policy = policy_for(record, overrides)
-        locked = record["run_id"] != only_run and run_lock.holder(work / RUNS_DIR / record["run_id"])
-        live = locked or (record["run_id"] != only_run and is_live(record, policy.live_window_h, now))
+        other = record["run_id"] != only_run
+        locked = other and run_lock.holder(work / RUNS_DIR / record["run_id"]) is not None
+        live = other and (locked or is_live(record, policy.live_window_h, now))
         if live:
             live_runs.append(record["run_id"])
             why = "an attempt holds its lock" if locked else f"updated within {policy.live_window_h} h"
