@@ -118,15 +118,10 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
         engine.close()
     tokens = sum(len(c.completion_ids) for row in rows for c in row)
     planned = {}
-    # qerl plan's rows for this model and config, beside what vLLM reports (the parent reads its log)
     if not dry:
         import torch
-        from qerl.pipeline.planning.memory_plan import vllm_share
-        from qerl.pipeline.planning.model_shape import resolve_model
 
-        gpu = torch.cuda.get_device_properties(0).total_memory
-        share = vllm_share(resolve_model(str(model_dir)), cfg, gpu, "bf16" if arm == "bf16" else "nvfp4")
-        planned = {k: v / 2**30 for k, v in share.items()}
+        planned = planned_gib(model_dir, cfg, torch.cuda.get_device_properties(0).total_memory, arm)
     return {
         "arm": arm,
         "mode": engine.mode,
@@ -138,6 +133,17 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
         "planned_gib": planned,
         **noise,
     }
+
+
+def planned_gib(model_dir: str | Path, rollout: Any, gpu_bytes: float, arm: str) -> dict[str, float]:
+    """``qerl plan``'s vLLM rows (GiB) for the arm's model and engine config on a GPU of ``gpu_bytes``,
+    set beside what vLLM reports (the parent reads the arm's log)."""
+    from qerl.pipeline.planning.memory_plan import vllm_share
+    from qerl.pipeline.planning.model_shape import resolve_model
+
+    shape, _ = resolve_model(str(model_dir))
+    share = vllm_share(shape, rollout, gpu_bytes, "bf16" if arm == "bf16" else "nvfp4")
+    return {k: v / 2**30 for k, v in share.items()}
 
 
 def vllm_reported(log: str) -> dict[str, float]:
@@ -320,7 +326,17 @@ def main(argv: list[str] | None = None) -> int:
             results["models"][name] = {}
             for arm in arms:
                 print(f"bench_vllm: {name} {arm} ...", file=sys.stderr, flush=True)
-                results["models"][name][arm] = _run_arm(arm, model_dir, store, child_argv)
+                t0 = time.perf_counter()
+                try:
+                    result = _run_arm(arm, model_dir, store, child_argv)
+                except KeyboardInterrupt:  # the kit's budget: say so in the results, keep the others
+                    cut = f"cut off after {time.perf_counter() - t0:.0f} s (the time budget)"
+                    results["models"][name][arm] = {"arm": arm, "error": cut}
+                    _write(results, out_dir)
+                    raise
+                result["wall_s"] = time.perf_counter() - t0
+                results["models"][name][arm] = result
+                print(f"bench_vllm: {name} {arm} took {result['wall_s']:.0f} s", file=sys.stderr, flush=True)
                 _write(results, out_dir)
     text = report(results)
     print(text)

@@ -22,6 +22,7 @@
 #          --steps N  --prompt N  --completion N  --skip-kernels  --merge  (these go to bench_gpu.py;
 #          --merge keeps the other models' arms already in benchmarks/results/gpu.json)
 #          --vllm-models 0.5b[,7b]  (bench_vllm.py's shapes; default 0.5b)
+#          --no-bench-gpu  the benchmark part without bench_gpu.py (part 4)
 #          --vllm-arms nvfp4,bf16[,nvfp4-aqn]  (bench_vllm.py's arms, in order; nvfp4-aqn: what exact
 #                        AQN noise costs, the engine built for AQN with its norms fp32 from the load)
 #          --budget-s N  the seconds this call may spend: the parts run in the order below, each
@@ -103,6 +104,7 @@ STAGE_ONLY=0
 VLLM_ONLY=0
 NO_VLLM=0
 BENCH=1
+BENCH_GPU=1
 BENCH_ARGS=()
 BUDGET_S=0
 VLLM_MODELS=0.5b
@@ -119,6 +121,7 @@ while (($#)); do
     --stage-only) STAGE_ONLY=1; shift ;;
     --vllm-only) VLLM_ONLY=1; BENCH=0; shift ;;
     --no-vllm) NO_VLLM=1; shift ;;
+    --no-bench-gpu) BENCH_GPU=0; shift ;;
     --run-e2e) RUN_E2E=1; shift ;;
     --run-only) RUN_E2E=1; TESTS=0; BENCH=0; shift ;;
     --run-config) RUN_CONFIG=$2; shift 2 ;;
@@ -346,6 +349,14 @@ if ((TESTS)); then
   : >"$SCRATCH/gpu-tests.txt"
   # the vLLM modules share their checkpoint: the AQN engine then starts where the plain one compiled
   export QERL_GPU_KIT_DIR="$SCRATCH/kit"
+  # qerl's configs need pydantic, which only the vLLM bundle brings to the image: without it every
+  # test errors at setup (the H200 lease of 2026-11-27 spent a call learning that)
+  if ((!DRY)) && ! "$PY" -c "import pydantic" 2>/dev/null; then
+    for f in "${TEST_FILES[@]}"; do PARTS+=("$(basename "$f" .py)|0|not started: no pydantic (the vLLM bundle is not extracted: $VLLM_STATE)"); done
+    say "tests: not started: qerl needs pydantic, which the vLLM bundle brings ($VLLM_STATE)"
+    TEST_FILES=()
+    TEST_RC=124
+  fi
   for f in "${TEST_FILES[@]}"; do
     name=$(basename "$f" .py)
     say "pytest -m gpu $f"
@@ -423,7 +434,7 @@ if ((BENCH)) && ((!NO_VLLM)); then
   fi
   say "vLLM benchmark: exit $VLLM_BENCH_RC"
 fi
-if ((BENCH)); then
+if ((BENCH && BENCH_GPU)); then
   if ((DRY)); then
     run_part bench_gpu "$PY" benchmarks/bench_gpu.py --dry-run --out-dir "$OUT" "${BENCH_ARGS[@]}" >>"$LOG" 2>&1
     BENCH_RC=$?

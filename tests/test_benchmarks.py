@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
@@ -95,6 +96,29 @@ def test_bench_vllm_reads_vllms_memory_log_and_sets_the_plan_beside_it():
         in text
     )
     assert f"| 0.5b | nvfp4 | kv_cache | {nvfp4['kv_cache'] / 2**30:.2f} | 31.25 |" in text
+
+
+def test_bench_vllm_plans_an_arm_from_the_model_directory_it_served(tmp_path):
+    """The CUDA arm's plan rows, from the config.json of the model it built (the H200 run of
+    2026-11-27 lost both measured arms to ``resolve_model``'s (shape, source) pair read as a shape)."""
+    from qerl.pipeline.planning.memory_plan import VLLM_ROWS
+    from qerl.pipeline.rollout.config import RolloutConfig
+
+    from benchmarks.bench_vllm import planned_gib, tiny_model_sizes
+
+    z = tiny_model_sizes("0.5b")
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": z["hidden_size"],
+        "num_hidden_layers": z["num_layers"], "num_attention_heads": z["num_heads"],
+        "num_key_value_heads": z["num_kv_heads"], "intermediate_size": z["intermediate_size"],
+        "vocab_size": 4096, "tie_word_embeddings": z["tie_word_embeddings"],
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = RolloutConfig(gpu_memory_utilization=0.5, enforce_eager=False)
+    gpu = 139.8 * 2**30
+    nvfp4, bf16 = planned_gib(tmp_path, cfg, gpu, "nvfp4-aqn"), planned_gib(tmp_path, cfg, gpu, "bf16")
+    assert tuple(nvfp4) == VLLM_ROWS and 0 < nvfp4["weights"] < bf16["weights"]
+    assert abs(sum(nvfp4.values()) - 0.5 * 139.8) < 1e-6  # GiB: the KV cache gets the rest of the share
 
 
 def test_benchmarks_md_is_what_the_sections_assemble_to():

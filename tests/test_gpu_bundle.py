@@ -243,6 +243,31 @@ def test_a_clean_vllm_import_check_serves_the_later_calls_of_a_lease(tmp_path):
     assert checks.read_text().count("run") == 2
 
 
+def test_the_kit_does_not_start_the_tests_without_pydantic(tmp_path):
+    """On the image, qerl's configs import pydantic, which only the extracted vLLM bundle brings: the
+    kit says so and names the bundle's state instead of running tests that all error at setup."""
+    root, env = _device_root(tmp_path)
+    for name in ("gpu_src.sh", "gpu_sitecustomize.py", "gpu_vllm_roots.txt"):
+        (root / "scripts" / name).write_bytes((SCRIPTS / name).read_bytes())
+    fake = tmp_path / "python"
+    fake.write_text(
+        FAKE_IMAGE_PYTHON.replace("*is_available*) exit 1 ;;", "*is_available*) exit 0 ;;").replace(
+            "  *) exit 0 ;;",
+            '  *"import pydantic"*) exit 1 ;;\n  *pytest*) echo PYTEST-RAN >>"$IMPORT_CHECKS" ;;\n  *) exit 0 ;;',
+        )
+    )
+    fake.chmod(0o755)
+    checks = tmp_path / "calls"
+    env = {**env, "PYTHON": str(fake), "IMPORT_CHECKS": str(checks)}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--tests-only", "--no-vllm"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "tests: not started: qerl needs pydantic, which the vLLM bundle brings" in proc.stderr, proc.stderr
+    assert not checks.exists() or "PYTEST-RAN" not in checks.read_text()
+    report = (tmp_path / "results" / "gpu-check.md").read_text()
+    assert "| test_gpu | 0 | not started: no pydantic" in report
+    assert proc.returncode == 5  # nothing failed; the kit is incomplete
+
+
 def test_the_kit_stages_the_run_bundle_beside_the_vllm_one(synthetic, tmp_path):
     """The run bundle (Prefect, MLflow, ...) travels in .gpu-run/ the same way, in a call that also
     carries a vLLM chunk; each bundle is staged and extracted into its own site folder."""
