@@ -69,15 +69,15 @@
 # That is about 2 + 0.5 + 6 + 5 minutes. With more than one chunk, calls 2..N-1 are call 1 with
 # part-02 ... part-(N-1). Another session's lease can go to what the budget cut (e.g. `--bench-only
 # --vllm-models 7b`, or `--bench-only --models 14b,32b --merge`).
-# Once the vLLM tests have passed on a GPU (BENCHMARKS.md, the GPU kit section), a lease goes further
-# to what no lease has measured. Staging runs in every call, so call 1 can run part 2 while it stages:
-#   call 1  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"], timeout_s 260
-#           `bash scripts/gpu_check.sh --no-vllm --tests-only --budget-s 220`   tests/test_gpu.py
+# Once the vLLM tests and tests/test_gpu.py have passed on a GPU (BENCHMARKS.md, the GPU kit
+# section), a lease goes to what no lease has measured. tests/test_gpu.py needs pydantic, which only
+# the extracted vLLM bundle brings, so no part runs before call 2:
+#   call 1  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"], timeout_s 60, --stage-only
 #   call 2  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-02", ".gpu-run/manifest.json",
-#           ".gpu-run/part-01"], timeout_s 360, `bash scripts/gpu_check.sh --bench-only --vllm-arms
-#           nvfp4,bf16,nvfp4-aqn --models 7b --budget-s 320`        Marlin vs bf16, the plan's rows
-#   call 3  no carry, timeout_s = budget_left_s - 30, `bash scripts/gpu_check.sh --run-only
-#           --budget-s <timeout_s - 20>`                             qerl run on FP4 Marlin to the end
+#           ".gpu-run/part-01"], timeout_s 450, `bash scripts/gpu_check.sh --run-only --budget-s 430`
+#                                                                    qerl run on FP4 Marlin to the end
+#   call 3  no carry, timeout_s = budget_left_s - 30, `bash scripts/gpu_check.sh --bench-only
+#           --no-bench-gpu --vllm-models 7b --budget-s <timeout_s - 20>`     Marlin vs bf16 at 7B
 #   --stage-only   stage the carried chunks (extract when complete), report, stop
 #   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py and _aqn.py)
 #   --no-vllm      the kit without the vLLM parts (1 and 3)
