@@ -16,8 +16,11 @@ through the project's own path:
 
 Both as a run serves: CUDA graphs and torch.compile on, logprobs recorded, temperature 1. Each arm
 reports its start-up (load, compile, graph capture), then one warm-up call over the whole batch (8 new
-tokens) and one timed generate call of ``--prompts`` x ``--n`` samples of up to ``--max-new-tokens``
-tokens; tokens/s counts the completion tokens produced (a random model's early EOS can shorten a few).
+tokens) and ``--repeats`` timed generate calls (default 3, the same seed, so the same tokens) of
+``--prompts`` x ``--n`` samples of up to ``--max-new-tokens`` tokens; tokens/s counts the completion
+tokens produced (a random model's early EOS can shorten a few) over the median call, and the table
+gives the calls' range. At 0.5B on an H200 one call takes about 1.4 s, so three cost seconds against
+a start-up of one to two minutes.
 The ratio nvfp4/bf16 is the result: decode is weight-bandwidth bound, so 4-bit weights should be
 faster at small batch, and how much Marlin's dequantization costs shows at large batch.
 
@@ -38,6 +41,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,9 +115,12 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
                 "aqn_sigma_realised": realised,
                 "aqn_norms": engine.info["aqn_norms"],
             }
-        t0 = time.perf_counter()
-        rows = engine.generate(prompts, args.n, cfg.sampling(), seed=0)
-        seconds = time.perf_counter() - t0
+        times = []
+        for _ in range(args.repeats):  # the same seed each time: the same tokens, only the clock varies
+            t0 = time.perf_counter()
+            rows = engine.generate(prompts, args.n, cfg.sampling(), seed=0)
+            times.append(time.perf_counter() - t0)
+        seconds = statistics.median(times)
     finally:
         engine.close()
     tokens = sum(len(c.completion_ids) for row in rows for c in row)
@@ -127,6 +134,7 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
         "mode": engine.mode,
         "startup_s": startup,
         "seconds": seconds,
+        "seconds_all": times,
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
         "sequences": sum(len(row) for row in rows),
@@ -197,7 +205,12 @@ def report(results: dict[str, Any]) -> str:
         "## vLLM rollout throughput: FP4 Marlin vs bf16 (bench_vllm.py)",
         "",
         f"mode: {results['mode']}; {results['prompts']} prompts x {results['n']} samples, up to "
-        f"{results['max_new_tokens']} new tokens, temperature 1; {results['machine']}",
+        f"{results['max_new_tokens']} new tokens, temperature 1; {results['machine']}"
+        + (
+            f"; generate s: the median of {results['repeats']} calls (min-max)"
+            if results.get("repeats", 1) > 1
+            else ""
+        ),
         "",
         "| model | arm | engine mode | start-up s | tokens | generate s | tokens/s | ratio |",
         "|---|---|---|---:|---:|---:|---:|---:|",
@@ -212,9 +225,13 @@ def report(results: dict[str, Any]) -> str:
             ratio = f"{rates[arm] / rates[over]:.2f}x of {over}" if over and rates.get(over) else ""
             if "aqn_sigma_realised" in r:
                 ratio += f"; realised sigma {r['aqn_sigma_realised'] / r['aqn_sigma']:.3f}x"
+            spread = r.get("seconds_all") or []
+            took = f"{r['seconds']:.2f}" + (
+                f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else ""
+            )
             lines.append(
                 f"| {model} | {arm} | {r['mode']} | {r['startup_s']:.1f} | {r['tokens']} | "
-                f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {ratio} |"
+                f"{took} | {r['tokens_per_s']:.0f} | {ratio} |"
             )
     lines += _plan_lines(results)
     return "\n".join(lines) + "\n"
@@ -258,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generate calls; the median counts")
     parser.add_argument("--dry-run", action="store_true", help="the CPU, a tiny shape, eager, seconds")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument(
@@ -294,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         str(args.n),
         "--max-new-tokens",
         str(args.max_new_tokens),
+        "--repeats",
+        str(args.repeats),
     ]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{platform.machine()} CPU"
     results: dict[str, Any] = {
@@ -303,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": args.prompts,
         "n": args.n,
         "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
         "models": {},
     }
     from qerl.pipeline.demo.tiny_model import build_tiny_model

@@ -96,6 +96,12 @@ def test_bench_vllm_reads_vllms_memory_log_and_sets_the_plan_beside_it():
         in text
     )
     assert f"| 0.5b | nvfp4 | kv_cache | {nvfp4['kv_cache'] / 2**30:.2f} | 31.25 |" in text
+    # with repeats the median call counts and the range is given
+    results["repeats"] = 3
+    results["models"]["0.5b"]["bf16"]["seconds_all"] = [2.1, 1.9, 2.0]
+    text = report(results)
+    assert "generate s: the median of 3 calls (min-max)" in text
+    assert "| 0.5b | bf16 | vllm-unquantized | 40.0 | 4000 | 2.00 (1.90-2.10) | 1000 |  |" in text
 
 
 def test_bench_vllm_plans_an_arm_from_the_model_directory_it_served(tmp_path):
