@@ -41,6 +41,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -141,6 +142,35 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
         "planned_gib": planned,
         **noise,
     }
+
+
+def bench_model(out: Path, shape: dict[str, Any], vocab_size: int) -> Path:
+    """The arm's random-weight model at ``shape`` in ``out``, built unless ``out`` already holds the
+    same build (a 7B build takes minutes of a lease; the kit keeps ``out`` between its calls)."""
+    from qerl.pipeline.demo.tiny_model import build_tiny_model
+
+    spec = {"shape": shape, "vocab_size": vocab_size, "max_position_embeddings": 4096, "seed": 0}
+    marker = out / "bench_vllm_model.json"
+    if marker.is_file() and json.loads(marker.read_text()) == spec:
+        print(f"bench_vllm: reusing the model in {out}", file=sys.stderr, flush=True)
+        return out
+    shutil.rmtree(out, ignore_errors=True)  # a different or unfinished build
+    build_tiny_model(out, vocab_size=vocab_size, max_position_embeddings=4096, seed=0, **shape)
+    marker.write_text(json.dumps(spec))  # last: a build cut off midway is never reused
+    return out
+
+
+def earlier_arms(path: Path, results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The arms an earlier run wrote to ``path``, when it measured on the same machine with the same
+    settings as ``results`` (a lease's later call then completes its table); none otherwise."""
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    same = ("mode", "machine", "torch", "prompts", "n", "max_new_tokens", "repeats")
+    if any(earlier.get(k) != results[k] for k in same):
+        print(f"bench_vllm: not merging {path}: measured elsewhere or otherwise", file=sys.stderr)
+        return {}
+    return {m: {a: r for a, r in arms.items() if "error" not in r} for m, arms in earlier["models"].items()}
 
 
 def planned_gib(model_dir: str | Path, rollout: Any, gpu_bytes: float, arm: str) -> dict[str, float]:
@@ -279,7 +309,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the CPU, a tiny shape, eager, seconds")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="keep the built models and their quantized store here and reuse them (default: a temporary folder)",
+    )
+    parser.add_argument(
         "--arms", default="nvfp4,bf16", help=f"comma-separated, of {list(ARMS)} (run in this order)"
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the arms in --out-dir's vllm.json measured on this machine with these settings",
     )
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -326,25 +367,22 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "models": {},
     }
-    from qerl.pipeline.demo.tiny_model import build_tiny_model
+    if args.merge:
+        results["models"] = earlier_arms(out_dir / "vllm.json", results)
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages import quantize
 
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        work = args.work_dir or Path(tmp)
         for name, shape in shapes.items():
-            model_dir = build_tiny_model(
-                Path(tmp) / name,
-                vocab_size=512 if args.dry_run else 4096,
-                max_position_embeddings=4096,
-                **shape,
-            )
-            store = Path(tmp) / f"{name}-store"
-            # on the GPU when there is one
+            model_dir = bench_model(work / name, shape, vocab_size=512 if args.dry_run else 4096)
+            store = work / f"{name}-store"
+            # on the GPU when there is one; a hit in a kept --work-dir
             quantize.run(QuantizeConfig(**QUANTIZE), model_dir, ArtifactStore(store))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # the arms' engines measure the GPU's free memory at start-up
-            results["models"][name] = {}
+            results["models"].setdefault(name, {})
             for arm in arms:
                 print(f"bench_vllm: {name} {arm} ...", file=sys.stderr, flush=True)
                 t0 = time.perf_counter()

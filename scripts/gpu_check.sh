@@ -12,8 +12,9 @@
 # files the device tool brings back: gpu-check.md (the report: mode, environment, parts, each test's
 # outcome, benchmark tables), gpu-check.log (everything, pytest's output included), gpu.{md,json}
 # and vllm.{md,json} (the benchmarks), vllm-gap.json and determinism.json (what the tests measured).
-# A CUDA run also writes benchmarks/results/{gpu,vllm}.{md,json} in this tree (copy them from $OUT
-# into the repository when the tree is a remote copy). A dry run never touches benchmarks/results.
+# A CUDA run also writes benchmarks/results/gpu.{md,json} in this tree (copy them from $OUT into the
+# repository when the tree is a remote copy); vllm.{md,json} go to $OUT from .gpu-bench-work (kept
+# while the machine is warm). A dry run never touches benchmarks/results.
 # The exit status is 1 when a test or a benchmark failed, 5 when nothing failed but the budget cut a
 # part.
 #
@@ -78,6 +79,8 @@
 #                                                                    qerl run on FP4 Marlin to the end
 #   call 3  no carry, timeout_s = budget_left_s - 30, `bash scripts/gpu_check.sh --bench-only
 #           --no-bench-gpu --vllm-models 7b --budget-s <timeout_s - 20>`     Marlin vs bf16 at 7B
+#   (call 4, if the budget cut an arm and 4 minutes are left: `--bench-only --no-bench-gpu
+#   --vllm-models 7b --vllm-arms bf16`; .gpu-bench-work keeps the model and call 3's arms)
 #   --stage-only   stage the carried chunks (extract when complete), report, stop
 #   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py and _aqn.py)
 #   --no-vllm      the kit without the vLLM parts (1 and 3)
@@ -425,10 +428,12 @@ if ((BENCH)) && ((!NO_VLLM)); then
     VLLM_BENCH_RC=$?
   elif "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
     # the carried bundle, or a GPU install's own vLLM (requirements/gpu.txt)
+    # .gpu-bench-work stays while the machine is warm: a later call of the lease reuses its built
+    # models and quantized stores, and its table keeps the arms the earlier calls measured (--merge)
     run_part bench_vllm "$PY" benchmarks/bench_vllm.py --models "$VLLM_MODELS" --arms "$VLLM_ARMS" \
-      --out-dir benchmarks/results >>"$LOG" 2>&1
+      --work-dir "$ROOT/.gpu-bench-work" --out-dir "$ROOT/.gpu-bench-work" --merge >>"$LOG" 2>&1
     VLLM_BENCH_RC=$?
-    cp benchmarks/results/vllm.md benchmarks/results/vllm.json "$OUT"/ 2>/dev/null
+    cp .gpu-bench-work/vllm.md .gpu-bench-work/vllm.json "$OUT"/ 2>/dev/null
   else
     PARTS+=("bench_vllm|0|not started: $VLLM_STATE")
   fi

@@ -127,6 +127,42 @@ def test_bench_vllm_plans_an_arm_from_the_model_directory_it_served(tmp_path):
     assert abs(sum(nvfp4.values()) - 0.5 * 139.8) < 1e-6  # GiB: the KV cache gets the rest of the share
 
 
+def test_bench_vllm_reuses_a_kept_model_and_merges_a_leases_arms(tmp_path, monkeypatch):
+    """A later call of a lease reuses the model an earlier call built (minutes at 7B) unless its
+    shape or its build differs, and keeps the arms measured on the same machine with the same
+    settings, not failed ones or another machine's."""
+    import qerl.pipeline.demo.tiny_model as tiny_model
+
+    from benchmarks.bench_vllm import TINY, bench_model, earlier_arms
+
+    builds = []
+    real = tiny_model.build_tiny_model
+    monkeypatch.setattr(
+        tiny_model, "build_tiny_model", lambda out, **kw: builds.append(out) or real(out, **kw)
+    )
+    out = tmp_path / "0.5b"
+    bench_model(out, TINY, vocab_size=512)
+    weights = (out / "model.safetensors").read_bytes()
+    assert bench_model(out, TINY, vocab_size=512) == out and len(builds) == 1  # reused
+    bench_model(out, {**TINY, "num_layers": 1}, vocab_size=512)  # another shape: rebuilt
+    assert len(builds) == 2
+    (out / "bench_vllm_model.json").unlink()  # a build cut off before its marker: rebuilt
+    bench_model(out, TINY, vocab_size=512)
+    assert len(builds) == 3 and (out / "model.safetensors").read_bytes() == weights
+
+    settings = {"mode": "cuda", "machine": "NVIDIA H200", "torch": "2.11.0+cu130", "prompts": 16,
+                "n": 8, "max_new_tokens": 256, "repeats": 3}  # fmt: skip
+    earlier = {
+        **settings,
+        "models": {"0.5b": {"nvfp4": {"tokens_per_s": 18072.0}, "bf16": {"error": "cut off"}}},
+    }
+    path = tmp_path / "vllm.json"
+    assert earlier_arms(path, settings) == {}  # no earlier run
+    path.write_text(json.dumps(earlier))
+    assert earlier_arms(path, settings) == {"0.5b": {"nvfp4": {"tokens_per_s": 18072.0}}}
+    assert earlier_arms(path, {**settings, "machine": "NVIDIA H100 80GB HBM3"}) == {}
+
+
 def test_benchmarks_md_is_what_the_sections_assemble_to():
     """BENCHMARKS.md is generated: a hand edit there is lost at the next `qerl bench`. Edit the
     section in benchmarks/results/ and run `python -m benchmarks.collect`."""
