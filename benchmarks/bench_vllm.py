@@ -291,6 +291,10 @@ def _plan_lines(results: dict[str, Any]) -> list[str]:
     return head + ["|---|---|---|---:|---:|"] + rows
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _write(results: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, text in (("vllm.json", json.dumps(results, indent=1) + "\n"), ("vllm.md", report(results))):
@@ -299,7 +303,7 @@ def _write(results: dict[str, Any], out_dir: Path) -> None:
         os.replace(tmp, out_dir / name)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="0.5b", help=f"comma-separated, of {sorted(MODELS)}")
     parser.add_argument("--prompts", type=int, default=16)
@@ -325,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.model_dir, args.store, args)), flush=True)
@@ -347,14 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     shapes = {"tiny": TINY} if args.dry_run else {m: tiny_model_sizes(m) for m in args.models.split(",")}
     child_argv = [
-        "--prompts",
-        str(args.prompts),
-        "--n",
-        str(args.n),
-        "--max-new-tokens",
-        str(args.max_new_tokens),
-        "--repeats",
-        str(args.repeats),
+        str(x) for k in ("prompts", "n", "max_new_tokens", "repeats") for x in (_flag(k), getattr(args, k))
     ]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{platform.machine()} CPU"
     results: dict[str, Any] = {
@@ -393,9 +395,12 @@ def main(argv: list[str] | None = None) -> int:
                     results["models"][name][arm] = {"arm": arm, "error": cut}
                     _write(results, out_dir)
                     raise
-                result["wall_s"] = time.perf_counter() - t0
-                results["models"][name][arm] = result
-                print(f"bench_vllm: {name} {arm} took {result['wall_s']:.0f} s", file=sys.stderr, flush=True)
+                results["models"][name][arm] = {**result, "wall_s": time.perf_counter() - t0}
+                print(
+                    f"bench_vllm: {name} {arm} took {time.perf_counter() - t0:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 _write(results, out_dir)
     text = report(results)
     print(text)
