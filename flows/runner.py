@@ -194,11 +194,45 @@ def schedule(cfg: RunConfig, work: Path, cron: str, api_url: str | None = None) 
         CronSchedule(cron=cron)  # Prefect's own cron rules (its scheduler evaluates the schedule)
     except ValueError:
         raise ValueError(f"invalid cron expression '{cron}' (five fields, e.g. '0 2 * * *')") from None
+    warning = deadline_warning(cfg.loop.deadline_h, cron)
+    if warning:
+        print(f"qerl schedule: warning: {warning}", file=sys.stderr, flush=True)
     check_api(url)
     deployment = nightly_deployment(cfg, work, cron)
     from prefect import serve
 
     serve(deployment, limit=1)
+
+
+def nights_gap_h(cron: str, nights: int = 16) -> float:
+    """The shortest time between two consecutive nights of ``cron`` (UTC, hours) over the next
+    ``nights``, by the rules of Prefect's scheduler, which fires them."""
+    import asyncio
+
+    from prefect.server.schemas.schedules import CronSchedule as ServerCron
+
+    dates = asyncio.run(ServerCron(cron=cron).get_dates(n=nights, start=dt.datetime.now(dt.UTC)))
+    return min((b - a).total_seconds() for a, b in zip(dates, dates[1:], strict=False)) / 3600.0
+
+
+def deadline_warning(deadline_h: float | None, cron: str) -> str | None:
+    """What ``qerl schedule`` warns about a night's deadline: none set, or one that lets a night
+    run into the next (the deployment runs one night at a time, so either holds the next night
+    back); None when the deadline ends a night before the next is due."""
+    gap = nights_gap_h(cron)
+    hint = f"--set loop.deadline_h={max(int(gap * 0.9), 1) if gap >= 2 else round(gap * 0.9, 2):g}"
+    if deadline_h is None:
+        return (
+            f"loop.deadline_h is unset: a night that hangs holds back every later night (one night runs "
+            f"at a time; '{cron}' starts one every {gap:g} h at the closest). Set a deadline below that, "
+            f"e.g. {hint}"
+        )
+    if deadline_h >= gap:
+        return (
+            f"loop.deadline_h = {deadline_h:g} h is not below the {gap:g} h between two nights of "
+            f"'{cron}': a night that runs to its deadline delays the next one (e.g. {hint})"
+        )
+    return None
 
 
 def check_api(

@@ -265,6 +265,28 @@ def test_schedule_needs_a_server(tmp_path, monkeypatch):
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     proc = _qerl(["schedule", "--cron", "0 2 * * *"], tmp_path)
     assert proc.returncode == 2 and "prefect server start" in proc.stderr
+    assert "warning: loop.deadline_h is unset" in proc.stderr  # the demo config sets none
+    proc = _qerl(["schedule", "--cron", "0 2 * * *", "--set", "loop.deadline_h=20"], tmp_path)
+    assert proc.returncode == 2 and "warning" not in proc.stderr
+
+
+def test_schedule_warns_of_a_deadline_that_lets_a_night_hold_back_the_next(tmp_path):
+    """Nights run one at a time, so a night without a deadline, or with one past the next night's
+    start, can hold back the nights after it: ``qerl schedule`` says so, with the gap it read."""
+    from qerl.flows.runner import deadline_warning, nights_gap_h, prepare_environment
+
+    prepare_environment(tmp_path)
+    assert nights_gap_h("0 2 * * *") == 24.0
+    assert nights_gap_h("0 2 * * 1-5") == 24.0  # the closest two nights, not Friday to Monday
+    assert nights_gap_h("0 */6 * * *") == 6.0
+    unset = deadline_warning(None, "0 2 * * *")
+    assert "loop.deadline_h is unset" in unset and "every 24 h" in unset and "loop.deadline_h=21" in unset
+    late = deadline_warning(30, "0 2 * * *")
+    assert "loop.deadline_h = 30 h is not below the 24 h" in late
+    assert deadline_warning(24, "0 2 * * *") is not None  # a night at its deadline meets the next
+    assert deadline_warning(20, "0 2 * * *") is None
+    assert "loop.deadline_h=5" in deadline_warning(None, "0 */6 * * *")
+    assert "loop.deadline_h=0.9" in deadline_warning(None, "0 * * * *")
 
 
 def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
