@@ -198,13 +198,16 @@ def _run_arm(arm: str, model_dir: Path, store: Path, argv: list[str]) -> dict[st
     """``child`` in a fresh process (vLLM gives its GPU memory back only when its process ends)."""
     cmd = [sys.executable, __file__, "--child", arm, "--model-dir", str(model_dir), "--store", str(store)]
     proc = subprocess.run(cmd + argv, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    # every line where vLLM states a memory figure (the CUDA context, non-torch memory, profiling):
+    # what the plan's rows are read against beyond the parsed ones
+    memory_log = [ln.strip()[:300] for ln in log.splitlines() if "GiB" in ln and "RESULT " not in ln][-30:]
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
-            return {
-                **json.loads(line[len("RESULT ") :]),
-                "reported": vllm_reported(proc.stdout + proc.stderr),
-            }
-    return {"arm": arm, "error": f"exit {proc.returncode}: {root_cause(proc.stderr or proc.stdout)}"}
+            result = json.loads(line[len("RESULT ") :])
+            return {**result, "reported": vllm_reported(log), "memory_log": memory_log}
+    error = f"exit {proc.returncode}: {root_cause(proc.stderr or proc.stdout)}"
+    return {"arm": arm, "error": error, "memory_log": memory_log}
 
 
 def root_cause(log: str) -> str:
