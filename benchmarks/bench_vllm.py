@@ -30,7 +30,11 @@ nothing about a GPU. Results: ``vllm.md`` and ``vllm.json`` in ``--out-dir`` (de
 benchmarks/results for a CUDA run, never for a dry run), rewritten after every arm, so a run cut off
 by a time budget keeps what it measured.
 
-Run: ``python benchmarks/bench_vllm.py [--models 0.5b,7b] [--prompts 16 --n 8 --max-new-tokens 256]``
+``--layers N`` builds each model with N decoder layers of its own shape (named "7b-4l"): the ratio
+at 7B's matrix shapes for a fraction of a 7B arm's build, load and compile (minutes of a lease); its
+tokens/s are not 7B's.
+
+Run: ``python benchmarks/bench_vllm.py [--models 0.5b,7b] [--layers N] [--prompts 16 --n 8 --max-new-tokens 256]``
 (on the GPU machine through ``scripts/gpu_check.sh``, which puts the vLLM bundle on the path).
 """
 
@@ -232,6 +236,23 @@ def tiny_model_sizes(name: str) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def bench_shapes(models: list[str], layers: int | None = None) -> dict[str, dict[str, Any]]:
+    """The models to build, by the name the results give them: a known shape's own, or with
+    ``layers`` decoder layers in place of its own, named so ("7b-4l"). Every layer has the model's
+    matrix shapes, so the Marlin/bf16 ratio keeps its meaning while the build, the load and the
+    compile of a 7B arm shrink with the layer count; the tokens/s do not transfer."""
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {layers}")
+    shapes = {}
+    for m in models:
+        sizes = tiny_model_sizes(m)
+        if layers is None or layers == sizes["num_layers"]:
+            shapes[m] = sizes
+        else:
+            shapes[f"{m}-{layers}l"] = {**sizes, "num_layers": layers}
+    return shapes
+
+
 def report(results: dict[str, Any]) -> str:
     """The markdown table of ``results`` (what ``main`` writes as vllm.md)."""
     lines = [
@@ -309,6 +330,12 @@ def _write(results: dict[str, Any], out_dir: Path) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="0.5b", help=f"comma-separated, of {sorted(MODELS)}")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers of each model (default: its own; fewer: a shorter lease)",
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -357,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out_dir or (
         Path(tempfile.gettempdir()) if args.dry_run else ROOT / "benchmarks" / "results"
     )
-    shapes = {"tiny": TINY} if args.dry_run else {m: tiny_model_sizes(m) for m in args.models.split(",")}
+    shapes = {"tiny": TINY} if args.dry_run else bench_shapes(args.models.split(","), args.layers)
     child_argv = [
         str(x) for k in ("prompts", "n", "max_new_tokens", "repeats") for x in (_flag(k), getattr(args, k))
     ]

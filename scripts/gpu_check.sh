@@ -23,6 +23,8 @@
 #          --steps N  --prompt N  --completion N  --skip-kernels  --merge  (these go to bench_gpu.py;
 #          --merge keeps the other models' arms already in benchmarks/results/gpu.json)
 #          --vllm-models 0.5b[,7b]  (bench_vllm.py's shapes; default 0.5b)
+#          --vllm-layers N  (each of those with N decoder layers of its shape: "7b-4l", the Marlin/bf16
+#                        ratio at 7B's matrices in a fraction of a 7B arm's minutes)
 #          --no-bench-gpu  the benchmark part without bench_gpu.py (part 4)
 #          --vllm-arms nvfp4,bf16[,nvfp4-aqn]  (bench_vllm.py's arms, in order; nvfp4-aqn: what exact
 #                        AQN noise costs, the engine built for AQN with its norms fp32 from the load)
@@ -78,9 +80,10 @@
 #           ".gpu-run/part-01"], timeout_s 450, `bash scripts/gpu_check.sh --run-only --budget-s 430`
 #                                                                    qerl run on FP4 Marlin to the end
 #   call 3  no carry, timeout_s = budget_left_s - 30, `bash scripts/gpu_check.sh --bench-only
-#           --no-bench-gpu --vllm-models 7b --budget-s <timeout_s - 20>`     Marlin vs bf16 at 7B
-#   (call 4, if the budget cut an arm and 4 minutes are left: `--bench-only --no-bench-gpu
-#   --vllm-models 7b --vllm-arms bf16`; .gpu-bench-work keeps the model and call 3's arms)
+#           --no-bench-gpu --vllm-models 7b --vllm-layers 4 --budget-s <timeout_s - 20>`
+#                                                   Marlin vs bf16 at 7B's matrices, 4 of its 28 layers
+#   (call 4, if the budget cut an arm and 4 minutes are left: the same with `--vllm-arms bf16`;
+#   .gpu-bench-work keeps the model and call 3's arms). All 28 layers: a lease of their own.
 #   --stage-only   stage the carried chunks (extract when complete), report, stop
 #   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py and _aqn.py)
 #   --no-vllm      the kit without the vLLM parts (1 and 3)
@@ -111,6 +114,7 @@ BENCH_GPU=1
 BENCH_ARGS=()
 BUDGET_S=0
 VLLM_MODELS=0.5b
+VLLM_LAYERS=()
 VLLM_ARMS=nvfp4,bf16
 RUN_E2E=0
 RUN_CONFIG=demo-gpu
@@ -132,6 +136,7 @@ while (($#)); do
     --merge|--skip-kernels) BENCH_ARGS+=("$1"); shift ;;
     --budget-s) BUDGET_S=$2; shift 2 ;;
     --vllm-models) VLLM_MODELS=$2; shift 2 ;;
+    --vllm-layers) VLLM_LAYERS=(--layers "$2"); shift 2 ;;
     --vllm-arms) VLLM_ARMS=$2; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option '$1' (see --help)" >&2; exit 2 ;;
@@ -430,7 +435,7 @@ if ((BENCH)) && ((!NO_VLLM)); then
     # the carried bundle, or a GPU install's own vLLM (requirements/gpu.txt)
     # .gpu-bench-work stays while the machine is warm: a later call of the lease reuses its built
     # models and quantized stores, and its table keeps the arms the earlier calls measured (--merge)
-    run_part bench_vllm "$PY" benchmarks/bench_vllm.py --models "$VLLM_MODELS" --arms "$VLLM_ARMS" \
+    run_part bench_vllm "$PY" benchmarks/bench_vllm.py --models "$VLLM_MODELS" "${VLLM_LAYERS[@]}" --arms "$VLLM_ARMS" \
       --work-dir "$ROOT/.gpu-bench-work" --out-dir "$ROOT/.gpu-bench-work" --merge >>"$LOG" 2>&1
     VLLM_BENCH_RC=$?
     cp .gpu-bench-work/vllm.md .gpu-bench-work/vllm.json "$OUT"/ 2>/dev/null

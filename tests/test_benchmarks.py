@@ -163,6 +163,18 @@ def test_bench_vllm_reuses_a_kept_model_and_merges_a_leases_arms(tmp_path, monke
     assert earlier_arms(path, {**settings, "machine": "NVIDIA H100 80GB HBM3"}) == {}
 
 
+def test_bench_vllm_shortens_a_model_by_its_layers_and_says_so_in_its_name():
+    from benchmarks.bench_vllm import bench_shapes, tiny_model_sizes
+
+    full = tiny_model_sizes("7b")
+    assert bench_shapes(["0.5b", "7b"]) == {"0.5b": tiny_model_sizes("0.5b"), "7b": full}
+    short = bench_shapes(["7b"], layers=4)
+    assert short == {"7b-4l": {**full, "num_layers": 4}}  # every matrix keeps 7B's shape
+    assert bench_shapes(["7b"], layers=full["num_layers"]) == {"7b": full}
+    with pytest.raises(ValueError, match="--layers must be at least 1"):
+        bench_shapes(["7b"], layers=0)
+
+
 def test_benchmarks_md_is_what_the_sections_assemble_to():
     """BENCHMARKS.md is generated: a hand edit there is lost at the next `qerl bench`. Edit the
     section in benchmarks/results/ and run `python -m benchmarks.collect`."""
