@@ -58,12 +58,10 @@ def _row(work: Path, record: dict[str, Any]) -> tuple[str, list[str]]:
     return line, below
 
 
-def cmd_runs(args: argparse.Namespace) -> int:
+def read_records(work: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The work dir's run records, and a line for each one that cannot be read."""
     from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR
 
-    if args.limit < 1:
-        raise ValueError(f"--limit {args.limit}: must be at least 1 (--all shows every run)")
-    work = Path(work_dir(args)).resolve()
     records, unreadable = [], []
     for path in (work / RUNS_DIR).glob(f"*/{RUN_RECORD}"):
         try:
@@ -74,6 +72,36 @@ def cmd_runs(args: argparse.Namespace) -> int:
         if isinstance(record, dict):
             record.setdefault("run_id", path.parent.name)
             records.append(record)
+    return records, unreadable
+
+
+def longest_attempt(work: Path, loop_name: str) -> tuple[float, str] | None:
+    """(hours, run id) of the longest completed attempt of ``loop_name``'s runs in ``work``, from
+    its record's start and last update (what ``loop.deadline_h`` bounds: one attempt); None when no
+    such run completed here."""
+    import datetime as dt
+
+    longest = None
+    for record in read_records(work)[0]:
+        loop = (record.get("config") or {}).get("loop") or {}
+        if record.get("status") != "completed" or loop.get("name") != loop_name:
+            continue
+        try:
+            start = dt.datetime.fromisoformat(str(record["started_at"]))
+            end = dt.datetime.fromisoformat(str(record["updated_at"]))
+        except (KeyError, ValueError):
+            continue
+        hours = (end - start).total_seconds() / 3600.0
+        if longest is None or hours > longest[0]:
+            longest = (hours, str(record["run_id"]))
+    return longest
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise ValueError(f"--limit {args.limit}: must be at least 1 (--all shows every run)")
+    work = Path(work_dir(args)).resolve()
+    records, unreadable = read_records(work)
     if not records and not unreadable:
         print(f"{work}: no runs")
         return 0

@@ -194,7 +194,9 @@ def schedule(cfg: RunConfig, work: Path, cron: str, api_url: str | None = None) 
         CronSchedule(cron=cron)  # Prefect's own cron rules (its scheduler evaluates the schedule)
     except ValueError:
         raise ValueError(f"invalid cron expression '{cron}' (five fields, e.g. '0 2 * * *')") from None
-    warning = deadline_warning(cfg.loop.deadline_h, cron)
+    from qerl.flows.run_commands import longest_attempt
+
+    warning = deadline_warning(cfg.loop.deadline_h, cron, longest_attempt(work, cfg.loop.name))
     if warning:
         print(f"qerl schedule: warning: {warning}", file=sys.stderr, flush=True)
     check_api(url)
@@ -215,17 +217,28 @@ def nights_gap_h(cron: str, nights: int = 16) -> float:
     return min((b - a).total_seconds() for a, b in zip(dates, dates[1:], strict=False)) / 3600.0
 
 
-def deadline_warning(deadline_h: float | None, cron: str) -> str | None:
+def deadline_warning(
+    deadline_h: float | None, cron: str, longest: tuple[float, str] | None = None
+) -> str | None:
     """What ``qerl schedule`` warns about a night's deadline: none set, or one that lets a night
     run into the next (the deployment runs one night at a time, so either holds the next night
-    back); None when the deadline ends a night before the next is due."""
+    back), or one that would have stopped ``longest`` (hours, run id: the longest completed attempt
+    of these nights in the work dir); None when none of these holds."""
     gap = nights_gap_h(cron)
+    if longest is not None:
+        took = f"the longest completed night here ({longest[1]}) took {longest[0]:.2f} h"
+        if longest[0] >= gap:
+            return f"{took}, not less than the {gap:g} h between two nights of '{cron}': each such night delays the next"
+        if deadline_h is not None and deadline_h <= longest[0]:
+            return (
+                f"loop.deadline_h = {deadline_h:g} h would have stopped a night like the longest here: {took}"
+            )
     hint = f"--set loop.deadline_h={max(int(gap * 0.9), 1) if gap >= 2 else round(gap * 0.9, 2):g}"
     if deadline_h is None:
         return (
             f"loop.deadline_h is unset: a night that hangs holds back every later night (one night runs "
             f"at a time; '{cron}' starts one every {gap:g} h at the closest). Set a deadline below that, "
-            f"e.g. {hint}"
+            f"e.g. {hint}" + (f" ({took})" if longest is not None else "")
         )
     if deadline_h >= gap:
         return (

@@ -289,6 +289,52 @@ def test_schedule_warns_of_a_deadline_that_lets_a_night_hold_back_the_next(tmp_p
     assert "loop.deadline_h=0.9" in deadline_warning(None, "0 * * * *")
 
 
+def test_schedule_weighs_the_deadline_against_the_longest_night_recorded_here(tmp_path):
+    """The longest completed attempt of the schedule's nights in the work dir (start to last
+    update of its record): a deadline at or under it would have stopped that night, and nights
+    as long as the gap delay each other whatever the deadline."""
+    from qerl.flows.run_commands import longest_attempt
+    from qerl.flows.runner import deadline_warning, prepare_environment
+
+    def record(run_id: str, status: str, name: str, start: str, end: str) -> None:
+        folder = tmp_path / "runs" / run_id
+        folder.mkdir(parents=True)
+        rec = {"run_id": run_id, "status": status, "config": {"loop": {"name": name}},
+               "started_at": start, "updated_at": end}  # fmt: skip
+        (folder / "run.json").write_text(json.dumps(rec))
+
+    prepare_environment(tmp_path)
+    assert longest_attempt(tmp_path, "nightly") is None
+    record(
+        "nightly-a-20261120", "completed", "nightly", "2026-11-20T02:00:00+00:00", "2026-11-20T05:30:00+00:00"
+    )
+    record(
+        "nightly-a-20261121", "completed", "nightly", "2026-11-21T02:00:00+00:00", "2026-11-21T04:00:00+00:00"
+    )
+    record(
+        "nightly-a-20261122", "failed", "nightly", "2026-11-22T02:00:00+00:00", "2026-11-22T12:00:00+00:00"
+    )
+    record("other-b-20261120", "completed", "other", "2026-11-20T02:00:00+00:00", "2026-11-21T01:00:00+00:00")
+    (tmp_path / "runs" / "broken").mkdir()
+    (tmp_path / "runs" / "broken" / "run.json").write_text("{")
+    longest = longest_attempt(tmp_path, "nightly")
+    assert longest == (3.5, "nightly-a-20261120")  # completed attempts of these nights only
+    short = deadline_warning(3, "0 2 * * *", longest)
+    assert short == (
+        "loop.deadline_h = 3 h would have stopped a night like the longest here: the longest completed "
+        "night here (nightly-a-20261120) took 3.50 h"
+    )
+    assert deadline_warning(6, "0 2 * * *", longest) is None
+    assert deadline_warning(None, "0 2 * * *", longest).endswith(
+        "(the longest completed night here (nightly-a-20261120) took 3.50 h)"
+    )
+    too_long = deadline_warning(2, "0 */3 * * *", longest)  # nights every 3 h, one took 3.5
+    assert (
+        "not less than the 3 h between two nights of '0 */3 * * *': each such night delays the next"
+        in too_long
+    )
+
+
 def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
     from qerl.flows.runner import nightly_deployment, prepare_environment
 
