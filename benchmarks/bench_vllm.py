@@ -19,8 +19,8 @@ reports its start-up (load, compile, graph capture), then one warm-up call over 
 tokens) and ``--repeats`` timed generate calls (default 3, the same seed, so the same tokens) of
 ``--prompts`` x ``--n`` samples of up to ``--max-new-tokens`` tokens; tokens/s counts the completion
 tokens produced (a random model's early EOS can shorten a few) over the median call, and the table
-gives the calls' range. At 0.5B on an H200 one call takes about 1.4 s, so three cost seconds against
-a start-up of one to two minutes.
+gives the calls' range. A timed call is seconds against an arm's start-up of minutes, so the
+repeats cost little and show the clock's noise.
 The ratio nvfp4/bf16 is the result: decode is weight-bandwidth bound, so 4-bit weights should be
 faster at small batch, and how much Marlin's dequantization costs shows at large batch.
 
@@ -152,6 +152,7 @@ def bench_model(out: Path, shape: dict[str, Any], vocab_size: int) -> Path:
     """The arm's random-weight model at ``shape`` in ``out``, built unless ``out`` already holds the
     same build (a 7B build takes minutes of a lease; the kit keeps ``out`` between its calls)."""
     from qerl.pipeline.demo.tiny_model import build_tiny_model
+    from qerl.pipeline.store.files import atomic_write_json
 
     spec = {"shape": shape, "vocab_size": vocab_size, "max_position_embeddings": 4096, "seed": 0}
     marker = out / "bench_vllm_model.json"
@@ -160,7 +161,7 @@ def bench_model(out: Path, shape: dict[str, Any], vocab_size: int) -> Path:
         return out
     shutil.rmtree(out, ignore_errors=True)  # a different or unfinished build
     build_tiny_model(out, vocab_size=vocab_size, max_position_embeddings=4096, seed=0, **shape)
-    marker.write_text(json.dumps(spec))  # last: a build cut off midway is never reused
+    atomic_write_json(marker, spec)  # last: a build cut off midway is never reused
     return out
 
 

@@ -358,7 +358,7 @@ if ((TESTS)); then
   # the vLLM modules share their checkpoint: the AQN engine then starts where the plain one compiled
   export QERL_GPU_KIT_DIR="$SCRATCH/kit"
   # qerl's configs need pydantic, which only the vLLM bundle brings to the image: without it every
-  # test errors at setup (the H200 lease of 2026-11-27 spent a call learning that)
+  # test would error at setup, so the tests are reported not started, with the bundle's state
   if ((!DRY)) && ! "$PY" -c "import pydantic" 2>/dev/null; then
     for f in "${TEST_FILES[@]}"; do PARTS+=("$(basename "$f" .py)|0|not started: no pydantic (the vLLM bundle is not extracted: $VLLM_STATE)"); done
     say "tests: not started: qerl needs pydantic, which the vLLM bundle brings ($VLLM_STATE)"

@@ -105,8 +105,8 @@ def test_bench_vllm_reads_vllms_memory_log_and_sets_the_plan_beside_it():
 
 
 def test_bench_vllm_plans_an_arm_from_the_model_directory_it_served(tmp_path):
-    """The CUDA arm's plan rows, from the config.json of the model it built (the H200 run of
-    2026-11-27 lost both measured arms to ``resolve_model``'s (shape, source) pair read as a shape)."""
+    """The CUDA arm's plan rows, from the config.json of the model it built: the only branch of an
+    arm that runs after its measurement, and CUDA-only in the arm, so checked here."""
     from qerl.pipeline.planning.memory_plan import VLLM_ROWS
     from qerl.pipeline.rollout.config import RolloutConfig
 
