@@ -220,32 +220,35 @@ def nights_gap_h(cron: str, nights: int = 16) -> float:
 def deadline_warning(
     deadline_h: float | None, cron: str, longest: tuple[float, str] | None = None
 ) -> str | None:
-    """What ``qerl schedule`` warns about a night's deadline: none set, or one that lets a night
-    run into the next (the deployment runs one night at a time, so either holds the next night
-    back), or one that would have stopped ``longest`` (hours, run id: the longest completed attempt
-    of these nights in the work dir); None when none of these holds."""
+    """What ``qerl schedule`` warns about a night's deadline, each finding in turn: nights as long
+    as the gap between two (``longest``: hours and run id of the longest completed attempt of these
+    nights in the work dir), no deadline, a deadline that lets a night run into the next (the
+    deployment runs one night at a time, so both hold the next night back), or one that would have
+    stopped ``longest``; None when none holds."""
     gap = nights_gap_h(cron)
-    if longest is not None:
-        took = f"the longest completed night here ({longest[1]}) took {longest[0]:.2f} h"
-        if longest[0] >= gap:
-            return f"{took}, not less than the {gap:g} h between two nights of '{cron}': each such night delays the next"
-        if deadline_h is not None and deadline_h <= longest[0]:
-            return (
-                f"loop.deadline_h = {deadline_h:g} h would have stopped a night like the longest here: {took}"
-            )
     hint = f"--set loop.deadline_h={max(int(gap * 0.9), 1) if gap >= 2 else round(gap * 0.9, 2):g}"
+    took = f"the longest completed night here ({longest[1]}) took {longest[0]:.2f} h" if longest else ""
+    found = []
+    if longest is not None and longest[0] >= gap:
+        found.append(
+            f"{took}, not less than the {gap:g} h between two nights of '{cron}': each such night delays the next"
+        )
     if deadline_h is None:
-        return (
+        found.append(
             f"loop.deadline_h is unset: a night that hangs holds back every later night (one night runs "
             f"at a time; '{cron}' starts one every {gap:g} h at the closest). Set a deadline below that, "
-            f"e.g. {hint}" + (f" ({took})" if longest is not None else "")
+            f"e.g. {hint}" + (f" ({took})" if took and not found else "")
         )
-    if deadline_h >= gap:
-        return (
+    elif deadline_h >= gap:
+        found.append(
             f"loop.deadline_h = {deadline_h:g} h is not below the {gap:g} h between two nights of "
             f"'{cron}': a night that runs to its deadline delays the next one (e.g. {hint})"
         )
-    return None
+    elif longest is not None and deadline_h <= longest[0]:
+        found.append(
+            f"loop.deadline_h = {deadline_h:g} h would have stopped a night like the longest here: {took}"
+        )
+    return "; ".join(found) or None
 
 
 def check_api(

@@ -329,6 +329,9 @@ def test_schedule_weighs_the_deadline_against_the_longest_night_recorded_here(tm
         "(the longest completed night here (nightly-a-20261120) took 3.50 h)"
     )
     too_long = deadline_warning(2, "0 */3 * * *", longest)  # nights every 3 h, one took 3.5
+    assert "would have stopped a night like the longest here" in too_long
+    unset_too_long = deadline_warning(None, "0 */3 * * *", longest)  # both findings, not the first only
+    assert "each such night delays the next; loop.deadline_h is unset" in unset_too_long
     assert (
         "not less than the 3 h between two nights of '0 */3 * * *': each such night delays the next"
         in too_long
