@@ -165,15 +165,29 @@ def bench_model(out: Path, shape: dict[str, Any], vocab_size: int) -> Path:
     return out
 
 
+def bench_code() -> str:
+    """The code version of what an arm runs: the hash of this script and the qerl modules it imports,
+    transitively (the store's cache-key rule, ``qerl.pipeline.store.code_version``)."""
+    from qerl.pipeline.store.code_version import code_version
+
+    return code_version(sys.modules[__name__])
+
+
 def earlier_arms(path: Path, results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The arms an earlier run wrote to ``path``, when it measured on the same machine with the same
-    settings as ``results`` (a lease's later call then completes its table); none otherwise."""
+    settings and the same code as ``results`` (a lease's later call then completes its table); none
+    otherwise, with the first difference named."""
     if not path.is_file():
         return {}
     earlier = json.loads(path.read_text())
-    same = ("mode", "machine", "torch", "prompts", "n", "max_new_tokens", "repeats")
-    if any(earlier.get(k) != results[k] for k in same):
-        print(f"bench_vllm: not merging {path}: measured elsewhere or otherwise", file=sys.stderr)
+    same = ("mode", "machine", "torch", "prompts", "n", "max_new_tokens", "repeats", "code")
+    differ = next((k for k in same if earlier.get(k) != results[k]), None)
+    if differ:
+        print(
+            f"bench_vllm: not merging {path}: its {differ} is {earlier.get(differ)!r}, "
+            f"this run's {results[differ]!r}",
+            file=sys.stderr,
+        )
         return {}
     return {m: {a: r for a, r in arms.items() if "error" not in r} for m, arms in earlier["models"].items()}
 
@@ -261,6 +275,7 @@ def report(results: dict[str, Any]) -> str:
         "",
         f"mode: {results['mode']}; {results['prompts']} prompts x {results['n']} samples, up to "
         f"{results['max_new_tokens']} new tokens, temperature 1; {results['machine']}"
+        + (f"; code {results['code']}" if results.get("code") else "")
         + (
             f"; generate s: the median of {results['repeats']} calls (min-max)"
             if results.get("repeats", 1) > 1
@@ -355,7 +370,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--merge",
         action="store_true",
-        help="keep the arms in --out-dir's vllm.json measured on this machine with these settings",
+        help="keep the arms in --out-dir's vllm.json measured on this machine with these settings "
+        "and this code",
     )
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -398,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         "n": args.n,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
+        "code": bench_code(),
         "models": {},
     }
     if args.merge:

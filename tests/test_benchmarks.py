@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -130,10 +131,10 @@ def test_bench_vllm_plans_an_arm_from_the_model_directory_it_served(tmp_path):
 def test_bench_vllm_reuses_a_kept_model_and_merges_a_leases_arms(tmp_path, monkeypatch):
     """A later call of a lease reuses the model an earlier call built (minutes at 7B) unless its
     shape or its build differs, and keeps the arms measured on the same machine with the same
-    settings, not failed ones or another machine's."""
+    settings and code, not failed ones, another machine's or those of code changed in between."""
     import qerl.pipeline.demo.tiny_model as tiny_model
 
-    from benchmarks.bench_vllm import TINY, bench_model, earlier_arms
+    from benchmarks.bench_vllm import TINY, bench_code, bench_model, earlier_arms
 
     builds = []
     real = tiny_model.build_tiny_model
@@ -151,7 +152,7 @@ def test_bench_vllm_reuses_a_kept_model_and_merges_a_leases_arms(tmp_path, monke
     assert len(builds) == 3 and (out / "model.safetensors").read_bytes() == weights
 
     settings = {"mode": "cuda", "machine": "NVIDIA H200", "torch": "2.11.0+cu130", "prompts": 16,
-                "n": 8, "max_new_tokens": 256, "repeats": 3}  # fmt: skip
+                "n": 8, "max_new_tokens": 256, "repeats": 3, "code": bench_code()}  # fmt: skip
     earlier = {
         **settings,
         "models": {"0.5b": {"nvfp4": {"tokens_per_s": 18072.0}, "bf16": {"error": "cut off"}}},
@@ -161,6 +162,27 @@ def test_bench_vllm_reuses_a_kept_model_and_merges_a_leases_arms(tmp_path, monke
     path.write_text(json.dumps(earlier))
     assert earlier_arms(path, settings) == {"0.5b": {"nvfp4": {"tokens_per_s": 18072.0}}}
     assert earlier_arms(path, {**settings, "machine": "NVIDIA H100 80GB HBM3"}) == {}
+    assert earlier_arms(path, {**settings, "code": "0" * 16}) == {}  # a fix between two calls
+
+
+def test_bench_vllm_code_version_follows_the_modules_its_arms_run(tmp_path, monkeypatch):
+    """The engine module the arms serve through is in the hash (the factory imports it by name at
+    run time), so a fix there between two calls of a lease keeps their arms apart."""
+    import qerl.pipeline.rollout.vllm_engine as engine
+    from qerl.pipeline.store import code_version
+
+    from benchmarks.bench_vllm import bench_code
+
+    before = bench_code()
+    edited = tmp_path / "vllm_engine.py"
+    edited.write_text(Path(engine.__file__).read_text() + "\n# a fix\n")
+    real = code_version._module_file
+    monkeypatch.setattr(
+        code_version,
+        "_module_file",
+        lambda name: (str(edited), False) if name == engine.__name__ else real(name),
+    )
+    assert bench_code() != before
 
 
 def test_bench_vllm_shortens_a_model_by_its_layers_and_says_so_in_its_name():
