@@ -63,7 +63,8 @@ def cmd_versions(args: argparse.Namespace) -> int:
     aliases: dict[str, list[str]] = {}
     for alias, number in client.get_registered_model(name).aliases.items():
         aliases.setdefault(str(number), []).append(alias)
-    print(f"{name} in {health.shown_uri(uri)}: {len(versions)} versions (test / validation accuracy)")
+    count = f"{len(versions)} version{'' if len(versions) == 1 else 's'}"
+    print(f"{name} in {health.shown_uri(uri)}: {count} (test / validation accuracy)")
     for v in versions:
         tags = dict(v.tags)
         held = ", ".join(f"@{a}" for a in sorted(aliases.get(str(v.version), []))) or "-"
