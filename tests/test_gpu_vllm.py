@@ -1,11 +1,11 @@
 """vLLM on the GPU (issue 23): the engine mode ``vllm-nvfp4-marlin``, served by the vLLM bundle.
 
-NOT YET EXECUTED. These tests were written in a session without a GPU (first version) and have never
-run: expect first-run fixes (vLLM 0.26.0's API where it differs from the CPU environment's vLLM
-0.32, the bounds below). They are marked ``gpu`` and skip, with the reason, without CUDA or without an
-importable vLLM. On the GPU machine vLLM comes from the chunked bundle (``scripts/fetch_gpu_wheels.sh
---vllm`` here, then the call sequence in ``scripts/gpu_check.sh --help``); ``gpu_check.sh
---vllm-only`` runs this file once the chunks are in.
+These tests run against vLLM 0.26.0, the release the kit carries (the CPU environment has 0.32; where
+the two APIs differ, they follow 0.26); what they measured is in BENCHMARKS.md's GPU kit section.
+They are marked ``gpu`` and skip, with the reason, without CUDA or without an importable vLLM. On the
+GPU machine vLLM comes from the chunked bundle (``scripts/fetch_gpu_wheels.sh --vllm`` here, then the
+call sequence in ``scripts/gpu_check.sh --help``); ``gpu_check.sh --vllm-only`` runs this file once
+the chunks are in.
 
 The model: Qwen2-shaped with random weights, built there by ``build_tiny_model`` (no download), sized
 for FP4 Marlin's tiles (every projection's output a multiple of 64 and input a multiple of 128:

@@ -1,6 +1,6 @@
 """vLLM on the GPU, built for AQN: exact noise under CUDA graphs.
 
-NOT YET EXECUTED (no GPU since it was written). A run with AQN builds its engine with
+A run with AQN builds its engine with
 ``build_engine(..., aqn=True)``: vLLM loads the model through qerl's loader
 (``qerl.pipeline.rollout.aqn_vllm.FP32_NORMS_LOAD_FORMAT``), which leaves the AQN norms fp32 before
 torch.compile traces the model and CUDA graphs capture it, and the noise is written into them in
