@@ -276,9 +276,42 @@ def test_tensor_parallel_checked_at_config_load(tiny_model_dir, monkeypatch):
     with pytest.raises(ConfigError, match="no CUDA device"):
         load_run_config(None, [src, "rollout.tensor_parallel_size=2"])
     monkeypatch.setattr(qerl.pipeline.runtime.device, "cuda_available", lambda: True)
-    assert load_run_config(None, [src, "rollout.tensor_parallel_size=2"]).rollout.tensor_parallel_size == 2
+    bf16 = [src, "train.dtype=bfloat16", "rollout.dtype=bfloat16"]  # what FP4 Marlin serves in
+    assert load_run_config(None, [*bf16, "rollout.tensor_parallel_size=2"]).rollout.tensor_parallel_size == 2
     with pytest.raises(ConfigError, match="does not fit the model's 4 attention heads"):
-        load_run_config(None, [src, "rollout.tensor_parallel_size=3"])
+        load_run_config(None, [*bf16, "rollout.tensor_parallel_size=3"])
+
+
+def test_a_float32_run_is_refused_where_vllm_serves_fp4_marlin(monkeypatch, capsys):
+    """FP4 Marlin takes 16-bit activations only (vLLM asserts it while it prepares the weights, in the
+    engine core, after the quantize stage): a float32 run, the embedded demo's dtype, fails when its
+    config loads on a CUDA machine, the engine refuses to start in it, and ``qerl plan`` (a plan for
+    a CUDA machine) refuses it anywhere. On a CPU, in bfloat16, on the HF engine or on an unquantized
+    base it loads."""
+    import qerl.pipeline.runtime.device
+    from qerl.flows.cli import main
+    from qerl.pipeline.planning.run_config import load_run_config
+    from qerl.pipeline.rollout.config import RolloutConfig
+    from qerl.pipeline.rollout.factory import build_engine
+    from qerl.pipeline.rollout.protocol import EngineError
+
+    refused = r"rollout.dtype is float32.*FP4 Marlin.*--set train.dtype=bfloat16.*--config demo-gpu"
+    monkeypatch.setattr(qerl.pipeline.runtime.device, "cuda_available", lambda: False)
+    assert load_run_config(None).rollout.dtype == "float32"  # the demo, on a CPU
+    assert main(["plan", "qwen2.5-7b", "--gpu-mem", "80"]) == 2
+    assert re.search(refused, capsys.readouterr().err)
+    assert main(["plan", "qwen2.5-7b", "--gpu-mem", "80", "--base", "bf16"]) in (0, 1)  # no Marlin
+    capsys.readouterr()
+
+    monkeypatch.setattr(qerl.pipeline.runtime.device, "cuda_available", lambda: True)
+    with pytest.raises(ConfigError, match=refused):
+        load_run_config(None)
+    assert load_run_config("demo-gpu").rollout.dtype == "bfloat16"
+    assert load_run_config(None, ["rollout.engine=hf"]).rollout.dtype == "float32"
+    assert load_run_config(None, ["quantize.scheme=none"]).quantize.scheme == "none"
+    nvfp4 = types.SimpleNamespace(mode="nvfp4/numba", dir=Path("unused"))  # refused before it is read
+    with pytest.raises(EngineError, match=refused):
+        build_engine(RolloutConfig(dtype="float32"), nvfp4, None)
 
 
 def test_tensor_parallel_size_reaches_vllm(tiny_model_dir, monkeypatch):

@@ -257,14 +257,17 @@ def plan_for_run(
 ) -> Plan:
     """``qerl plan``: load the run config (YAML or preset, then ``--set``), resolve the model (default:
     the config's ``model.source``; the demo's shape comes from ``model.demo``), check tensor
-    parallelism against its heads, and plan one GPU."""
+    parallelism against its heads and the rollout dtype against FP4 Marlin, and plan one GPU."""
     from qerl.pipeline.planning.disk_plan import demo_shape
-    from qerl.pipeline.planning.run_checks import check_parallelism
+    from qerl.pipeline.planning.run_checks import check_parallelism, check_served_dtype
     from qerl.pipeline.planning.run_config import load_run_config
 
     run = load_run_config(config, overrides or [])
     spec = model or run.model.source
     shape = demo_shape(run) if spec == "demo" else resolve_model(spec)[0]
     heads = {"num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads}
-    check_parallelism(run.rollout, heads, cuda=True)  # the plan is for a CUDA machine
+    # the plan is for a CUDA machine
+    check_parallelism(run.rollout, heads, cuda=True)
+    if base == "nvfp4" and run.rollout.engine == "vllm":
+        check_served_dtype(run, "vllm-nvfp4-marlin")
     return plan_memory(shape, parse_memory(gpu_memory), run, prompt_tokens=prompt_tokens, base=base)

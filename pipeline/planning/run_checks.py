@@ -27,7 +27,13 @@ rather than after the first step:
   has no use for one. ``$QERL_DATA_DIR`` needs nothing derived: every load without a root reads it
   (``qerl.pipeline.data.datasets.data_root``), training and evaluation alike;
 - tensor parallelism fits the model's heads (``check_parallelism``): it needs the model's
-  config.json, so it runs where that is known rather than in the validators.
+  config.json, so it runs where that is known rather than in the validators;
+- the engine can serve in the rollout dtype on this machine (``check_served_dtype``): on CUDA, vLLM
+  serves the NVFP4 checkpoint on FP4 Marlin, in bfloat16 or float16 only, so a float32 run (the
+  embedded demo's dtype) is refused when its config is loaded there, before the quantize stage, rather
+  than in the engine's start. It depends on the machine, so it runs in ``load_run_config``, not in
+  the validators (a config is valid on a CPU), and ``qerl plan``, whose plan is for a CUDA machine,
+  runs it as if there were one.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from qerl.pipeline.config import ConfigError
 from qerl.pipeline.data.datasets import NAMED, DataConfig
 from qerl.pipeline.planning.engine_setup import VLLM_LORA_RANKS
 from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.factory import planned_mode, served_dtype_error
 
 if TYPE_CHECKING:
     from qerl.pipeline.planning.run_config import RunConfig
@@ -160,6 +167,16 @@ def updates_per_step(cfg: RunConfig) -> int:
     samples = cfg.loop.prompts_per_step * cfg.rollout.n_samples
     minibatches = math.ceil(samples / cfg.train.minibatch_size)
     return cfg.train.mu * math.ceil(minibatches / cfg.train.grad_accum)
+
+
+def check_served_dtype(cfg: RunConfig, mode: str | None = None) -> None:
+    """The rollout engine serves in ``rollout.dtype`` in ``mode`` (default: the mode it runs in on this
+    machine, ``planned_mode``); a ConfigError names the settings to change."""
+    if mode is None:
+        mode = planned_mode(cfg.rollout, cfg.quantize.scheme == "none")[0]
+    problem = served_dtype_error(cfg.rollout, mode)
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_parallelism(rollout: RolloutConfig, model_config: dict[str, Any], cuda: bool) -> None:

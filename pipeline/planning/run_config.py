@@ -25,7 +25,12 @@ from qerl.pipeline.data.rewards import RewardConfig
 from qerl.pipeline.demo.base_model import DemoBaseConfig
 from qerl.pipeline.evaluation.eval_config import EvalConfig
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig
-from qerl.pipeline.planning.run_checks import check_consistent, check_parallelism, derived_settings
+from qerl.pipeline.planning.run_checks import (
+    check_consistent,
+    check_parallelism,
+    check_served_dtype,
+    derived_settings,
+)
 from qerl.pipeline.registry.tracking import RegistryConfig
 from qerl.pipeline.rl.train_config import TrainConfig
 from qerl.pipeline.rollout.aqn import AQNConfig
@@ -109,6 +114,8 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
     elif not Path(path).exists() and str(path) in preset_names():
         path = PRESET_DIR / f"{path}.yaml"
     cfg = load_config(RunConfig, path, overrides)
+    if cfg.rollout.dtype == "float32":  # the one dtype a CUDA engine refuses (no torch import otherwise)
+        check_served_dtype(cfg)
     model_json = Path(cfg.model.source) / "config.json"
     if cfg.rollout.tensor_parallel_size > 1 and model_json.is_file():  # 1 is valid everywhere
         from qerl.pipeline.runtime.device import cuda_available

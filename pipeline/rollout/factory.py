@@ -28,7 +28,7 @@ from qerl.pipeline.rollout.protocol import EngineError, RolloutEngine
 from qerl.pipeline.runtime import device
 from qerl.pipeline.store.manifest import Manifest
 
-__all__ = ["build_engine", "is_unquantized", "planned_mode"]
+__all__ = ["build_engine", "is_unquantized", "planned_mode", "served_dtype_error"]
 
 log = logging.getLogger("qerl.engines")
 
@@ -53,6 +53,21 @@ def planned_mode(cfg: RolloutConfig, unquantized: bool = False) -> tuple[str, st
     if cfg.engine == "vllm":
         return ("vllm-nvfp4-marlin" if device.cuda_available() else "vllm-nvfp4-emulated"), module
     return "hf-nvfp4-emulated", module
+
+
+def served_dtype_error(cfg: RolloutConfig, mode: str) -> str | None:
+    """Why ``mode`` cannot serve in ``cfg.dtype``, or None. FP4 Marlin's activations are 16-bit: vLLM
+    serves an NVFP4 checkpoint on CUDA in bfloat16 or float16 only (``auto`` turns a float32 checkpoint
+    into bfloat16), and a float32 engine dies on an assertion while it prepares the weights, in the
+    engine core's process, after the quantize stage and the model load."""
+    if mode != "vllm-nvfp4-marlin" or cfg.dtype != "float32":
+        return None
+    return (
+        "rollout.dtype is float32, but on a CUDA machine vLLM serves the NVFP4 checkpoint on FP4 Marlin "
+        "(engine mode vllm-nvfp4-marlin), whose activations are bfloat16 or float16 only: set "
+        "train.dtype and rollout.dtype to bfloat16 (--set train.dtype=bfloat16 --set "
+        "rollout.dtype=bfloat16; for the embedded demo, --config demo-gpu)"
+    )
 
 
 def _checkpoint_dir(manifest: Manifest, what: str) -> Path:
@@ -109,6 +124,9 @@ def build_engine(
     """
     unquantized = is_unquantized(quantized)
     mode, _ = planned_mode(cfg, unquantized)
+    problem = served_dtype_error(cfg, mode)
+    if problem:
+        raise EngineError(problem)
     if unquantized:
         assert quantized is not None
         if twin is not None:
