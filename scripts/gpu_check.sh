@@ -11,7 +11,7 @@
 # Results go to $OUT (the device tool's output folder; default qerl-work/gpu-check), at most the 8
 # files the device tool brings back: gpu-check.md (the report: mode, environment, parts, each test's
 # outcome, benchmark tables), gpu-check.log (everything, pytest's output included), gpu.{md,json}
-# and vllm.{md,json} (the benchmarks), vllm-gap.json and determinism.json (what the tests measured).
+# and vllm.{md,json} (the benchmarks), vllm-gap.json, vllm-gap-padded.json and determinism.json (what the tests measured).
 # A CUDA run also writes benchmarks/results/gpu.{md,json} in this tree (copy them from $OUT into the
 # repository when the tree is a remote copy); vllm.{md,json} go to $OUT from .gpu-bench-work (kept
 # while the machine is warm). A dry run never touches benchmarks/results.
@@ -34,8 +34,9 @@
 #                        started. The report's parts table says what ran, what was cut off, what was
 #                        not started; exit 5 = nothing failed but the kit is incomplete.
 # The parts, in the order of what they are worth to a short lease: (1) tests/test_gpu_vllm.py (the
-# default GPU engine) and tests/test_gpu_vllm_aqn.py (the same engine built for AQN, on the same
-# checkpoint, after the first compiled: it must not get that engine's cached graphs), (2)
+# default GPU engine), tests/test_gpu_vllm_aqn.py (the same engine built for AQN, on the same
+# checkpoint, after the first compiled: it must not get that engine's cached graphs) and
+# tests/test_gpu_vllm_padded.py (a model at SmolLM2-135M's shape, which Marlin serves padded), (2)
 # tests/test_gpu.py (kernels, trainer, determinism on CUDA), (3) benchmarks/bench_vllm.py (Marlin
 # NVFP4 vs bf16 tokens/s), (4) benchmarks/bench_gpu.py (GRPO update time and memory at 7B/14B/32B,
 # kernels).
@@ -85,7 +86,9 @@
 #   (call 4, if the budget cut an arm and 4 minutes are left: the same with `--vllm-arms bf16`;
 #   .gpu-bench-work keeps the model and call 3's arms). All 28 layers: a lease of their own.
 #   --stage-only   stage the carried chunks (extract when complete), report, stop
-#   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py and _aqn.py)
+#   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py, _aqn.py and _padded.py)
+#   --test-files F[,F...]  these test files in place of the parts' list, in this order (for one
+#                  that a lease has not run yet, e.g. tests/test_gpu_vllm_padded.py)
 #   --no-vllm      the kit without the vLLM parts (1 and 3)
 #
 # `qerl run` on the GPU (--run-e2e adds it after the tests; --run-only runs it alone): the user's own
@@ -118,6 +121,7 @@ VLLM_LAYERS=()
 VLLM_ARMS=nvfp4,bf16
 RUN_E2E=0
 RUN_CONFIG=demo-gpu
+TEST_FILES_ONLY=
 PART_MIN_S=${QERL_GPU_PART_MIN_S:-45}          # a part that would get less is not started
 REPORT_RESERVE_S=${QERL_GPU_REPORT_RESERVE_S:-15}  # kept for the report and the copy back
 while (($#)); do
@@ -132,6 +136,7 @@ while (($#)); do
     --run-e2e) RUN_E2E=1; shift ;;
     --run-only) RUN_E2E=1; TESTS=0; BENCH=0; shift ;;
     --run-config) RUN_CONFIG=$2; shift 2 ;;
+    --test-files) TEST_FILES_ONLY=$2; shift 2 ;;
     --models|--arms|--steps|--prompt|--completion) BENCH_ARGS+=("$1" "$2"); shift 2 ;;
     --merge|--skip-kernels) BENCH_ARGS+=("$1"); shift ;;
     --budget-s) BUDGET_S=$2; shift 2 ;;
@@ -144,6 +149,9 @@ while (($#)); do
 done
 
 [[ "$BUDGET_S" =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget-s takes whole seconds, not '$BUDGET_S'" >&2; exit 2; }
+for f in ${TEST_FILES_ONLY//,/ }; do
+  [[ "$f" == tests/test_gpu*.py && -f "$f" ]] || { echo "gpu_check: --test-files: no GPU test file '$f' (tests/test_gpu*.py)" >&2; exit 2; }
+done
 T_START=$SECONDS
 OUT=${OUT:-qerl-work/gpu-check}
 mkdir -p "$OUT"
@@ -351,8 +359,11 @@ TEST_SUMMARY="not run (--bench-only)"
 TEST_FILES=()
 if ((TESTS)); then
   ((DRY)) || export TRITON_INTERPRET=0
-  ((NO_VLLM)) || TEST_FILES+=(tests/test_gpu_vllm.py tests/test_gpu_vllm_aqn.py)
+  ((NO_VLLM)) || TEST_FILES+=(tests/test_gpu_vllm.py tests/test_gpu_vllm_aqn.py tests/test_gpu_vllm_padded.py)
   ((VLLM_ONLY)) || TEST_FILES+=(tests/test_gpu.py)
+  if [[ -n "$TEST_FILES_ONLY" ]]; then
+    IFS=, read -ra TEST_FILES <<<"$TEST_FILES_ONLY"
+  fi
   TEST_RC=0
   : >"$SCRATCH/gpu-tests.txt"
   # the vLLM modules share their checkpoint: the AQN engine then starts where the plain one compiled

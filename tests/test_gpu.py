@@ -184,7 +184,14 @@ def test_gpu_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (tmp_path / "gpu-check.md").read_text()
     assert "mode: dry-run" in report and "SKIPPED" in report and "INCOMPLETE" not in report
-    for part in ("test_gpu_vllm", "test_gpu_vllm_aqn", "test_gpu", "bench_vllm", "bench_gpu"):
+    for part in (
+        "test_gpu_vllm",
+        "test_gpu_vllm_aqn",
+        "test_gpu_vllm_padded",
+        "test_gpu",
+        "bench_vllm",
+        "bench_gpu",
+    ):
         assert re.search(rf"^\| {part} \| \d+ \| exit 0 \|$", report, re.M), part
     assert "| tiny | nvfp4 |" in report and "| tiny | bf16 |" in report
     assert (
@@ -215,6 +222,21 @@ def test_gpu_check_budget_cuts_parts_and_says_so(tmp_path):
     assert re.search(r"^\| bench_gpu \| 0 \| not started: -?\d+s of the 25s budget left \|$", report, re.M)
     bad = subprocess.run(["bash", script, "--dry-run", "--budget-s", "soon"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--budget-s takes whole seconds, not 'soon'" in bad.stderr
+
+
+def test_gpu_check_runs_the_test_files_it_is_given(tmp_path):
+    """``--test-files``: a lease can run one GPU test file that no lease has run yet, alone; a name
+    that is no GPU test file is refused before anything runs."""
+    env = {**os.environ, "OUT": str(tmp_path)}
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    only = "tests/test_gpu_vllm_padded.py"
+    args = ["bash", script, "--dry-run", "--tests-only", "--test-files", only]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = re.findall(r"^\| (test_gpu\w*) \| \d+ \| (.*) \|$", (tmp_path / "gpu-check.md").read_text(), re.M)
+    assert parts == [("test_gpu_vllm_padded", "exit 0")]
+    bad = subprocess.run([*args[:-1], "tests/test_engines.py"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "no GPU test file 'tests/test_engines.py'" in bad.stderr
 
 
 def test_deterministic_kernels_switch_on_cuda_only_and_restore_what_was_there(monkeypatch):

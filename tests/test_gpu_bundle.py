@@ -577,7 +577,12 @@ def test_the_shell_script_exposes_the_vllm_build():
 
 
 # the kit's files that import vLLM
-VLLM_KIT = ("tests/test_gpu_vllm.py", "tests/test_gpu_vllm_aqn.py", "benchmarks/bench_vllm.py")
+VLLM_KIT = (
+    "tests/test_gpu_vllm.py",
+    "tests/test_gpu_vllm_aqn.py",
+    "tests/test_gpu_vllm_padded.py",
+    "benchmarks/bench_vllm.py",
+)
 
 
 def test_the_vllm_kit_names_qerl_modules_and_names_that_exist():

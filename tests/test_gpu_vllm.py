@@ -98,18 +98,41 @@ def kit_dir(tmp_path_factory, name: str) -> Path:
     return path
 
 
-def kit_checkpoint(tmp_path_factory):
-    """The Marlin-sized Qwen2 model, quantized by the quantize stage (on the GPU where there is one)."""
+def kit_checkpoint(
+    tmp_path_factory, name: str = "marlin-qwen2", arch: str = "qwen2", sizes: dict | None = None
+):
+    """A kit model (default: the Marlin-sized Qwen2 model), quantized by the quantize stage (on the GPU
+    where there is one)."""
     from qerl.pipeline.demo.tiny_model import build_tiny_model
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages.quantize import run as quantize
 
-    base = kit_dir(tmp_path_factory, "marlin-qwen2")
+    base = kit_dir(tmp_path_factory, name)
     if not (base / "kit-built").is_file():  # built by the other module's process (complete: the marker)
-        build_tiny_model(base, arch="qwen2", norm_jitter=0.05, **SIZES)
+        build_tiny_model(base, arch=arch, norm_jitter=0.05, **(sizes or SIZES))
         (base / "kit-built").write_text("")
     return quantize(QuantizeConfig(), str(base), ArtifactStore(kit_dir(tmp_path_factory, "vllm-store")))
+
+
+def lora_trainer(base, tmp_path_factory, device: str = "cuda"):
+    """The Triton trainer on checkpoint ``base`` (a manifest), with a LoRA whose B is non-zero; the
+    state and its adapter dir."""
+    from qerl.pipeline.rl.policy import init_state
+    from qerl.pipeline.rl.train_config import TrainConfig
+
+    cfg = TrainConfig(lora_r=8, lora_alpha=16, seed=7)
+    state = init_state(base.dir, cfg, device=device)
+    assert state.base_format == "nvfp4"
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in state.model.named_parameters():
+            if p.requires_grad and "lora_B" in name:
+                p.normal_(0, 0.05, generator=gen)
+    adapter = tmp_path_factory.mktemp("adapter") / "adapter"
+    state.model.save_pretrained(adapter)
+    state.model.eval()
+    return state, adapter
 
 
 @pytest.fixture(scope="module")
@@ -126,21 +149,7 @@ def marlin_base(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trainer(marlin_base, tmp_path_factory):
     """The Triton trainer on the same checkpoint, with a LoRA whose B is non-zero; its adapter dir."""
-    from qerl.pipeline.rl.policy import init_state
-    from qerl.pipeline.rl.train_config import TrainConfig
-
-    cfg = TrainConfig(lora_r=8, lora_alpha=16, seed=7)
-    state = init_state(marlin_base.dir, cfg, device="cuda")
-    assert state.base_format == "nvfp4"
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in state.model.named_parameters():
-            if p.requires_grad and "lora_B" in name:
-                p.normal_(0, 0.05, generator=gen)
-    adapter = tmp_path_factory.mktemp("adapter") / "adapter"
-    state.model.save_pretrained(adapter)
-    state.model.eval()
-    return state, adapter
+    return lora_trainer(marlin_base, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
