@@ -84,7 +84,9 @@
 #           --no-bench-gpu --vllm-models 7b --vllm-layers 4 --budget-s <timeout_s - 20>`
 #                                                   Marlin vs bf16 at 7B's matrices, 4 of its 28 layers
 #   (call 4, if the budget cut an arm and 4 minutes are left: the same with `--vllm-arms bf16`;
-#   .gpu-bench-work keeps the model and call 3's arms). All 28 layers: a lease of their own.
+#   .gpu-bench-work keeps the model and call 3's arms; if none was cut and 3 minutes are left:
+#   `--tests-only --test-files tests/test_gpu_vllm_padded.py`, a SmolLM2-shaped model that vLLM
+#   pads to Marlin's tiles, not run yet). All 28 layers: a lease of their own.
 #   --stage-only   stage the carried chunks (extract when complete), report, stop
 #   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py, _aqn.py and _padded.py)
 #   --test-files F[,F...]  these test files in place of the parts' list, in this order (for one
