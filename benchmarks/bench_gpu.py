@@ -13,7 +13,10 @@ What, on one CUDA GPU, side by side in one run:
    timed updates (median). Peak memory is ``torch.cuda.max_memory_allocated`` over the timed updates
    (tensors only; the CUDA context is not in it), next to what ``qerl plan`` predicts for the same
    shape and batch. An arm that runs out of memory is recorded as OOM with the phase it died in (the
-   paper: bf16 LoRA on 32B does not fit one 80 GB GPU).
+   paper: bf16 LoRA on 32B does not fit one 80 GB GPU). The arms ``nvfp4-det`` and ``bf16-det``
+   (only with ``--arms``) run the same updates under the trainer's deterministic CUDA kernels
+   (``train.deterministic``): their time against the plain arm's is what that switch costs at the
+   paper's batch. The arm is ``gpu_train_arm.py``, the kernel part ``gpu_kernels.py``.
 2. Dequantize: the Triton dequantizer on the largest projections of 7B and 32B, as GB/s of the
    minimal traffic (codes + FP8 scales read, bf16 written) against a device-to-device copy's GB/s
    measured in the same run (the practical bandwidth limit).
@@ -27,7 +30,7 @@ the kernels are the CPU dispatcher's (numba), so its numbers say nothing about a
 dry run, so BENCHMARKS.md only ever shows GPU numbers), rewritten atomically after every arm so a run
 cut off by a time limit keeps what it measured.
 
-Run: ``python benchmarks/bench_gpu.py [--models 7b,14b,32b] [--arms nvfp4,bf16] [--steps 2]``.
+Run: ``python benchmarks/bench_gpu.py [--models 7b,14b,32b] [--arms nvfp4,bf16[,nvfp4-det]] [--steps 2]``.
 """
 
 from __future__ import annotations
@@ -48,282 +51,9 @@ sys.path.insert(0, str(ROOT))
 
 PAPER = dict(prompts=2, group=4, prompt=256, completion=1024, rank=32)
 DRY = dict(prompts=2, group=2, prompt=16, completion=32, rank=8)
+ARMS = ("nvfp4", "bf16", "nvfp4-det", "bf16-det")  # -det: the same base under train.deterministic's kernels
+DETERMINISTIC = "-det"
 TINY_SHAPE = dict(name="tiny", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512)
-FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-# -- model construction (child) --------------------------------------------------------------------
-
-
-def _qwen2_config(shape: Any) -> Any:
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        tie_word_embeddings=shape.tie_embeddings,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-    )
-
-
-def build_model(shape: Any, base: str, device: str) -> Any:
-    """A Qwen2 model of ``shape`` with random bf16 weights made on ``device``, never on the host.
-
-    The skeleton is built on the meta device; each projection is drawn on the device and either kept
-    (bf16) or quantized there and replaced by ``NVFP4Linear`` (nvfp4), one layer at a time, so the
-    NVFP4 arm never holds a bf16 copy of more than one fused group.
-    """
-    import torch
-    from accelerate import init_empty_weights
-    from qerl.kernels import nvfp4_dispatch, nvfp4_reference
-    from qerl.pipeline.nvfp4.linear import NVFP4Linear
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(_qwen2_config(shape), dtype=torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def draw(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, generator=gen, device=device, dtype=torch.bfloat16)).mul_(0.02)
-
-    for layer in model.model.layers:
-        for group in FUSED + (("o_proj",), ("down_proj",)):
-            parent = (
-                layer.self_attn if group[0].endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
-            )
-            linears = {name: getattr(parent, name) for name in group}
-            weights = {n: draw(m.out_features, m.in_features) for n, m in linears.items()}
-            gs = None
-            if base == "nvfp4" and len(group) > 1:  # one global scale per fused group, as vLLM needs
-                gs = nvfp4_reference.global_scale(
-                    max(nvfp4_reference.tensor_amax(w, n) for n, w in weights.items())
-                )
-            for name, module in linears.items():
-                bias = draw(module.out_features) if module.bias is not None else None
-                if base == "nvfp4":
-                    packed, scale, g = nvfp4_dispatch.quantize(weights.pop(name), gs, name=name)
-                    setattr(parent, name, NVFP4Linear.from_tensors(packed, scale, g, bias, name=name))
-                else:
-                    module.weight = torch.nn.Parameter(weights.pop(name), requires_grad=False)
-                    if bias is not None:
-                        module.bias = torch.nn.Parameter(bias, requires_grad=False)
-    for module in model.modules():  # embeddings, norms, lm_head: still on meta
-        is_norm = "Norm" in type(module).__name__
-        for pname, param in list(module.named_parameters(recurse=False)):
-            if param.is_meta:
-                value = (
-                    torch.ones(param.shape, device=device, dtype=torch.bfloat16)
-                    if is_norm
-                    else draw(*param.shape)
-                )
-                setattr(module, pname, torch.nn.Parameter(value, requires_grad=False))
-    if shape.tie_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.to(device)  # buffers (RoPE frequencies) were built on the host
-    model.requires_grad_(False)
-    return model
-
-
-def lora_state(model: Any, cfg: Any, device: str) -> Any:
-    """The train state around an in-memory base, as ``qerl.pipeline.rl.policy.init_state`` builds it from a
-    checkpoint (gradient checkpointing, peft LoRA with NVFP4Linear registered, AdamW, schedule)."""
-    import warnings
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from qerl.pipeline.nvfp4.linear import register_with_peft
-    from qerl.pipeline.rl.policy import TrainState, _lr_lambda, optimizer_impl
-
-    torch.manual_seed(cfg.seed)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        target_modules=list(cfg.target_modules),
-        task_type="CAUSAL_LM",
-    )
-    register_with_peft(lora)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)
-        model = get_peft_model(model, lora)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, **optimizer_impl(device)
-    )
-    return TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg)))
-
-
-def make_batch(state: Any, vocab: int, b: dict) -> Any:
-    """2 prompts x 4 samples of random ids, alternating rewards, sampler logprobs from the policy."""
-    import torch
-    from qerl.pipeline.rl.batch import RolloutBatch, collate
-    from qerl.pipeline.rl.logprobs import completion_logprobs
-
-    gen = torch.Generator().manual_seed(1)
-    n = b["prompts"] * b["group"]
-    prompts = [torch.randint(0, vocab, (b["prompt"],), generator=gen).tolist() for _ in range(b["prompts"])]
-    batch = RolloutBatch(
-        prompt_ids=[prompts[i // b["group"]] for i in range(n)],
-        completion_ids=[
-            torch.randint(0, vocab, (b["completion"],), generator=gen).tolist() for _ in range(n)
-        ],
-        sampler_logprobs=[[0.0] * b["completion"] for _ in range(n)],
-        truncated=[False] * n,
-        rewards=[float(i % 2) for i in range(n)],
-        group_ids=[i // b["group"] for i in range(n)],
-    )
-    with torch.no_grad():  # the ratio starts near 1, as after a real rollout
-        lp, _ = completion_logprobs(state.model, collate(batch, list(range(n)), torch.ones(n), 0), 1.0)
-    batch.sampler_logprobs = lp.float().cpu().tolist()
-    return batch
-
-
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        return int(next(r for r in fh if r.startswith(field)).split()[1]) * 1024
-
-
-def _preload(device: str) -> None:
-    """Import what an arm runs on and compile the dequantizer once, so neither counts as the arm's
-    memory (the CPU baseline is taken after this; on CUDA only tensors are counted anyway)."""
-    import peft  # noqa: F401
-    import torch
-    import transformers  # noqa: F401
-    from qerl.kernels.nvfp4_dispatch import dequantize, quantize
-
-    dequantize(*quantize(torch.ones(16, 16, device=device)), dtype=torch.bfloat16)
-
-
-def train_arm(shape: Any, base: str, device: str, b: dict, steps: int) -> dict:
-    """Build, warm up, time ``steps`` updates; peak memory over the timed updates. OOM is a result."""
-    import torch
-    from qerl.pipeline.rl.step import train_step
-    from qerl.pipeline.rl.train_config import TrainConfig
-
-    cuda = device == "cuda"
-    out: dict[str, Any] = {"phase": "build"}
-    _preload(device)
-    baseline = 0 if cuda else _rss_bytes("VmRSS:")
-    try:
-        model = build_model(shape, base, device)
-        out["weights_bytes"] = torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS:") - baseline
-        cfg = TrainConfig(
-            lora_r=b["rank"], lora_alpha=2 * b["rank"], gradient_checkpointing=True, dtype="bfloat16"
-        )
-        state = lora_state(model, cfg, device)
-        out["phase"] = "sampler logprobs"
-        batch = make_batch(state, shape.vocab, b)
-        out["phase"] = "warm-up update"
-        train_step(state, batch, cfg)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        out["phase"], times = "timed updates", []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            metrics = train_step(state, batch, cfg)
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        out.update(phase="done", times=times, loss=metrics["loss"])
-        out["peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM:") - baseline
-    except torch.OutOfMemoryError as err:
-        out.update(oom=True, error=str(err).splitlines()[0][:300])
-        if cuda:
-            out["peak_bytes_at_oom"] = torch.cuda.max_memory_allocated()
-    return out
-
-
-# -- kernels (child) ---------------------------------------------------------------------------------
-
-
-def _timed(fn: Any, device: str, iters: int) -> float:
-    """Median seconds of ``fn()`` after two warm-up calls (CUDA events on a GPU)."""
-    import torch
-
-    for _ in range(2):
-        fn()
-    samples = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
-def kernel_bench(device: str, dry: bool) -> dict:
-    """Copy bandwidth, dequantize GB/s, and dequantize+GEMM vs bf16 GEMM."""
-    import torch
-    import torch.nn.functional as F
-    from qerl.kernels import nvfp4_dispatch
-    from qerl.pipeline.nvfp4.linear import NVFP4Linear
-    from qerl.pipeline.planning.model_shape import KNOWN_SHAPES
-
-    iters = 3 if dry else 20
-    n_copy = (1 << 16) if dry else (1 << 29)  # 1 GiB of bf16 on a GPU
-    src = torch.empty(n_copy, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() * 2 / _timed(lambda s=src, d=dst: d.copy_(s), device, iters) / 1e9
-    out: dict[str, Any] = {
-        "copy_GBps": copy_gbs,
-        "backend": nvfp4_dispatch.dequantize_backend(device),
-        "dequant": [],
-        "gemm": [],
-    }
-    shapes = (
-        {"tiny": (256, 128)}
-        if dry
-        else {
-            "7b gate_proj": KNOWN_SHAPES["qwen2.5-7b"].projections()["gate_proj"],
-            "32b gate_proj": KNOWN_SHAPES["qwen2.5-32b"].projections()["gate_proj"],
-        }
-    )
-    for name, (o, i) in shapes.items():
-        w = torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02
-        packed, scale, gs = nvfp4_dispatch.quantize(w)
-        sec = _timed(
-            lambda p=packed, s=scale, g=gs: nvfp4_dispatch.dequantize(p, s, g, torch.bfloat16), device, iters
-        )
-        traffic = o * i // 2 + o * i // 16 + 2 * o * i  # codes + FP8 scales in, bf16 out
-        out["dequant"].append({"shape": name, "out": o, "in": i, "s": sec, "GBps": traffic / sec / 1e9})
-    proj = (
-        {"q_proj": (64, 64), "gate_proj": (128, 64)}
-        if dry
-        else {
-            k: v
-            for k, v in KNOWN_SHAPES["qwen2.5-7b"].projections().items()
-            if k in ("q_proj", "gate_proj", "down_proj")
-        }
-    )
-    for name, (o, i) in proj.items():
-        w = torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02
-        layer = NVFP4Linear.from_tensors(*nvfp4_dispatch.quantize(w), name=name)
-        dense = nvfp4_dispatch.dequantize(
-            layer.weight_packed, layer.weight_scale, layer.weight_global_scale, torch.bfloat16
-        )
-        for tokens in (8, 64) if dry else (8, 64, 4096):
-            x = torch.randn(tokens, i, device=device, dtype=torch.bfloat16)
-            with torch.no_grad():
-                fused = _timed(lambda x=x, layer=layer: layer(x), device, iters)
-                plain = _timed(lambda x=x, d=dense: F.linear(x, d), device, iters)
-            out["gemm"].append(
-                {"proj": name, "out": o, "in": i, "tokens": tokens, "nvfp4_s": fused, "bf16_s": plain}
-            )
-    return out
 
 
 # -- parent ------------------------------------------------------------------------------------------
@@ -332,6 +62,9 @@ def kernel_bench(device: str, dry: bool) -> dict:
 def _child(args: argparse.Namespace) -> None:
     from qerl.pipeline.planning.model_shape import KNOWN_SHAPES, ModelShape
 
+    from benchmarks.gpu_kernels import kernel_bench
+    from benchmarks.gpu_train_arm import train_arm
+
     device = "cuda" if not args.dry_run else "cpu"
     b = DRY if args.dry_run else PAPER
     b = {**b, **{k: v for k, v in (("prompt", args.prompt), ("completion", args.completion)) if v}}
@@ -339,7 +72,8 @@ def _child(args: argparse.Namespace) -> None:
         result = kernel_bench(device, args.dry_run)
     else:
         shape = ModelShape(**TINY_SHAPE) if args.dry_run else KNOWN_SHAPES[f"qwen2.5-{args.model}"]
-        result = train_arm(shape, args.child, device, b, args.steps)
+        base = args.child.removesuffix(DETERMINISTIC)
+        result = train_arm(shape, base, device, b, args.steps, deterministic=args.child != base)
     Path(args.result).write_text(json.dumps(result))
 
 
@@ -386,7 +120,7 @@ def _plan_bytes(shape: Any, base: str, b: dict, device: str) -> int:
 
 def _train_rows(report: dict) -> list[str]:
     rows = [
-        "| model | base | weights GiB | peak GiB | `qerl plan` GiB | s / update | result |",
+        "| model | arm | weights GiB | peak GiB | `qerl plan` GiB | s / update | result |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for arm in report["train"]:
@@ -400,12 +134,12 @@ def _train_rows(report: dict) -> list[str]:
             result = f"loss {arm['loss']:.4g}"
         sec = f"{statistics.median(arm['times']):.2f}" if arm.get("times") else "-"
         rows.append(
-            f"| {arm['shape']['name']} | {arm['base']} | {_gib(arm.get('weights_bytes'))} | "
+            f"| {arm['shape']['name']} | {arm.get('arm', arm['base'])} | {_gib(arm.get('weights_bytes'))} | "
             f"{_gib(arm.get('peak_bytes'))} | {_gib(arm['plan_bytes'])} | {sec} | {result} |"
         )
     by_model: dict[str, dict[str, dict]] = {}
     for arm in report["train"]:
-        by_model.setdefault(arm["shape"]["name"], {})[arm["base"]] = arm
+        by_model.setdefault(arm["shape"]["name"], {})[arm.get("arm", arm["base"])] = arm
     rows.append("")
     for name, arms in by_model.items():
         a, b = arms.get("nvfp4", {}), arms.get("bf16", {})
@@ -418,6 +152,14 @@ def _train_rows(report: dict) -> list[str]:
             rows.append(
                 f"- {name}: the NVFP4 base trains in {_gib(a['peak_bytes'])} GiB; the bf16 base does not fit"
             )
+        for base in ("nvfp4", "bf16"):
+            plain, det = arms.get(base, {}), arms.get(base + DETERMINISTIC, {})
+            if plain.get("times") and det.get("times"):
+                rows.append(
+                    f"- {name}, {base} base: deterministic kernels / default, time "
+                    f"**{statistics.median(det['times']) / statistics.median(plain['times']):.2f}x**, peak "
+                    f"{det['peak_bytes'] / plain['peak_bytes']:.2f}x"
+                )
     return rows
 
 
@@ -540,12 +282,15 @@ def main(args: argparse.Namespace) -> dict:
             save()
         for model in models:
             shape = ModelShape(**TINY_SHAPE) if args.dry_run else KNOWN_SHAPES[f"qwen2.5-{model}"]
-            for base in args.arms.split(","):
-                print(f"bench_gpu: {shape.name} {base} ...", flush=True)
-                arm = _run_child(base, model, args, Path(tmp))
+            for name in args.arms.split(","):
+                print(f"bench_gpu: {shape.name} {name} ...", flush=True)
+                arm = _run_child(name, model, args, Path(tmp))
+                base = name.removesuffix(DETERMINISTIC)
                 arm.update(
                     shape=shape.__dict__,
+                    arm=name,
                     base=base,
+                    deterministic=name != base,
                     device="cpu" if args.dry_run else "cuda",
                     batch=b["prompts"] * b["group"],
                     prompt=b["prompt"],
@@ -556,7 +301,7 @@ def main(args: argparse.Namespace) -> dict:
                 report["train"].append(arm)
                 save()
                 print(
-                    f"bench_gpu: {shape.name} {base}: peak {_gib(arm.get('peak_bytes'))} GiB, "
+                    f"bench_gpu: {shape.name} {name}: peak {_gib(arm.get('peak_bytes'))} GiB, "
                     f"{'OOM' if arm.get('oom') else arm.get('error', 'ok')}",
                     flush=True,
                 )
@@ -572,7 +317,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="7b,14b,32b",
         help="Qwen2.5 sizes from qerl.pipeline.planning.model_shape.KNOWN_SHAPES",
     )
-    parser.add_argument("--arms", default="nvfp4,bf16")
+    parser.add_argument(
+        "--arms",
+        default="nvfp4,bf16",
+        help=f"comma-separated, of {list(ARMS)} (-det: train.deterministic's kernels; its time against "
+        "the arm without is what the switch costs)",
+    )
     parser.add_argument(
         "--steps",
         type=int,
@@ -591,10 +341,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out-dir", default=None, help="where gpu.md/gpu.json go (default benchmarks/results)"
     )
-    parser.add_argument("--child", choices=["nvfp4", "bf16", "kernels"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=[*ARMS, "kernels"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.arms.split(",")) - set(ARMS))
+    if unknown:
+        parser.error(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
     if args.steps is None:
         args.steps = 1 if args.dry_run else 2
     return args

@@ -78,8 +78,9 @@
 # the extracted vLLM bundle brings, so no part runs before call 2:
 #   call 1  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"], timeout_s 60, --stage-only
 #   call 2  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-02", ".gpu-run/manifest.json",
-#           ".gpu-run/part-01"], timeout_s 450, `bash scripts/gpu_check.sh --run-only --budget-s 430`
-#                                                                    qerl run on FP4 Marlin to the end
+#           ".gpu-run/part-01"], timeout_s 450, `bash scripts/gpu_check.sh --run-e2e --bench-only
+#           --no-vllm --models 7b --arms nvfp4,nvfp4-det --skip-kernels --budget-s 430`
+#           qerl run on FP4 Marlin to the end, then a 7B update with and without deterministic kernels
 #   call 3  no carry, timeout_s = budget_left_s - 30, `bash scripts/gpu_check.sh --bench-only
 #           --no-bench-gpu --vllm-models 7b --vllm-layers 4 --budget-s <timeout_s - 20>`
 #                                                   Marlin vs bf16 at 7B's matrices, 4 of its 28 layers

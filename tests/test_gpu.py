@@ -54,11 +54,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _kit_modules() -> list[str]:
-    """Our modules imported by this file and by benchmarks/bench_gpu.py (parsed, so a new import is
-    covered without editing a list)."""
+    """Our modules imported by this file and by benchmarks/bench_gpu.py and its parts (parsed, so a new
+    import is covered without editing a list)."""
     found = set()
     kit = ("tests/test_gpu.py", "tests/conftest.py", "tests/test_qlinear.py", "tests/test_nvfp4_kernels.py")
-    for path in [ROOT / p for p in kit] + [ROOT / "benchmarks" / "bench_gpu.py"]:
+    bench = ("bench_gpu.py", "gpu_train_arm.py", "gpu_kernels.py")
+    for path in [ROOT / p for p in kit] + [ROOT / "benchmarks" / p for p in bench]:
         for mod in re.findall(
             r"^\s*(?:from|import) (qerl\.(?:pipeline|stages|kernels)[\w.]*)", path.read_text(), re.M
         ):
@@ -654,3 +655,23 @@ def test_bench_report_records_oom_and_merges_runs(tmp_path):
     assert again["train"] == []  # 32b is being re-run: its old arms go
     with pytest.raises(SystemExit, match="another setup"):
         bench._merge_previous({**report, "steps": 3}, tmp_path / "gpu.json", ["7b"])
+
+
+def test_bench_gpu_times_the_deterministic_switch_beside_the_plain_arm(tmp_path):
+    """``--arms nvfp4,nvfp4-det``: the same NVFP4 update with and without train.deterministic's
+    kernels, each in its own process, and the ratio of their times (on the CPU the switch changes no
+    kernel, so this checks the plumbing; its cost is a GPU figure)."""
+    bench = _bench_module()
+    args = bench.parse_args(
+        ["--dry-run", "--arms", "nvfp4,nvfp4-det", "--skip-kernels", "--out-dir", str(tmp_path)]
+    )
+    report = bench.main(args)
+    arms = {a["arm"]: a for a in report["train"]}
+    assert set(arms) == {"nvfp4", "nvfp4-det"}, report["train"]
+    assert arms["nvfp4-det"]["base"] == "nvfp4" and arms["nvfp4-det"]["deterministic"] is True
+    assert arms["nvfp4"]["deterministic"] is False and all(a.get("times") for a in arms.values())
+    text = (tmp_path / "gpu.md").read_text()
+    assert "| tiny | nvfp4-det |" in text
+    assert re.search(r"- tiny, nvfp4 base: deterministic kernels / default, time \*\*\d+\.\d\dx\*\*", text)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dry-run", "--arms", "nvfp4,fp8"])
