@@ -104,7 +104,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         metavar="MODEL",
         help="config.json, model dir, hub id or known shape (qwen2.5-7b ...); default: model.source",
     )
-    p.add_argument("--gpu-mem", required=True, help="one GPU's memory: 80 (GiB), 80GiB, 80GB or 81559MiB")
+    p.add_argument(
+        "--gpu-mem",
+        default=None,
+        help="one GPU's memory: 80 (GiB), 80GiB, 80GB or 81559MiB (default: this machine's first GPU)",
+    )
     _config_options(p, PRESET_HELP, SET_HELP)
     p.add_argument("--prompt-tokens", type=int, default=None, help="longest prompt (default: the worst case)")
     p.add_argument(

@@ -282,6 +282,24 @@ def test_tensor_parallel_checked_at_config_load(tiny_model_dir, monkeypatch):
         load_run_config(None, [*bf16, "rollout.tensor_parallel_size=3"])
 
 
+def test_plan_is_for_this_machines_gpu_without_gpu_mem(monkeypatch, capsys):
+    """No ``--gpu-mem``: the plan is for this machine's first GPU, named in the plan's head; without
+    one the error says what to give."""
+    import qerl.pipeline.runtime.device
+    import torch
+    from qerl.flows.cli import main
+
+    monkeypatch.setattr(qerl.pipeline.runtime.device, "cuda_available", lambda: False)
+    assert main(["plan", "--config", "demo-gpu"]) == 2
+    assert "no CUDA device here to plan for: give one GPU's memory with --gpu-mem" in capsys.readouterr().err
+    monkeypatch.setattr(qerl.pipeline.runtime.device, "cuda_available", lambda: True)
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=int(79.19 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    assert main(["plan", "--config", "demo-gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "; this machine's NVIDIA H100 80GB HBM3" in out.splitlines()[0] and "of 79.19 GiB: fits" in out
+
+
 def test_a_float32_run_is_refused_where_vllm_serves_fp4_marlin(monkeypatch, capsys):
     """FP4 Marlin takes 16-bit activations only (vLLM asserts it while it prepares the weights, in the
     engine core, after the quantize stage): a float32 run, the embedded demo's dtype, fails when its

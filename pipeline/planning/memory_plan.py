@@ -52,6 +52,21 @@ def parse_memory(text: str | float) -> float:
     return value * scale
 
 
+def this_gpu_memory() -> tuple[str, float]:
+    """(name, bytes) of this machine's first CUDA device: ``qerl plan``'s GPU when ``--gpu-mem`` is not
+    given. The plan is then for the machine the run will start on."""
+    from qerl.pipeline.runtime.device import cuda_available
+
+    if not cuda_available():
+        raise ValueError(
+            "no CUDA device here to plan for: give one GPU's memory with --gpu-mem (e.g. 80 for an H100)"
+        )
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return props.name, float(props.total_memory)
+
+
 @dataclass
 class Plan:
     """Rows of (section, component, bytes, note), the verdict and the advice."""
@@ -64,6 +79,7 @@ class Plan:
     kv_tokens: int = 0
     kv_needed_tokens: int = 0
     advice: list[str] = field(default_factory=list)
+    gpu_name: str = ""  # the GPU planned for, when it is this machine's
 
     def table(self) -> str:
         width = max(len(c) for _, c, _, _ in self.rows) + 2
@@ -90,6 +106,8 @@ class Plan:
             f"QeRL memory plan (GiB): {s.name}, hidden {s.hidden}, {s.layers} layers, {s.heads}/{s.kv_heads} "
             f"heads, intermediate {s.intermediate}, vocab {s.vocab}"
         )
+        if self.gpu_name:
+            head += f"; this machine's {self.gpu_name}"
         out = [head, self.table()]
         out += [f"- {a}" for a in self.advice]
         return "\n".join(out) + "\n"
@@ -249,14 +267,15 @@ def _advice(
 
 def plan_for_run(
     model: str | None,
-    gpu_memory: str,
+    gpu_memory: str | None,
     config: str | None = None,
     overrides: list[str] | None = None,
     prompt_tokens: int | None = None,
     base: str = "nvfp4",
 ) -> Plan:
     """``qerl plan``: load the run config (YAML or preset, then ``--set``), resolve the model (default:
-    the config's ``model.source``; the demo's shape comes from ``model.demo``), check tensor
+    the config's ``model.source``; the demo's shape comes from ``model.demo``), take the GPU's memory
+    (``gpu_memory``, else this machine's first GPU), check tensor
     parallelism against its heads and the rollout dtype against FP4 Marlin, and plan one GPU."""
     from qerl.pipeline.planning.disk_plan import demo_shape
     from qerl.pipeline.planning.run_checks import check_parallelism, check_served_dtype
@@ -270,4 +289,7 @@ def plan_for_run(
     check_parallelism(run.rollout, heads, cuda=True)
     if base == "nvfp4" and run.rollout.engine == "vllm":
         check_served_dtype(run, "vllm-nvfp4-marlin")
-    return plan_memory(shape, parse_memory(gpu_memory), run, prompt_tokens=prompt_tokens, base=base)
+    name, gpu_bytes = this_gpu_memory() if gpu_memory is None else ("", parse_memory(gpu_memory))
+    plan = plan_memory(shape, gpu_bytes, run, prompt_tokens=prompt_tokens, base=base)
+    plan.gpu_name = name
+    return plan
