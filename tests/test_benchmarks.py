@@ -52,7 +52,8 @@ def test_bench_vllm_reads_vllms_memory_log_and_sets_the_plan_beside_it():
     from qerl.pipeline.planning.model_shape import KNOWN_SHAPES
     from qerl.pipeline.rollout.config import RolloutConfig
 
-    from benchmarks.bench_vllm import MODELS, report, tiny_model_sizes, vllm_reported
+    from benchmarks.bench_vllm import MODELS, tiny_model_sizes
+    from benchmarks.vllm_report import report, vllm_reported
 
     log = (
         "INFO 11-26 [gpu_model_runner.py:5150] Model loading took 0.98 GiB memory and 2.100000 seconds\n"
@@ -211,7 +212,7 @@ def test_benchmarks_md_is_what_the_sections_assemble_to():
 def test_bench_vllm_names_the_root_cause_of_a_failed_engine():
     """vLLM's engine core fails in its own process; the parent's last lines only say "Engine core
     initialization failed" (what an H200 run reported, hiding a missing module)."""
-    from benchmarks.bench_vllm import root_cause
+    from benchmarks.vllm_report import root_cause
 
     log = (
         "(EngineCore pid=7) Traceback (most recent call last):\n"
