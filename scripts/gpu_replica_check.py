@@ -13,7 +13,8 @@ a 15-minute budget, while here it costs seconds.
 2. scheme: vLLM reads the quantize stage's checkpoint (the kit test's Marlin-sized Qwen2) and gives
    every linear layer the W4A16 FP4 scheme on the Marlin kernel, and ``lm_head`` none.
 3. engine: qerl's vLLM engine, built by ``build_engine`` with the kit tests' config (CUDA graphs,
-   LoRA, in-process; plain and for AQN) and with ``bench_vllm``'s for both its arms and for a run
+   LoRA, in-process; plain, for AQN, and on the padded test's SmolLM2-shaped Llama) and with
+   ``bench_vllm``'s for both its arms and for a run
    with AQN, passes vLLM's argument parsing, config validation, model inspection and
    worker-extension injection and reaches the worker's ``init_device``, the first call that needs
    the GPU, in-process and in vLLM's engine-core process. It reports the model runner vLLM chose and the CUDA graph mode, and the
@@ -380,16 +381,19 @@ def run_checks(work: Path) -> list[str]:
     from qerl.stages import quantize
 
     from tests.test_gpu_vllm import ENGINE, SIZES
+    from tests.test_gpu_vllm_padded import SMOLLM2_SIZES
 
     store = ArtifactStore(work / "store")
     base = build_tiny_model(work / "marlin-qwen2", arch="qwen2", norm_jitter=0.05, **SIZES)
     quantized = quantize.run(QuantizeConfig(), str(base), store)
+    padded_dir = build_tiny_model(work / "padded-llama", arch="llama", norm_jitter=0.05, **SMOLLM2_SIZES)
+    padded = quantize.run(QuantizeConfig(), str(padded_dir), store)
     steps = [
         ("2. scheme", lambda: check_scheme(quantized.dir)),
         (
             "3. engine",
             lambda: check_engines(
-                work, quantized, quantize.run(QuantizeConfig(scheme="none"), str(base), store)
+                work, quantized, quantize.run(QuantizeConfig(scheme="none"), str(base), store), padded
             ),
         ),
         (
@@ -412,10 +416,10 @@ def run_checks(work: Path) -> list[str]:
     return findings
 
 
-def check_engines(work: Path, quantized: Any, plain: Any) -> list[str]:
-    """The kit tests' engines (in-process; plain and built for AQN), bench_vllm's two arms (engine-core
-    process, as a run's) and the NVFP4 one built for AQN (the loader must be registered in the
-    engine-core process too)."""
+def check_engines(work: Path, quantized: Any, plain: Any, padded: Any) -> list[str]:
+    """The kit tests' engines (in-process; plain, built for AQN, and on the SmolLM2-shaped Llama that
+    Marlin serves padded), bench_vllm's two arms (engine-core process, as a run's) and the NVFP4 one
+    built for AQN (the loader must be registered in the engine-core process too)."""
     from qerl.pipeline.rollout.config import RolloutConfig
 
     import benchmarks.bench_vllm as bench_vllm
@@ -427,6 +431,7 @@ def check_engines(work: Path, quantized: Any, plain: Any) -> list[str]:
     engines = {
         "kit test (in-process)": (RolloutConfig(**ENGINE), quantized, False),
         "kit AQN test (in-process)": (RolloutConfig(**ENGINE), quantized, True),
+        "kit padded test (in-process)": (RolloutConfig(**ENGINE), padded, False),
         "bench_vllm nvfp4 (engine-core process)": (bench_cfg, quantized, False),
         "bench_vllm bf16 (engine-core process)": (bench_cfg, plain, False),
         "a run's, with AQN (engine-core process)": (bench_cfg, quantized, True),
