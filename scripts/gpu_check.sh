@@ -11,7 +11,7 @@
 # Results go to $OUT (the device tool's output folder; default qerl-work/gpu-check), at most the 8
 # files the device tool brings back: gpu-check.md (the report: mode, environment, parts, each test's
 # outcome, benchmark tables), gpu-check.log (everything, pytest's output included), gpu.{md,json}
-# and vllm.{md,json} (the benchmarks), vllm-gap.json, vllm-gap-padded.json and determinism.json (what the tests measured).
+# and vllm.{md,json} (the benchmarks), vllm-gap.json and determinism.json (what the tests measured).
 # A CUDA run also writes benchmarks/results/gpu.{md,json} in this tree (copy them from $OUT into the
 # repository when the tree is a remote copy); vllm.{md,json} go to $OUT from .gpu-bench-work (kept
 # while the machine is warm). A dry run never touches benchmarks/results.

@@ -812,3 +812,18 @@ def test_the_kits_src_folder_puts_qerl_first_and_the_bundles_after_site_packages
     qerl_file, bundle_at, site_at = json.loads(out.stdout)
     assert qerl_file.startswith(str(tmp_path / "src"))
     assert bundle_at > site_at
+
+
+def test_the_vllm_modules_share_one_gap_file(tmp_path, monkeypatch):
+    """The AQN and padded modules add their records to vllm-gap.json beside the first module's, so the
+    kit stays within the 8 files the device tool brings back."""
+    from tests.test_gpu_vllm import record_gap
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    (tmp_path / "vllm-gap.json").write_text(json.dumps({"clean": {"tokens": 3}}))
+    record_gap("fp32_norms", {"tokens": 4})
+    record_gap("padded", {"tokens": 5})
+    assert json.loads((tmp_path / "vllm-gap.json").read_text()) == {
+        "clean": {"tokens": 3}, "fp32_norms": {"tokens": 4}, "padded": {"tokens": 5},
+    }  # fmt: skip
+    assert [p.name for p in tmp_path.iterdir()] == ["vllm-gap.json"]

@@ -258,6 +258,16 @@ def test_aqn_moves_the_logprobs_under_cuda_graphs_and_sigma_zero_restores_them(e
     assert back_ids == base_ids and back_lp == base_lp, "sigma 0 must restore the clean model exactly"
 
 
+def record_gap(key: str, record: dict) -> None:
+    """Add ``record`` under ``key`` to $OUT/vllm-gap.json (when OUT is set), beside this module's own
+    record: the device tool brings back at most 8 files."""
+    out = os.environ.get("OUT")
+    if out:
+        path = Path(out) / "vllm-gap.json"
+        merged = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps({**merged, key: record}, indent=1) + "\n")
+
+
 def _gap(engine, state, sigma: float) -> dict:
     """vLLM samples (T = 1, logprobs on) with the adapter; the trainer scores the same tokens."""
     from qerl.pipeline.rl.batch import RolloutBatch, collate

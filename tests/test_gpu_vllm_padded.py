@@ -16,14 +16,12 @@ builds it (``tests/test_gpu_vllm.py``'s config: CUDA graphs, LoRA), checks that
   (the shapes are recorded);
 - the sampler/trainer gap with the trainer's LoRA is within the bounds of the aligned model: the
   trainer (the Triton dequantizer and a dense GEMM) pads nothing, so padding must change nothing of
-  the function. Recorded in $OUT/vllm-gap-padded.json when OUT is set.
+  the function. Recorded in $OUT/vllm-gap.json under ``padded`` when OUT is set.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
@@ -36,6 +34,7 @@ from tests.test_gpu_vllm import (
     _skip_unless_vllm_on_cuda,
     kit_checkpoint,
     lora_trainer,
+    record_gap,
 )
 
 pytestmark = pytest.mark.gpu
@@ -98,7 +97,6 @@ def test_a_padded_model_serves_on_fp4_marlin_as_the_trainer_computes(engine, pad
     engine.set_adapter(None, None)
     record = {"shapes": shapes, "padded": sorted(padded), "gap": gap}
     print("padded model:", json.dumps(record))
-    if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / "vllm-gap-padded.json").write_text(json.dumps(record, indent=1) + "\n")
+    record_gap("padded", record)
     assert gap["tokens"] > 0
     assert gap["mean_abs_dlogp"] < MEAN_ABS_BOUND and gap["k3_kl"] < K3_BOUND, record
