@@ -57,7 +57,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_report  # noqa: E402 - after the path: this file also runs as a script
-from benchmarks.vllm_report import report, root_cause, vllm_reported  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -210,8 +209,8 @@ def _run_arm(arm: str, model_dir: Path, store: Path, argv: list[str]) -> dict[st
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT ") :])
-            return {**result, "reported": vllm_reported(log), "memory_log": memory_log}
-    error = f"exit {proc.returncode}: {root_cause(proc.stderr or proc.stdout)}"
+            return {**result, "reported": vllm_report.vllm_reported(log), "memory_log": memory_log}
+    error = f"exit {proc.returncode}: {vllm_report.root_cause(proc.stderr or proc.stdout)}"
     return {"arm": arm, "error": error, "memory_log": memory_log}
 
 
@@ -248,11 +247,11 @@ def _flag(name: str) -> str:
 
 
 def _write(results: dict[str, Any], out_dir: Path) -> None:
+    from qerl.pipeline.store.files import atomic_write_text
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in (("vllm.json", json.dumps(results, indent=1) + "\n"), ("vllm.md", report(results))):
-        tmp = out_dir / f"{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out_dir / name)
+    atomic_write_text(out_dir / "vllm.json", json.dumps(results, indent=1) + "\n")  # in the arms' order
+    atomic_write_text(out_dir / "vllm.md", vllm_report.report(results))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -362,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 _write(results, out_dir)
-    text = report(results)
+    text = vllm_report.report(results)
     print(text)
     failed = [f"{m}/{a}" for m, arms in results["models"].items() for a, r in arms.items() if "error" in r]
     if failed:

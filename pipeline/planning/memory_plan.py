@@ -275,8 +275,8 @@ def plan_for_run(
 ) -> Plan:
     """``qerl plan``: load the run config (YAML or preset, then ``--set``), resolve the model (default:
     the config's ``model.source``; the demo's shape comes from ``model.demo``), take the GPU's memory
-    (``gpu_memory``, else this machine's first GPU), check tensor
-    parallelism against its heads and the rollout dtype against FP4 Marlin, and plan one GPU."""
+    (``gpu_memory``, else this machine's first GPU), check tensor parallelism against its heads and
+    the rollout dtype against FP4 Marlin, and plan one GPU."""
     from qerl.pipeline.planning.disk_plan import demo_shape
     from qerl.pipeline.planning.run_checks import check_parallelism, check_served_dtype
     from qerl.pipeline.planning.run_config import load_run_config
@@ -287,7 +287,7 @@ def plan_for_run(
     heads = {"num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads}
     # the plan is for a CUDA machine
     check_parallelism(run.rollout, heads, cuda=True)
-    if base == "nvfp4" and run.rollout.engine == "vllm":
+    if base == "nvfp4" and run.quantize.scheme != "none" and run.rollout.engine == "vllm":
         check_served_dtype(run, "vllm-nvfp4-marlin")
     name, gpu_bytes = this_gpu_memory() if gpu_memory is None else ("", parse_memory(gpu_memory))
     plan = plan_memory(shape, gpu_bytes, run, prompt_tokens=prompt_tokens, base=base)
