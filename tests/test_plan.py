@@ -319,6 +319,7 @@ def test_a_float32_run_is_refused_where_vllm_serves_fp4_marlin(monkeypatch, caps
     assert main(["plan", "qwen2.5-7b", "--gpu-mem", "80"]) == 2
     assert re.search(refused, capsys.readouterr().err)
     assert main(["plan", "qwen2.5-7b", "--gpu-mem", "80", "--base", "bf16"]) in (0, 1)  # no Marlin
+    assert main(["plan", "qwen2.5-7b", "--gpu-mem", "80", "--set", "quantize.scheme=none"]) in (0, 1)
     capsys.readouterr()
 
     monkeypatch.setattr(qerl.pipeline.runtime.device, "cuda_available", lambda: True)
