@@ -10,8 +10,9 @@ first needed: whatever fails before that point fails on the lease too, where a t
 a 15-minute budget, while here it costs seconds.
 
 1. imports: every root of the bundle's import scan imports under vLLM's CUDA platform.
-2. scheme: vLLM reads the quantize stage's checkpoint (the kit test's Marlin-sized Qwen2) and gives
-   every linear layer the W4A16 FP4 scheme on the Marlin kernel, and ``lm_head`` none.
+2. scheme: vLLM reads the quantize stage's checkpoint (the kit test's Marlin-sized Qwen2) and, under
+   the engine's kernel settings (``linear_backend="marlin"``), gives every linear layer the W4A16 FP4
+   scheme on the Marlin kernel, and ``lm_head`` none.
 3. engine: qerl's vLLM engine, built by ``build_engine`` with the kit tests' config (CUDA graphs,
    LoRA, in-process; plain, for AQN, and on the padded test's SmolLM2-shaped Llama) and with
    ``bench_vllm``'s for both its arms and for a run
@@ -24,7 +25,7 @@ a 15-minute budget, while here it costs seconds.
    output classes, so the SamplingParams, TokensPrompt and LoRARequest qerl builds go through vLLM's
    validation and the output fields it reads exist.
 5. model: vLLM builds the checkpoint's model on the meta device (its scheme objects included); the
-   AQN worker extension names an FP4 scheme, finds the norms the HF side noises, and, with them made
+   AQN worker extension names an FP4 scheme on FP4 Marlin (the engine's mode check), finds the norms the HF side noises, and, with them made
    real on the CPU and held in fp32 as qerl's loader leaves them, writes clean + the same noise into
    them exactly under compiled graphs; sigma 0 restores them bit for bit.
 6. weights: vLLM's own loader fills the model, built on the CPU, from the checkpoint; every
@@ -78,6 +79,9 @@ def check_scheme(model_dir: Path) -> list[str]:
     import json
 
     import torch
+    from qerl.pipeline.rollout.vllm_engine import FP4_MARLIN_ARGS
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
     )
@@ -88,22 +92,31 @@ def check_scheme(model_dir: Path) -> list[str]:
     )
     qcfg.packed_modules_mapping = dict(Qwen2ForCausalLM.packed_modules_mapping)  # as vLLM's loader sets it
     findings = []
-    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "lm_head"):
-        layer = name if name == "lm_head" else f"model.layers.0.{name}"
-        scheme = qcfg.get_scheme(torch.nn.Linear(1, 1), layer_name=layer)
-        got = (
-            type(scheme).__name__,
-            getattr(scheme, "use_a16", None),
-            type(getattr(scheme, "kernel", None)).__name__,
-        )
-        want = (
-            ("NoneType", None, "NoneType")
-            if name == "lm_head"
-            else ("CompressedTensorsW4A4Fp4", True, "MarlinNvFp4LinearKernel")
-        )
-        say(f"  scheme {layer}: {got[0]} use_a16={got[1]} kernel={got[2]}")
-        if got != want:
-            findings.append(f"scheme for {layer}: {got}, expected {want}")
+    # under the engine's kernel settings (vLLM picks the kernel when it builds the scheme)
+    args = EngineArgs(model=str(model_dir), dtype="bfloat16", max_model_len=256, **FP4_MARLIN_ARGS)
+    with set_current_vllm_config(args.create_engine_config()):
+        for name in (
+            "self_attn.qkv_proj",
+            "self_attn.o_proj",
+            "mlp.gate_up_proj",
+            "mlp.down_proj",
+            "lm_head",
+        ):
+            layer = name if name == "lm_head" else f"model.layers.0.{name}"
+            scheme = qcfg.get_scheme(torch.nn.Linear(1, 1), layer_name=layer)
+            got = (
+                type(scheme).__name__,
+                getattr(scheme, "use_a16", None),
+                type(getattr(scheme, "kernel", None)).__name__,
+            )
+            want = (
+                ("NoneType", None, "NoneType")
+                if name == "lm_head"
+                else ("CompressedTensorsW4A4Fp4", True, "MarlinNvFp4LinearKernel")
+            )
+            say(f"  scheme {layer}: {got[0]} use_a16={got[1]} kernel={got[2]}")
+            if got != want:
+                findings.append(f"scheme for {layer}: {got}, expected {want}")
     return findings
 
 
@@ -242,6 +255,7 @@ def check_model(model_dir: Path, work: Path) -> list[str]:
     from gpu_replica_weights import build_vllm_model
     from qerl.pipeline.rollout.aqn import layer_noise, noise_targets
     from qerl.pipeline.rollout.aqn_vllm import AQNWorkerExtension, hold_norms_fp32
+    from qerl.pipeline.rollout.vllm_engine import MARLIN_MODE, fp4_kernel_error
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -255,8 +269,9 @@ def check_model(model_dir: Path, work: Path) -> list[str]:
 
     worker, findings = Worker(), []
     schemes = worker.qerl_describe_quant()
-    if not any("Fp4" in s for s in schemes):
-        findings.append(f"model: no FP4 scheme among {schemes} (the engine would refuse vllm-nvfp4-marlin)")
+    problem = fp4_kernel_error(MARLIN_MODE, schemes)
+    if problem:
+        findings.append(f"model: the engine would refuse its mode: {problem}")
     targets = worker._qerl_norm_modules()
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))

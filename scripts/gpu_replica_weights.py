@@ -38,6 +38,7 @@ def build_vllm_model(model_dir: Path, work: Path, device: str) -> tuple[Any, Any
     """vLLM 0.26's model for the checkpoint on ``device`` (``meta`` or ``cpu``), as its loader builds it
     (the model's dtype as the default dtype); the single-rank process group is set up once."""
     import torch
+    from qerl.pipeline.rollout.vllm_engine import FP4_MARLIN_ARGS
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (
         init_distributed_environment,
@@ -48,7 +49,8 @@ def build_vllm_model(model_dir: Path, work: Path, device: str) -> tuple[Any, Any
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    cfg = EngineArgs(model=str(model_dir), dtype="bfloat16", max_model_len=256).create_engine_config()
+    args = EngineArgs(model=str(model_dir), dtype="bfloat16", max_model_len=256, **FP4_MARLIN_ARGS)
+    cfg = args.create_engine_config()
     with set_current_vllm_config(cfg):
         if not model_parallel_is_initialized():
             init_distributed_environment(1, 0, f"file://{work / 'dist-init'}", 0, "gloo")

@@ -119,7 +119,7 @@ def test_the_model_check_runs_against_this_vllm_and_names_a_missing_fp4_scheme(t
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("FINDINGS=")]
     assert lines, out.stdout[-2000:] + out.stderr[-2000:]
     findings = json.loads(lines[0].removeprefix("FINDINGS="))
-    assert len(findings) == 1 and "no FP4 scheme" in findings[0], findings
+    assert len(findings) == 1 and "did not load an NVFP4 scheme" in findings[0], findings
     assert "4 AQN norms" in out.stdout
 
 

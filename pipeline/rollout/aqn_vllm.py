@@ -163,12 +163,14 @@ class AQNWorkerExtension:
         return {name: str(module.weight.dtype) for name, (_, _, module) in self._qerl_norm_modules().items()}
 
     def qerl_describe_quant(self) -> list[str]:
-        """Class names of the linear methods / quantization schemes the model runs (for the manifest)."""
+        """What each linear runs, as ``method[/scheme[/kernel]]`` class names (for the manifest and for
+        the engine's check that its FP4 layers run the kernel its mode names)."""
         model = self.get_model()  # type: ignore[attr-defined]
         names = set()
         for module in model.modules():
             method = getattr(module, "quant_method", None)
             if method is not None:
                 scheme = getattr(module, "scheme", None)
-                names.add(type(method).__name__ + (f"/{type(scheme).__name__}" if scheme is not None else ""))
+                parts = [method, scheme, getattr(scheme, "kernel", None)]
+                names.add("/".join(type(p).__name__ for p in parts if p is not None))
         return sorted(names)

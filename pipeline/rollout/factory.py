@@ -7,8 +7,8 @@ rollout/evaluate cache key); ``build_engine`` follows it and adds the checkpoint
 
 Modes (recorded in every rollout manifest and logged at WARNING when emulated; never silent):
 - ``vllm-nvfp4-marlin``: CUDA, vLLM serves the NVFP4 compressed-tensors checkpoint (FP4 Marlin,
-  weight-only) with LoRA on top. The quantization scheme vLLM picked is read back from the workers
-  and kept in ``engine.info``.
+  weight-only) with LoRA on top. The engine asks vLLM for Marlin by name, reads back the scheme and
+  kernel of every linear from the workers, keeps them in ``engine.info`` and refuses another kernel.
 - ``vllm-nvfp4-emulated``: CPU. vLLM has no NVFP4 kernel there, so it serves the dequantized twin
   (bf16 weights equal to the NVFP4 values): the same function up to accumulation order.
 - ``hf-nvfp4-emulated``: transformers ``generate`` on the twin, the reference and the fallback.

@@ -20,8 +20,13 @@
   would share nothing.
 - Logprobs: ``logprobs_mode`` chosen as described in ``qerl.pipeline.rollout.protocol`` (processed_logprobs when
   top-k/top-p are off, raw_logprobs at T = 1, otherwise an error).
-- Mode: on CUDA it reads back the quantization scheme the workers built and refuses to call itself
-  ``vllm-nvfp4-marlin`` unless an NVFP4 scheme is there.
+- Mode: ``vllm-nvfp4-marlin`` asks vLLM for FP4 Marlin by name (``linear_backend="marlin"``), then
+  reads back the scheme and kernel every linear was built with and refuses to call itself that mode
+  unless every FP4 layer runs ``MarlinNvFp4LinearKernel``. vLLM's own choice for a weight-only NVFP4
+  checkpoint depends on the release and the GPU: 0.26 takes Marlin everywhere, 0.32 (the GPU pin)
+  takes Humming on SM90 (H100, H200) and FlashInfer's CuTe-DSL W4A16 on SM100/103 (B200). Marlin is
+  what QeRL serves, what the GPU kit measured against the trainer, and what
+  ``qerl.pipeline.nvfp4.marlin`` models; another kernel is a different sampler, unmeasured.
 - Processes: ``rollout.in_process`` keeps the engine core in this process; otherwise, on CUDA, the
   engine core is spawned, never forked (``VLLM_WORKER_MULTIPROC_METHOD=spawn``): a process that has
   only asked ``torch.cuda.is_available()`` cannot fork a child that uses CUDA, and vLLM spawns on its
@@ -52,6 +57,10 @@ from qerl.pipeline.runtime.threads import restore, snapshot
 log = logging.getLogger("qerl.engines.vllm")
 
 EXTENSION = "qerl.pipeline.rollout.aqn_vllm.AQNWorkerExtension"
+MARLIN_MODE = "vllm-nvfp4-marlin"
+MARLIN_KERNEL = "MarlinNvFp4LinearKernel"  # vLLM's weight-only FP4 Marlin linear (0.26 and 0.32)
+# vLLM 0.32 would take Humming on SM90 and FlashInfer's CuTe-DSL W4A16 on SM100/103
+FP4_MARLIN_ARGS = {"linear_backend": "marlin"}
 
 
 def logprobs_mode_for(sampling: SamplingSpec) -> str:
@@ -124,10 +133,34 @@ def _aqn_norms(cfg: RolloutConfig, aqn: bool) -> str:
     return "fp32 per noisy step" if cfg.enforce_eager else "model dtype (compiled, not built for AQN)"
 
 
+def fp4_kernel_error(mode: str, linear_methods: list[str]) -> str | None:
+    """Why an engine whose linears run ``linear_methods`` (``method/scheme/kernel`` names, as the
+    workers report them) is not ``mode``, or None: in ``vllm-nvfp4-marlin`` there must be an FP4
+    scheme, and every FP4 layer must run FP4 Marlin."""
+    if mode != MARLIN_MODE:
+        return None
+    fp4 = [m for m in linear_methods if "Fp4" in m or "FP4" in m]
+    if not fp4:
+        return f"vLLM on CUDA did not load an NVFP4 scheme: {linear_methods}"
+    other = [m for m in fp4 if m.rsplit("/", 1)[-1] != MARLIN_KERNEL]
+    if other:
+        return (
+            f"engine mode {mode} needs vLLM's {MARLIN_KERNEL} on every FP4 layer (asked for with "
+            f"linear_backend='marlin'), but vLLM {_vllm_version()} built {other}"
+        )
+    return None
+
+
 def _llm_kwargs(
-    cfg: RolloutConfig, model_dir: Path, logprobs_mode: str, cuda: bool, aqn: bool = False
+    cfg: RolloutConfig,
+    model_dir: Path,
+    logprobs_mode: str,
+    cuda: bool,
+    aqn: bool = False,
+    fp4_marlin: bool = False,
 ) -> dict[str, Any]:
-    """``vllm.LLM``'s arguments for ``cfg`` on this machine (sets vLLM's multiprocessing switch)."""
+    """``vllm.LLM``'s arguments for ``cfg`` on this machine (sets vLLM's multiprocessing switch);
+    ``fp4_marlin``: serve the NVFP4 checkpoint on FP4 Marlin whatever vLLM would pick on this GPU."""
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "tokenizer": str(model_dir),
@@ -165,6 +198,8 @@ def _llm_kwargs(
             "threads keep their affinity",
             os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         )
+    if fp4_marlin:
+        kwargs.update(FP4_MARLIN_ARGS)
     if cfg.kv_block_size or not cuda:
         kwargs["block_size"] = cfg.kv_block_size or CPU_KV_BLOCK
     if cfg.enable_lora:
@@ -220,7 +255,8 @@ class VLLMEngine:
         self.cfg, self.mode, self.model_dir = cfg, mode, Path(model_dir)
         self.logprobs_mode = logprobs_mode_for(cfg.sampling())
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        kwargs = _llm_kwargs(cfg, self.model_dir, self.logprobs_mode, cuda_available(), aqn)
+        marlin = mode == MARLIN_MODE
+        kwargs = _llm_kwargs(cfg, self.model_dir, self.logprobs_mode, cuda_available(), aqn, marlin)
         try:
             self.llm = LLM(**kwargs)
         finally:
@@ -241,8 +277,10 @@ class VLLMEngine:
             "built_for_aqn": aqn,
             "aqn_norms": _aqn_norms(cfg, aqn),
         }
-        if mode == "vllm-nvfp4-marlin" and not any("Fp4" in s or "FP4" in s for s in schemes):
-            raise EngineError(f"vLLM on CUDA did not load an NVFP4 scheme for {self.model_dir}: {schemes}")
+        problem = fp4_kernel_error(mode, schemes)
+        if problem:
+            self.close()
+            raise EngineError(f"{problem} ({self.model_dir})")
         log.info("vLLM engine up: mode=%s logprobs_mode=%s linear=%s", mode, self.logprobs_mode, schemes)
 
     def set_adapter(self, path: Path | None, digest: str | None) -> None:
