@@ -255,7 +255,8 @@ def check_model(model_dir: Path, work: Path) -> list[str]:
     from gpu_replica_weights import build_vllm_model
     from qerl.pipeline.rollout.aqn import layer_noise, noise_targets
     from qerl.pipeline.rollout.aqn_vllm import AQNWorkerExtension, hold_norms_fp32
-    from qerl.pipeline.rollout.vllm_engine import MARLIN_MODE, fp4_kernel_error
+    from qerl.pipeline.rollout.factory import MARLIN_MODE
+    from qerl.pipeline.rollout.vllm_engine import fp4_kernel_error
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -77,7 +77,8 @@ def test_only_a_marlin_engine_asks_for_marlin(tmp_path, monkeypatch):
 
 
 def test_the_marlin_mode_is_refused_unless_every_fp4_layer_runs_marlin():
-    from qerl.pipeline.rollout.vllm_engine import MARLIN_MODE, fp4_kernel_error
+    from qerl.pipeline.rollout.factory import MARLIN_MODE
+    from qerl.pipeline.rollout.vllm_engine import fp4_kernel_error
 
     method = "CompressedTensorsLinearMethod/CompressedTensorsW4A4Fp4"
     marlin = f"{method}/MarlinNvFp4LinearKernel"

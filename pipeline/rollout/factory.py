@@ -28,9 +28,11 @@ from qerl.pipeline.rollout.protocol import EngineError, RolloutEngine
 from qerl.pipeline.runtime import device
 from qerl.pipeline.store.manifest import Manifest
 
-__all__ = ["build_engine", "is_unquantized", "planned_mode", "served_dtype_error"]
+__all__ = ["MARLIN_MODE", "build_engine", "is_unquantized", "planned_mode", "served_dtype_error"]
 
 log = logging.getLogger("qerl.engines")
+
+MARLIN_MODE = "vllm-nvfp4-marlin"  # CUDA: vLLM serves the NVFP4 checkpoint on FP4 Marlin
 
 # engine name -> (implementation module, engine class); the module is named by string so that
 # planning a mode imports neither vLLM nor transformers
@@ -51,7 +53,7 @@ def planned_mode(cfg: RolloutConfig, unquantized: bool = False) -> tuple[str, st
     if unquantized:
         return f"{cfg.engine}-unquantized", module
     if cfg.engine == "vllm":
-        return ("vllm-nvfp4-marlin" if device.cuda_available() else "vllm-nvfp4-emulated"), module
+        return (MARLIN_MODE if device.cuda_available() else "vllm-nvfp4-emulated"), module
     return "hf-nvfp4-emulated", module
 
 
@@ -60,7 +62,7 @@ def served_dtype_error(cfg: RolloutConfig, mode: str) -> str | None:
     serves an NVFP4 checkpoint on CUDA in bfloat16 or float16 only (``auto`` turns a float32 checkpoint
     into bfloat16), and a float32 engine dies on an assertion while it prepares the weights, in the
     engine core's process, after the quantize stage and the model load."""
-    if mode != "vllm-nvfp4-marlin" or cfg.dtype != "float32":
+    if mode != MARLIN_MODE or cfg.dtype != "float32":
         return None
     return (
         "rollout.dtype is float32, but on a CUDA machine vLLM serves the NVFP4 checkpoint on FP4 Marlin "
@@ -81,7 +83,7 @@ def _checkpoint_dir(manifest: Manifest, what: str) -> Path:
 
 def _served_dir(mode: str, quantized: Manifest | None, twin: Manifest | None) -> Path:
     """The checkpoint an NVFP4 mode serves (the quantized one on CUDA vLLM, else the twin)."""
-    if mode == "vllm-nvfp4-marlin":
+    if mode == MARLIN_MODE:
         if quantized is None:
             raise EngineError("vLLM on CUDA serves the NVFP4 checkpoint: pass the quantize stage's manifest")
         model_dir = _checkpoint_dir(quantized, "quantized")

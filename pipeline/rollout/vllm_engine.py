@@ -43,6 +43,7 @@ from typing import Any
 
 from qerl.pipeline.rollout.aqn import check_realised, realised_sigma
 from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.rollout.factory import MARLIN_MODE
 from qerl.pipeline.rollout.prompt_encoding import encode_prompt
 from qerl.pipeline.rollout.protocol import (
     Completion,
@@ -57,7 +58,6 @@ from qerl.pipeline.runtime.threads import restore, snapshot
 log = logging.getLogger("qerl.engines.vllm")
 
 EXTENSION = "qerl.pipeline.rollout.aqn_vllm.AQNWorkerExtension"
-MARLIN_MODE = "vllm-nvfp4-marlin"
 MARLIN_KERNEL = "MarlinNvFp4LinearKernel"  # vLLM's weight-only FP4 Marlin linear (0.26 and 0.32)
 # vLLM 0.32 would take Humming on SM90 and FlashInfer's CuTe-DSL W4A16 on SM100/103
 FP4_MARLIN_ARGS = {"linear_backend": "marlin"}
