@@ -14,22 +14,35 @@
 # scripts/gpu_replica_platform.py installed as two vLLM plugins (an H200's capability 9.0; a stop at
 # the worker's init_device, where the GPU is first needed).
 #
-# Usage: bash scripts/gpu_replica.sh [--python PATH] [--rebuild] [--build-only]
-#   --python PATH   a Python 3.12 (default: python3.12 on PATH, else pyenv's newest 3.12)
+# --user-install: the same check on what a user's GPU install gets instead of the image: a Python 3.11
+# venv in .gpu-replica-user/ filled by the README's `pip install -r requirements/gpu.txt` from the
+# package registry alone (pip --isolated: this machine's pip configuration off), so vLLM 0.32's CUDA
+# build, the CUDA 13 torch 2.13.0 it pins, and FlashInfer and Humming, which vLLM 0.32 would pick for
+# NVFP4 on an H200 without the engine's linear_backend; no bundles. No lease can run that set (the
+# image's torch is 2.11.0), so this is as far as it is checked.
+#
+# Usage: bash scripts/gpu_replica.sh [--user-install] [--python PATH] [--rebuild] [--build-only]
+#   --user-install  check a user's GPU install (requirements/gpu.txt) instead of the GPU image
+#   --python PATH   a Python 3.12 (default: python3.12 on PATH, else pyenv's newest 3.12); 3.11 with
+#                   --user-install
 #   --rebuild       build the venv anew (else it is topped up, and the bundles, stub and plugins refreshed)
 #   --build-only    build, do not check
 # Costs: ~6.3 GB of disk (torch's CUDA libraries), ~2 min to install from a near registry, the
-# check ~1.5 min. Output: the findings on the console; vLLM's log in .gpu-replica/check.log.
+# check ~1.5 min; --user-install ~9.6 GB and ~4 min. Output: the findings on the console; vLLM's log
+# in .gpu-replica/check.log (.gpu-replica-user/check.log).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 REP=$ROOT/.gpu-replica
-PY312=""
+PYVER=3.12
+PYBASE=""
 REBUILD=0
 BUILD_ONLY=0
+USER_INSTALL=0
 while (($#)); do
   case $1 in
-    --python) PY312=$2; shift 2 ;;
+    --user-install) USER_INSTALL=1; REP=$ROOT/.gpu-replica-user; PYVER=3.11; shift ;;
+    --python) PYBASE=$2; shift 2 ;;
     --rebuild) REBUILD=1; shift ;;
     --build-only) BUILD_ONLY=1; shift ;;
     -h | --help) sed -n '2,/^set -euo/{/^set -euo/!p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -38,41 +51,52 @@ while (($#)); do
 done
 say() { echo "[gpu_replica] $*" >&2; }
 
-if [[ ! -f .gpu-vllm/manifest.json ]]; then
+PY=$REP/bin/python
+is_ver() { [[ -n "$1" ]] && "$1" -c "import sys; sys.exit('%d.%d' % sys.version_info[:2] != '$PYVER')" 2>/dev/null; }
+if ((REBUILD)) || [[ ! -x "$PY" ]]; then
+  if [[ -z "$PYBASE" ]]; then  # pythonX.Y on PATH (a pyenv shim may not answer), else pyenv's newest X.Y
+    for cand in "$(command -v "python$PYVER" 2>/dev/null)" \
+      $(command -v pyenv >/dev/null && ls -d "$(pyenv root)"/versions/"$PYVER".*/bin/python"$PYVER" 2>/dev/null | sort -rV); do
+      if is_ver "$cand"; then PYBASE=$cand; break; fi
+    done
+  fi
+  if ! is_ver "$PYBASE"; then
+    say "no Python $PYVER found (the $( ((USER_INSTALL)) && echo "README's GPU install" || echo "GPU image")'s): give one with --python PATH"
+    exit 1
+  fi
+fi
+if ((!USER_INSTALL)) && [[ ! -f .gpu-vllm/manifest.json ]]; then
   say "no vLLM bundle in .gpu-vllm: build it first with 'bash scripts/fetch_gpu_wheels.sh --vllm'"
   exit 1
 fi
-PY=$REP/bin/python
-is_312() { [[ -n "$1" ]] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; }
 if ((REBUILD)) || [[ ! -x "$PY" ]]; then
-  if [[ -z "$PY312" ]]; then  # python3.12 on PATH (a pyenv shim may not answer), else pyenv's newest 3.12
-    for cand in "$(command -v python3.12 2>/dev/null)" \
-      $(command -v pyenv >/dev/null && ls -d "$(pyenv root)"/versions/3.12*/bin/python3.12 2>/dev/null | sort -rV); do
-      if is_312 "$cand"; then PY312=$cand; break; fi
-    done
-  fi
-  if ! is_312 "$PY312"; then
-    say "no Python 3.12 found (the GPU image's): give one with --python PATH"
-    exit 1
-  fi
   rm -rf "$REP"
-  say "venv from $PY312 ($("$PY312" --version)); installing the image's packages (~6 GB)"
-  "$PY312" -m venv "$REP"
+  say "venv from $PYBASE ($("$PYBASE" --version)); installing $( ((USER_INSTALL)) && echo "requirements/gpu.txt (~10 GB)" || echo "the image's packages (~6 GB)")"
+  "$PYBASE" -m venv "$REP"
 fi
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-
-# the image's packages: the list, and those the bundles were built to find there (each run: a bundle
-# rebuilt since may need one more). The plugins are off the path while pip runs (the bundles always are:
-# only the check's environment names them).
+# The plugins are off the path while pip runs (the bundles always are: only the check's environment
+# names them).
 rm -rf "$SITE"/qerl_replica_platform.py "$SITE"/qerl_replica_platform-0.dist-info
-"$PY" scripts/gpu_replica_build.py needs --out "$REP/requirements.txt"
-if ! "$PY" -m pip install --disable-pip-version-check -r "$REP/requirements.txt" >>"$REP/build.log" 2>&1; then
-  tail -5 "$REP/build.log" >&2
-  say "pip could not install the image's packages (the whole output: $REP/build.log)"
-  exit 1
-fi
-# no more than the image: what pip pulled in beyond its list goes (names normalised as pip's)
-EXTRA=$("$PY" -I - <<'PYEOF'
+AFTER=()
+if ((USER_INSTALL)); then
+  # the README's command, from the package registry alone (no find-links, constraints or mirrors)
+  if ! "$PY" -m pip --isolated install --disable-pip-version-check -r requirements/gpu.txt >>"$REP/build.log" 2>&1; then
+    tail -5 "$REP/build.log" >&2
+    say "pip could not install requirements/gpu.txt (the whole output: $REP/build.log)"
+    exit 1
+  fi
+else
+  # the image's packages: the list, and those the bundles were built to find there (each run: a
+  # bundle rebuilt since may need one more)
+  "$PY" scripts/gpu_replica_build.py needs --out "$REP/requirements.txt"
+  if ! "$PY" -m pip install --disable-pip-version-check -r "$REP/requirements.txt" >>"$REP/build.log" 2>&1; then
+    tail -5 "$REP/build.log" >&2
+    say "pip could not install the image's packages (the whole output: $REP/build.log)"
+    exit 1
+  fi
+  # no more than the image: what pip pulled in beyond its list goes (names normalised as pip's)
+  EXTRA=$("$PY" -I - <<'PYEOF'
 import sys
 from importlib.metadata import distributions
 
@@ -81,33 +105,33 @@ from gpu_imports import image_packages, norm
 
 print(" ".join(sorted({norm(d.metadata["Name"]) for d in distributions()} - image_packages() - {"pip"})))
 PYEOF
-)
-if [[ -n "$EXTRA" ]]; then
-  say "removing what the image lacks: $EXTRA"
-  # shellcheck disable=SC2086
-  "$PY" -m pip uninstall --yes $EXTRA >>"$REP/build.log" 2>&1
-fi
-
-# the bundles, as the kit stages them (a chunk at a time, then one archive with its sha256 checked)
-AFTER=()
-stage() {  # stage NAME: .gpu-NAME -> $REP/NAME-site, once per archive
-  local name=$1 sha
-  sha=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["archive"]["sha256"])' ".gpu-$name/manifest.json")
-  if [[ "$(cat "$REP/$name-site/.bundle-sha256" 2>/dev/null)" != "$sha" ]]; then
-    rm -rf "$REP/$name-carried" "$REP/$name-chunks" "$REP/$name-site"
-    # staging moves what a call carried: it gets links to the chunks (a copy across file systems)
-    cp -al ".gpu-$name" "$REP/$name-carried" 2>/dev/null || cp -a ".gpu-$name" "$REP/$name-carried"
-    "$PY" scripts/gpu_bundle.py stage --from "$REP/$name-carried" --to "$REP/$name-chunks" >&2
-    "$PY" scripts/gpu_bundle.py unpack --dir "$REP/$name-chunks" --dest "$REP/$name-site" >&2
-    rm -rf "$REP/$name-carried" "$REP/$name-chunks"
+  )
+  if [[ -n "$EXTRA" ]]; then
+    say "removing what the image lacks: $EXTRA"
+    # shellcheck disable=SC2086
+    "$PY" -m pip uninstall --yes $EXTRA >>"$REP/build.log" 2>&1
   fi
-  AFTER+=("$REP/$name-site")
-}
-stage vllm
-if [[ -f .gpu-run/manifest.json ]]; then
-  stage run
-else
-  say "no run bundle in .gpu-run: the check's 'qerl run' part is skipped (scripts/fetch_gpu_wheels.sh --run)"
+
+  # the bundles, as the kit stages them (a chunk at a time, then one archive with its sha256 checked)
+  stage() {  # stage NAME: .gpu-NAME -> $REP/NAME-site, once per archive
+    local name=$1 sha
+    sha=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["archive"]["sha256"])' ".gpu-$name/manifest.json")
+    if [[ "$(cat "$REP/$name-site/.bundle-sha256" 2>/dev/null)" != "$sha" ]]; then
+      rm -rf "$REP/$name-carried" "$REP/$name-chunks" "$REP/$name-site"
+      # staging moves what a call carried: it gets links to the chunks (a copy across file systems)
+      cp -al ".gpu-$name" "$REP/$name-carried" 2>/dev/null || cp -a ".gpu-$name" "$REP/$name-carried"
+      "$PY" scripts/gpu_bundle.py stage --from "$REP/$name-carried" --to "$REP/$name-chunks" >&2
+      "$PY" scripts/gpu_bundle.py unpack --dir "$REP/$name-chunks" --dest "$REP/$name-site" >&2
+      rm -rf "$REP/$name-carried" "$REP/$name-chunks"
+    fi
+    AFTER+=("$REP/$name-site")
+  }
+  stage vllm
+  if [[ -f .gpu-run/manifest.json ]]; then
+    stage run
+  else
+    say "no run bundle in .gpu-run: the check's 'qerl run' part is skipped (scripts/fetch_gpu_wheels.sh --run)"
+  fi
 fi
 
 # qerl and the bundles on sys.path as the kit puts them: .gpu-replica/src first (qerl, and a
@@ -115,8 +139,9 @@ fi
 bash scripts/gpu_src.sh "$REP/src"
 QERL_SYS_PATH_AFTER=$(IFS=:; echo "${AFTER[*]}")
 
-# the stub driver, for the driver entry points the bundle's extensions link
-"$PY" scripts/gpu_replica_build.py stub --site "$REP/vllm-site" --out "$REP/driver" >&2
+# the stub driver, for the driver entry points vLLM's extensions link (the bundle's, or the install's)
+if ((USER_INSTALL)); then STUB_SITE=$SITE; else STUB_SITE=$REP/vllm-site; fi
+"$PY" scripts/gpu_replica_build.py stub --site "$STUB_SITE" --out "$REP/driver" >&2
 
 # the plugins (the platform, the stop at the GPU): every process vLLM starts finds them by their entry points
 cp scripts/gpu_replica_platform.py "$SITE/qerl_replica_platform.py"
@@ -130,11 +155,14 @@ say "replica ready: $PY ($(du -sh "$REP" | cut -f1))"
 ((BUILD_ONLY)) && exit 0
 
 # CUDA_VISIBLE_DEVICES="": vLLM then keeps Triton with no active driver (as it would with one) and so
-# picks the model runner the H200 gets. The sampler switch is the kit's (scripts/gpu_check.sh).
+# picks the model runner the H200 gets. The sampler switch is the kit's (scripts/gpu_check.sh), not a
+# user's.
+SAMPLER=(VLLM_USE_FLASHINFER_SAMPLER=0)
+((USER_INSTALL)) && SAMPLER=()
 say "checking (vLLM's log: $REP/check.log)"
 set +e
-LD_LIBRARY_PATH="$REP/driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_VISIBLE_DEVICES="" \
-  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
+env LD_LIBRARY_PATH="$REP/driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_VISIBLE_DEVICES="" \
+  "${SAMPLER[@]}" VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
   PYTHONPATH="$REP/src:$ROOT" QERL_SYS_PATH_AFTER="$QERL_SYS_PATH_AFTER" \
   "$PY" scripts/gpu_replica_check.py --report "$REP/report.txt" >"$REP/check.log" 2>&1
 RC=$?

@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""Before a GPU lease: vLLM 0.26's CUDA code paths with qerl's engine, as far as they go without a GPU.
+"""Before a GPU lease: vLLM's CUDA code paths with qerl's engine, as far as they go without a GPU.
 
 It runs in the CPU replica of the GPU image that ``scripts/gpu_replica.sh`` builds in ``.gpu-replica``:
 Python 3.12, the image's torch 2.11.0+cu130 and the image's packages that vLLM and qerl read, the
-bundles appended after them by the kit's own sitecustomize, a ``libcuda.so.1`` whose every entry
+bundles (vLLM 0.26) appended after them by the kit's own sitecustomize, a ``libcuda.so.1`` whose every entry
 point answers "no device" (``scripts/gpu_replica_build.py``), and the vLLM plugins of
 ``scripts/gpu_replica_platform.py`` (an H200's capability 9.0; a stop at the worker's ``init_device``). Each check stops where a GPU is
 first needed: whatever fails before that point fails on the lease too, where a try costs minutes of
-a 15-minute budget, while here it costs seconds.
+a 15-minute budget, while here it costs seconds. With ``--user-install`` the script builds
+``.gpu-replica-user`` instead: a user's GPU install (``requirements/gpu.txt`` from the registry: vLLM
+0.32's CUDA build on torch 2.13.0+cu130), which no lease can run, with the same driver and plugins.
 
 1. imports: every root of the bundle's import scan imports under vLLM's CUDA platform.
 2. scheme: vLLM reads the quantize stage's checkpoint (the kit test's Marlin-sized Qwen2) and, under
    the engine's kernel settings (``linear_backend="marlin"``), gives every linear layer the W4A16 FP4
-   scheme on the Marlin kernel, and ``lm_head`` none.
+   scheme on the Marlin kernel, and ``lm_head`` none. It also reports the kernel vLLM picks on its
+   own (0.26: Marlin; 0.32 on an H200: Humming), which is why the engine names Marlin.
 3. engine: qerl's vLLM engine, built by ``build_engine`` with the kit tests' config (CUDA graphs,
    LoRA, in-process; plain, for AQN, and on the padded test's SmolLM2-shaped Llama) and with
    ``bench_vllm``'s for both its arms and for a run
@@ -21,7 +24,7 @@ a 15-minute budget, while here it costs seconds.
    the GPU, in-process and in vLLM's engine-core process. It reports the model runner vLLM chose and the CUDA graph mode, and the
    worker resolves the model loader asked for (qerl's fp32-norm loader for an AQN engine).
 4. requests: qerl's ``generate`` (group prefill, logprobs, a LoRA adapter) runs against an ``LLM``
-   stand-in that binds every call to vLLM 0.26's own ``LLM`` signatures and answers with vLLM's own
+   stand-in that binds every call to the installed vLLM's ``LLM`` signatures and answers with its own
    output classes, so the SamplingParams, TokensPrompt and LoRARequest qerl builds go through vLLM's
    validation and the output fields it reads exist.
 5. model: vLLM builds the checkpoint's model on the meta device (its scheme objects included); the
@@ -117,6 +120,14 @@ def check_scheme(model_dir: Path) -> list[str]:
             say(f"  scheme {layer}: {got[0]} use_a16={got[1]} kernel={got[2]}")
             if got != want:
                 findings.append(f"scheme for {layer}: {got}, expected {want}")
+    # what vLLM would pick without the engine's settings (not a finding: the reason for them)
+    with set_current_vllm_config(
+        EngineArgs(model=str(model_dir), dtype="bfloat16", max_model_len=256).create_engine_config()
+    ):
+        own = qcfg.get_scheme(torch.nn.Linear(1, 1), layer_name="model.layers.0.mlp.down_proj")
+    say(
+        f"  scheme without the engine's kernel settings: kernel={type(getattr(own, 'kernel', None)).__name__}"
+    )
     return findings
 
 

@@ -72,6 +72,22 @@ def test_the_replica_script_names_a_bad_option():
     assert out.returncode == 2 and "unknown option --bogus" in out.stderr
     out = subprocess.run(["bash", str(SCRIPTS / "gpu_replica.sh"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--python PATH" in out.stdout and "--build-only" in out.stdout
+    assert "--user-install" in out.stdout
+
+
+@pytest.mark.parametrize(("flags", "python"), [([], "3.12"), (["--user-install"], "3.11")])
+def test_the_replica_refuses_a_python_other_than_its_targets_before_removing_anything(flags, python):
+    """The image replica wants the image's Python, the user-install one the README's GPU install's;
+    a wrong one is refused before --rebuild removes the venv (/bin/false answers no version)."""
+    readme = (ROOT / "README.md").read_text()
+    assert "python3.11 -m venv .venv\n.venv/bin/pip install -r requirements/gpu.txt" in readme
+    out = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_replica.sh"), *flags, "--rebuild", "--python", "/bin/false"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and f"no Python {python} found" in out.stderr, out.stderr
 
 
 @pytest.fixture(scope="module")
