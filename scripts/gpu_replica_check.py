@@ -31,7 +31,8 @@ a 15-minute budget, while here it costs seconds. With ``--user-install`` the scr
    AQN worker extension names an FP4 scheme on FP4 Marlin (the engine's mode check), finds the norms the HF side noises, and, with them made
    real on the CPU and held in fp32 as qerl's loader leaves them, writes clean + the same noise into
    them exactly under compiled graphs; sigma 0 restores them bit for bit.
-6. weights: vLLM's own loader fills the model, built on the CPU, from the checkpoint; every
+6. weights: vLLM's own loader fills the model, built on the CPU, from the checkpoint (the kit test's
+   Qwen2, then the padded test's SmolLM2-shaped Llama, whose padding comes after loading); every
    parameter is compared with the checkpoint, fused layers' global scales must agree, and Marlin's
    conversion of the block scales must keep them (``scripts/gpu_replica_weights.py``).
 7. run: ``qerl run --config demo-gpu`` end to end (two steps, the transformers engine) with the run
@@ -430,7 +431,10 @@ def run_checks(work: Path) -> list[str]:
             ),
         ),
         ("5. model", lambda: check_model(quantized.dir, work)),
-        ("6. weights", lambda: check_weights(quantized.dir, work, say)),
+        (
+            "6. weights",
+            lambda: check_weights(quantized.dir, work, say) + check_weights(padded.dir, work, say),
+        ),
         ("7. run", lambda: check_run(work)),
     ]
     for title, step in steps:

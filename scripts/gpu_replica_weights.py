@@ -167,7 +167,8 @@ def check_weights(model_dir: Path, work: Path, say: Any) -> list[str]:
                 f"count says {zeroed_in_layer([scale])}"
             )
     say(
-        f"  weights: {len(params) - len(later)} parameters loaded by vLLM's loader on the CPU "
+        f"  weights ({type(model).__name__}): {len(params) - len(later)} parameters loaded by vLLM's "
+        f"loader on the CPU "
         f"({len(later)} KV-cache scales set after loading), {len(scales)} NVFP4 "
         f"layers; {len(findings)} finding(s); Marlin reads {zeroed} of {blocks} block scales as zero"
     )
