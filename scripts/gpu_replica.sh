@@ -15,8 +15,8 @@
 # the worker's init_device, where the GPU is first needed).
 #
 # --user-install: the same check on what a user's GPU install gets instead of the image: a Python 3.11
-# venv in .gpu-replica-user/ filled by the README's `pip install -r requirements/gpu.txt` from the
-# package registry alone (pip --isolated: this machine's pip configuration off), so vLLM 0.32's CUDA
+# venv in .gpu-replica-user/ filled as `QERL_ENV=gpu make venv` fills .venv (one `pip install -r
+# requirements/gpu.txt`), from the package registry alone (pip --isolated: this machine's pip configuration off), so vLLM 0.32's CUDA
 # build, the CUDA 13 torch 2.13.0 it pins, and FlashInfer and Humming, which vLLM 0.32 would pick for
 # NVFP4 on an H200 without the engine's linear_backend; no bundles. No lease can run that set (the
 # image's torch is 2.11.0), so this is as far as it is checked.
@@ -61,7 +61,7 @@ if ((REBUILD)) || [[ ! -x "$PY" ]]; then
     done
   fi
   if ! is_ver "$PYBASE"; then
-    say "no Python $PYVER found (the $( ((USER_INSTALL)) && echo "README's GPU install" || echo "GPU image")'s): give one with --python PATH"
+    say "no Python $PYVER found (the $( ((USER_INSTALL)) && echo "GPU set-up" || echo "GPU image")'s): give one with --python PATH"
     exit 1
   fi
 fi

@@ -77,10 +77,10 @@ def test_the_replica_script_names_a_bad_option():
 
 @pytest.mark.parametrize(("flags", "python"), [([], "3.12"), (["--user-install"], "3.11")])
 def test_the_replica_refuses_a_python_other_than_its_targets_before_removing_anything(flags, python):
-    """The image replica wants the image's Python, the user-install one the README's GPU install's;
+    """The image replica wants the image's Python, the user-install one the GPU set-up's;
     a wrong one is refused before --rebuild removes the venv (/bin/false answers no version)."""
-    readme = (ROOT / "README.md").read_text()
-    assert "python3.11 -m venv .venv\n.venv/bin/pip install -r requirements/gpu.txt" in readme
+    assert "QERL_ENV=gpu make venv" in (ROOT / "README.md").read_text()
+    assert "PY=${PYTHON:-python3.11}" in (SCRIPTS / "bootstrap.sh").read_text()  # the set-up's Python
     out = subprocess.run(
         ["bash", str(SCRIPTS / "gpu_replica.sh"), *flags, "--rebuild", "--python", "/bin/false"],
         capture_output=True,

