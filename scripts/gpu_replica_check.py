@@ -259,7 +259,7 @@ def check_requests(cfg: Any, model_dir: Path, adapter: Path) -> list[str]:
 
 
 def check_model(model_dir: Path, work: Path) -> list[str]:
-    """vLLM 0.26 builds the checkpoint's model (meta device, as its loader would before the weights);
+    """The replica's vLLM builds the checkpoint's model (meta device, as its loader would before the weights);
     the AQN worker extension finds the norms the HF side noises and names an FP4 scheme; the norms,
     made real on the CPU and held in fp32 as qerl's loader leaves them for a compiled engine, get
     clean + the same noise, exactly, and sigma 0 restores them."""

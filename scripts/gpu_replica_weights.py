@@ -1,4 +1,4 @@
-"""The replica's weights check: vLLM 0.26 loads the quantize stage's checkpoint on the CPU, as its
+"""The replica's weights check: the replica's vLLM (0.26 from the bundle, or 0.32 in a user install) loads the quantize stage's checkpoint on the CPU, as its
 loader does on the GPU just before Marlin repacks it.
 
 vLLM checks that every parameter was written only for unquantized models
@@ -20,7 +20,7 @@ does not trust the loader's own account:
    plain PyTorch) is decoded back and compared with the checkpoint's: exact, except that Marlin reads a
    block scale below the smallest normal E4M3 value (2^-6, over its power-of-two rescale) as zero. Those
    blocks are counted (the trainer reads them as they are stored) and reported, and the count must be
-   the one the quantize manifest gives (``qerl.pipeline.nvfp4.marlin``), here against vLLM 0.26.
+   the one the quantize manifest gives (``qerl.pipeline.nvfp4.marlin``), here against the replica's vLLM.
 
 Not checked: ``gptq_marlin_repack`` (a CUDA op) and the layout permutations, which vLLM's own kernel
 tests cover.
@@ -35,7 +35,7 @@ SENTINEL = 0xFF
 
 
 def build_vllm_model(model_dir: Path, work: Path, device: str) -> tuple[Any, Any]:
-    """vLLM 0.26's model for the checkpoint on ``device`` (``meta`` or ``cpu``), as its loader builds it
+    """The replica vLLM's model for the checkpoint on ``device`` (``meta`` or ``cpu``), as its loader builds it
     (the model's dtype as the default dtype); the single-rank process group is set up once."""
     import torch
     from qerl.pipeline.rollout.vllm_engine import FP4_MARLIN_ARGS
