@@ -1,5 +1,5 @@
-"""The replica's weights check: the replica's vLLM (0.26 from the bundle, or 0.32 in a user install) loads the quantize stage's checkpoint on the CPU, as its
-loader does on the GPU just before Marlin repacks it.
+"""The replica's weights check: its vLLM (0.26 from the bundle, 0.32 in a user install) loads the
+quantize stage's checkpoint on the CPU, as its loader does on the GPU just before Marlin repacks it.
 
 vLLM checks that every parameter was written only for unquantized models
 (``DefaultModelLoader.track_weights_loading``): a quantized parameter that no checkpoint tensor fills
@@ -35,7 +35,7 @@ SENTINEL = 0xFF
 
 
 def build_vllm_model(model_dir: Path, work: Path, device: str) -> tuple[Any, Any]:
-    """The replica vLLM's model for the checkpoint on ``device`` (``meta`` or ``cpu``), as its loader builds it
+    """vLLM's model for the checkpoint on ``device`` (``meta`` or ``cpu``), as its loader builds it
     (the model's dtype as the default dtype); the single-rank process group is set up once."""
     import torch
     from qerl.pipeline.rollout.vllm_engine import FP4_MARLIN_ARGS
