@@ -3,7 +3,11 @@
 ``qerl versions`` is what an operator on a machine without a browser asks first: which version is
 champion and challenger, which night made each, what it scored on the test benchmark and on the
 validation split promotion decides on, and which were released by retention (``store.keep_versions``)
-and so have no adapter left. It reads the registry and creates nothing (``adapters.open_registry``).
+and so have no adapter left.
+
+Neither command creates anything (``adapters.open_registry``): a work directory without a registry, or
+a model name the registry does not hold, is an error naming the registry and the models it holds, so
+a mistyped ``--work-dir`` or name cannot leave an empty database or an empty registered model behind.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
     cfg = load_config(registry.RegistryConfig, args.config, args.set).model_copy(
         update={"model_name": args.name}
     )
-    registry.open_tracking(cfg, work_dir(args))
+    uri = adapters.open_registry(cfg, work_dir(args))  # promoting creates nothing: a typo is an error
+    adapters.require_registered_model(args.name, uri)
     version = adapters.registered_version(args.name, args.version)
     if version is not None:  # None: promote says the version does not exist
         check_not_released(version)
@@ -55,6 +60,7 @@ def cmd_versions(args: argparse.Namespace) -> int:
     cfg = load_config(registry.RegistryConfig, args.config, args.set)
     name = args.name or cfg.model_name
     uri = adapters.open_registry(cfg, work_dir(args))
+    adapters.require_registered_model(name, uri)
     client = MlflowClient()
     versions = sorted(client.search_model_versions(f"name = '{name}'"), key=lambda v: -int(v.version))
     if not versions:

@@ -61,9 +61,14 @@ def test_a_registered_version_is_fetched_once_by_alias_or_number(tmp_path):
     by_alias = adapters.resolve_model_uri("models:/qerl-adapter@champion", cfg, work)
     by_number = adapters.resolve_model_uri(f"models:/qerl-adapter/{version}", cfg, work)
     assert str(by_alias.version) == str(by_number.version) == version
-    for missing in ("models:/qerl-adapter@nope", "models:/qerl-adapter/99", "models:/other@champion"):
+    for missing in ("models:/qerl-adapter@nope", "models:/qerl-adapter/99"):
         with pytest.raises(RegistryError, match=f"{missing}: no such registered version in sqlite:///"):
             adapters.resolve_model_uri(missing, cfg, work)
+    with pytest.raises(
+        RegistryError,
+        match=r"models:/other@champion: no registered model 'other' in sqlite:///.*\(registered there: qerl-adapter\)",
+    ):
+        adapters.resolve_model_uri("models:/other@champion", cfg, work)
 
     adapters.check_base(by_alias, "base-A", "--base", "hint")
     with pytest.raises(

@@ -391,6 +391,28 @@ def test_cli_promote(cfg, sqlite_work, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_cli_promote_and_versions_create_nothing_on_a_typo(cfg, sqlite_work, tmp_path, capsys):
+    """A mistyped work directory or model name is an error naming what is there; it leaves neither a
+    new database nor an empty registered model behind (a later ``versions`` would read "no versions")."""
+    from qerl.flows.cli import main
+
+    register(cfg, tmp_path, "t1", 0.9)
+    elsewhere = tmp_path / "not-a-work-dir"
+    for command in (["promote", cfg.model_name, "1"], ["versions", cfg.model_name]):
+        assert main([*command, "--work-dir", str(elsewhere)]) == 2
+        assert "no registry at sqlite:///" in capsys.readouterr().err
+    assert not elsewhere.exists()
+    typo = f"{cfg.model_name}-typo"
+    for command in (["promote", typo, "1"], ["versions", typo]):
+        assert main([*command, "--work-dir", str(sqlite_work)]) == 2
+        err = capsys.readouterr().err
+        assert f"no registered model '{typo}'" in err and cfg.model_name in err
+    names = {m.name for m in reg.MlflowClient().search_registered_models()}
+    assert cfg.model_name in names and typo not in names
+    assert main(["versions", cfg.model_name, "--work-dir", str(sqlite_work)]) == 0
+    assert "1 version " in capsys.readouterr().out
+
+
 # ---- MLflow tracking server: a real `mlflow server` on loopback, started for the test ------------
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):

@@ -84,6 +84,23 @@ def registered_version(
         raise
 
 
+def require_registered_model(name: str, registry: str) -> None:
+    """A ``RegistryError`` naming ``registry`` and the models it holds unless ``name`` is one of them:
+    a mistyped name would otherwise read as a model with no versions."""
+    client = MlflowClient()
+    try:
+        client.get_registered_model(name)
+        return
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST" and "not found" not in str(err).lower():
+            raise
+    known = sorted(model.name for model in client.search_registered_models())
+    raise RegistryError(
+        f"no registered model {name!r} in {health.shown_uri(registry)} "
+        f"(registered there: {', '.join(known) or 'none'})"
+    )
+
+
 def base_lineage_digest(quantized: Manifest) -> str:
     """The lineage digest of the model a quantize manifest was made from (the source's digest, which
     a run registers as ``base_digest``): one model quantized by two recipes has one lineage."""
@@ -95,6 +112,10 @@ def resolve_model_uri(uri: str, cfg: RegistryConfig, work_dir: str | Path) -> Mo
     ``RegistryError`` naming the URI and the registry when there is none."""
     name, version, alias = parse_model_uri(uri)
     registry = open_registry(cfg, work_dir)
+    try:
+        require_registered_model(name, registry)
+    except RegistryError as err:
+        raise RegistryError(f"{uri}: {err}") from None
     found = registered_version(name, version, alias)
     if found is None:
         raise RegistryError(f"{uri}: no such registered version in {health.shown_uri(registry)}")
