@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from qerl.pipeline.registry import promotion
+from qerl.pipeline.registry import adapters, promotion
 from qerl.pipeline.registry import tracking as reg
 from qerl.pipeline.registry.lock import LOCK_SUFFIX
 
@@ -472,6 +472,10 @@ def test_tracking_server_backend(mlflow_server, tmp_path):
         with reg.registry_lock(uri, "srv-x", timeout_s=0.5):
             pass
     assert client.search_model_versions(f"name = 'srv-x{LOCK_SUFFIX}'") == []
+    # a name the server does not hold is an error listing its models, the locks' ticket models left out
+    with pytest.raises(reg.RegistryError, match=r"no registered model 'srv-typo'.*srv-adapter") as err:
+        adapters.require_registered_model("srv-typo", uri)
+    assert client.get_registered_model(f"srv-x{LOCK_SUFFIX}") and LOCK_SUFFIX not in str(err.value)
     # two processes finishing together through the server: both versions kept, the better one champion
     race_cfg = reg.RegistryConfig(tracking_uri=uri, model_name="srv-race")
     reg.open_tracking(race_cfg, tmp_path)

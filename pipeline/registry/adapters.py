@@ -27,7 +27,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from qerl.pipeline.registry import health
-from qerl.pipeline.registry.lock import RegistryError, backend_kind
+from qerl.pipeline.registry.lock import LOCK_SUFFIX, RegistryError, backend_kind
 from qerl.pipeline.registry.tracking import RegistryConfig, resolve_uris
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
@@ -94,7 +94,7 @@ def require_registered_model(name: str, registry: str) -> None:
     except MlflowException as err:
         if err.error_code != "RESOURCE_DOES_NOT_EXIST" and "not found" not in str(err).lower():
             raise
-    known = sorted(model.name for model in client.search_registered_models())
+    known = sorted(m.name for m in client.search_registered_models() if not m.name.endswith(LOCK_SUFFIX))
     raise RegistryError(
         f"no registered model {name!r} in {health.shown_uri(registry)} "
         f"(registered there: {', '.join(known) or 'none'})"
