@@ -166,9 +166,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from qerl.flows import runner
+    from qerl.pipeline.store.layout import recorded_run
 
     work = Path(work_dir(args)).resolve()
-    runner.prepare_environment(work)  # recorded_run imports Prefect
+    recorded_run(work, args.run_id)  # a mistyped id or --work-dir: an error, and nothing made there
+    runner.prepare_environment(work)  # runner.recorded_run imports Prefect
     cfg, night = runner.recorded_run(args.run_id, work)
     if args.set:  # resource settings only: the same run, its finished steps reused
         from qerl.flows.run_record import with_resources

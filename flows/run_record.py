@@ -31,7 +31,7 @@ from qerl.pipeline.evaluation import statistics
 from qerl.pipeline.planning.prompt_stream import night_label
 from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.store.files import atomic_write_json
-from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR, TRAIN_STAGE
+from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR, TRAIN_STAGE, recorded_run
 from qerl.pipeline.store.manifest import Manifest
 from qerl.stages import evaluate
 
@@ -80,11 +80,7 @@ def run_dir(work: Path, run_id: str) -> Path:
 
 def load_run_record(work: Path, run_id: str) -> dict[str, Any]:
     """The run's ``run.json``; a missing run names the runs there are."""
-    path = run_dir(work, run_id) / RUN_RECORD
-    if not path.is_file():
-        known = sorted(p.name for p in (work / RUNS_DIR).glob("*")) if (work / RUNS_DIR).is_dir() else []
-        raise FileNotFoundError(f"no run '{run_id}' under {work / RUNS_DIR} (known runs: {known or 'none'})")
-    return json.loads(path.read_text())
+    return json.loads(recorded_run(work, run_id).read_text())
 
 
 CARRIED_FIELDS = ("plan", "mlflow_run_id")  # decided by a run's first attempt; later ones keep them

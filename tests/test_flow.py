@@ -259,6 +259,10 @@ def test_cli_help_lists_every_command():
 def test_resume_unknown_run_names_known_runs(tmp_path):
     proc = _qerl(["resume", "nope"], tmp_path)
     assert proc.returncode == 2 and "no run 'nope'" in proc.stderr
+    mistyped = tmp_path / "no-such-work-dir"  # an error, and no work directory made there
+    proc = _qerl(["resume", "nope", "--work-dir", str(mistyped)], tmp_path)
+    assert proc.returncode == 2 and f"no run 'nope' under {mistyped}" in proc.stderr
+    assert not mistyped.exists()
 
 
 def test_schedule_needs_a_server(tmp_path, monkeypatch):

@@ -53,6 +53,17 @@ WARM_START_STAGE = "warm-start"
 OPTIMIZER_FILE = "optimizer.safetensors"  # a train step's AdamW state (qerl.pipeline.rl.checkpoint)
 
 
+def recorded_run(work: Path, run_id: str) -> Path:
+    """The ``run.json`` of run ``run_id`` under ``work``; a ``FileNotFoundError`` naming the runs
+    there are when it has none (checked before anything is created under ``work``)."""
+    path = work / RUNS_DIR / run_id / RUN_RECORD
+    if not path.is_file():
+        runs = work / RUNS_DIR
+        known = sorted(p.name for p in runs.glob("*")) if runs.is_dir() else []
+        raise FileNotFoundError(f"no run '{run_id}' under {runs} (known runs: {known or 'none'})")
+    return path
+
+
 def default_work_dir(work_dir: str | Path | None = None) -> Path:
     """The one work directory (store, run records, MLflow db): argument, $QERL_WORK_DIR, ./qerl-work."""
     return Path(work_dir or os.environ.get("QERL_WORK_DIR") or "qerl-work").resolve()
