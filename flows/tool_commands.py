@@ -98,10 +98,10 @@ def cmd_score(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     cfg = load_config(RewardConfig, args.config, args.set)
-    total = None
-    if os.path.isfile(args.input):
-        with open(args.input, encoding="utf-8") as fh:
-            total = sum(1 for line in fh if line.strip())
+    if not os.path.isfile(args.input):  # said before a progress bar is drawn
+        raise FileNotFoundError(f"input file not found: {args.input}")
+    with open(args.input, encoding="utf-8") as fh:
+        total = sum(1 for line in fh if line.strip())
     with tqdm(total=total, unit="answer", desc="score") as bar:
         metrics = score_jsonl(args.input, args.output, cfg, progress=bar.update)
     print(

@@ -103,6 +103,9 @@ def test_cli_score_jsonl(tmp_path, capsys):
         (False, 0.0, "9^{9^{9^{9^{9}}}}", "timeout"),
     ]
     assert "4 answers: accuracy 0.500" in capsys.readouterr().out
+    assert main(["score", "--input", str(tmp_path / "missing.jsonl"), "--output", str(out)]) == 2
+    err = capsys.readouterr().err  # the error alone: no progress bar drawn for a file that is not there
+    assert err.startswith("qerl score: error: input file not found:") and "answer/s" not in err
 
 
 def test_score_jsonl_names_the_bad_line(tmp_path):
