@@ -50,6 +50,7 @@ from qerl.flows.run_record import (
     carried_over,
     eval_entry,
     eval_text,
+    load_run_record,
     run_dir,
     run_id_for,
     save_record,
@@ -92,7 +93,7 @@ class Run:
         self.logger = get_run_logger()
         self.since = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
         path = run_dir(work, self.run_id) / RUN_RECORD
-        self.previous: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+        self.previous: dict[str, Any] = load_run_record(work, self.run_id) if path.is_file() else {}
         self.validation: list[Any] = []  # the held-out training problems promotion decides on
         self.live: live.LiveRun | None = None  # its MLflow run, from the plan on (``open_live``)
         self.stopped = False  # set when the attempt passed loop.deadline_h (``park_if_stopped``)

@@ -108,7 +108,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
     records.sort(key=lambda r: str(r.get("started_at") or ""), reverse=True)
     shown = records if args.all else records[: args.limit]
     more = f", the newest {len(shown)} shown (--all for every one)" if len(shown) < len(records) else ""
-    print(f"{work}: {len(records)} run{'' if len(records) == 1 else 's'}, newest first{more}")
+    bad = (
+        f" and {len(unreadable)} unreadable record{'' if len(unreadable) == 1 else 's'}" if unreadable else ""
+    )
+    print(f"{work}: {len(records)} run{'' if len(records) == 1 else 's'}{bad}, newest first{more}")
     for record in shown:
         line, below = _row(work, record)
         print(line, *below, sep="\n")

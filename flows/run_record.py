@@ -79,8 +79,12 @@ def run_dir(work: Path, run_id: str) -> Path:
 
 
 def load_run_record(work: Path, run_id: str) -> dict[str, Any]:
-    """The run's ``run.json``; a missing run names the runs there are."""
-    return json.loads(recorded_run(work, run_id).read_text())
+    """The run's ``run.json``; a missing run names the runs there are, a damaged record its path."""
+    path = recorded_run(work, run_id)
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"run record {path} cannot be read ({err})") from None
 
 
 CARRIED_FIELDS = ("plan", "mlflow_run_id")  # decided by a run's first attempt; later ones keep them

@@ -96,7 +96,7 @@ def test_qerl_runs_tells_running_from_interrupted(tmp_path, capsys):
         out = capsys.readouterr().out.splitlines()
     finally:
         _kill(proc)
-    assert out[0].endswith("4 runs, newest first")
+    assert out[0].endswith("4 runs and 1 unreadable record, newest first")
     assert [line.split()[0] for line in out[1:] if not line.startswith("      ")][:4] == [
         "night-live", "night-killed", "night-failed", "night-done"
     ]  # fmt: skip
@@ -108,6 +108,8 @@ def test_qerl_runs_tells_running_from_interrupted(tmp_path, capsys):
     )
     assert "accuracy 0.198  v1 champion" in text and "step 2/4" in text
     assert "broken" in text and "unreadable record" in text
+    assert main(["resume", "broken", "--work-dir", str(tmp_path)]) == 2  # the error names the file
+    assert f"run record {tmp_path / 'runs' / 'broken' / 'run.json'} cannot be read" in capsys.readouterr().err
     assert main(["runs", "--work-dir", str(tmp_path), "--limit", "1"]) == 0
     assert "the newest 1 shown (--all for every one)" in capsys.readouterr().out
     assert main(["runs", "--work-dir", str(tmp_path), "--limit", "0"]) == 2
