@@ -29,7 +29,6 @@ the runs went; the record notes the driver and, per run, the worker's node and p
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
 import socket
@@ -46,7 +45,7 @@ from qerl.pipeline.evaluation.arms import AblationError, ablation_id, arm_config
 from qerl.pipeline.evaluation.report import ArmRuns, table_rows, write_report
 from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.registry import tracking as registry
-from qerl.pipeline.store.files import atomic_write_json
+from qerl.pipeline.store.files import atomic_write_json, read_json
 from qerl.pipeline.store.layout import ABLATION_DIR, ABLATION_RECORD, default_work_dir
 
 log = logging.getLogger("qerl.ablate")
@@ -154,7 +153,7 @@ def ablate_flow(
     aid = ablation_id(key_payload(base), arms, seeds)  # resource settings are not its identity
     out = ablation_dir(work, aid)
     path = out / ABLATION_RECORD
-    previous = json.loads(path.read_text()) if path.is_file() else {}
+    previous = read_json(path) if path.is_file() else {}
     planned = plan_runs(base.model_dump(mode="json"), arms, seeds)
     record: dict[str, Any] = {
         "id": aid, "arms": arms, "seeds": seeds, "config": base.model_dump(mode="json"), "status": "running",

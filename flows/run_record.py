@@ -20,7 +20,6 @@ numbers can be compared knowing what they measured and how precisely.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from qerl.pipeline.config import ConfigError, apply_overrides, config_hash
 from qerl.pipeline.evaluation import statistics
 from qerl.pipeline.planning.prompt_stream import night_label
 from qerl.pipeline.planning.run_config import RunConfig
-from qerl.pipeline.store.files import atomic_write_json
+from qerl.pipeline.store.files import atomic_write_json, read_json
 from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR, TRAIN_STAGE, recorded_run
 from qerl.pipeline.store.manifest import Manifest
 from qerl.stages import evaluate
@@ -80,11 +79,7 @@ def run_dir(work: Path, run_id: str) -> Path:
 
 def load_run_record(work: Path, run_id: str) -> dict[str, Any]:
     """The run's ``run.json``; a missing run names the runs there are, a damaged record its path."""
-    path = recorded_run(work, run_id)
-    try:
-        return json.loads(path.read_text())
-    except ValueError as err:
-        raise ValueError(f"run record {path} cannot be read ({err})") from None
+    return read_json(recorded_run(work, run_id))
 
 
 CARRIED_FIELDS = ("plan", "mlflow_run_id")  # decided by a run's first attempt; later ones keep them

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
-from qerl.pipeline.store.files import atomic_write_text, sha256_file
+from qerl.pipeline.store.files import atomic_write_text, read_json, sha256_file
 from qerl.pipeline.store.manifest import BuildResult, Manifest
 
 
@@ -163,7 +163,21 @@ def test_source_digest_memo(tmp_path):
     d1 = store.source_digest(src)
     assert store.source_digest(src) == d1
     (src / "w.bin").write_bytes(b"abd")
-    assert store.source_digest(src) != d1
+    d2 = store.source_digest(src)
+    assert d2 != d1
+    memo = store.root / "digests.json"
+    memo.write_text('{"cut off')  # damaged outside qerl: a memo starts again, the digest is the same
+    assert store.source_digest(src) == d2 and read_json(memo)[str(src.resolve())]["digest"] == d2
+
+
+def test_read_json_names_the_file_it_cannot_parse(tmp_path):
+    path = tmp_path / "record.json"
+    path.write_text('{"a": 1}')
+    assert read_json(path) == {"a": 1}
+    for damaged in (b'{"a": ', b"\xff\xfe"):
+        path.write_bytes(damaged)
+        with pytest.raises(ValueError, match=f"{path} cannot be read as JSON"):
+            read_json(path)
 
 
 def _no_space(*_args, **_kwargs):

@@ -191,6 +191,10 @@ def test_cursor_advances_only_forward_and_atomically(tmp_path):
     assert cursor.advance("s", 2, "night-0-resumed") == 4  # re-completing an older night never rewinds
     assert cursor.position("s") == 4 and cursor.position("other-stream") == 0
     assert not list((tmp_path / "cursors").glob("*.tmp"))
+    cursor.path.write_text("{")  # damaged outside qerl: the error names the file, which is kept
+    with pytest.raises(ValueError, match=f"{cursor.path} cannot be read as JSON"):
+        cursor.position("s")
+    assert cursor.path.read_text() == "{"
 
 
 def test_night_parsing_and_the_scheduled_date(monkeypatch):

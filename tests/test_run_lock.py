@@ -109,7 +109,7 @@ def test_qerl_runs_tells_running_from_interrupted(tmp_path, capsys):
     assert "accuracy 0.198  v1 champion" in text and "step 2/4" in text
     assert "broken" in text and "unreadable record" in text
     assert main(["resume", "broken", "--work-dir", str(tmp_path)]) == 2  # the error names the file
-    assert f"run record {tmp_path / 'runs' / 'broken' / 'run.json'} cannot be read" in capsys.readouterr().err
+    assert f"{tmp_path / 'runs' / 'broken' / 'run.json'} cannot be read as JSON" in capsys.readouterr().err
     assert main(["runs", "--work-dir", str(tmp_path), "--limit", "1"]) == 0
     assert "the newest 1 shown (--all for every one)" in capsys.readouterr().out
     assert main(["runs", "--work-dir", str(tmp_path), "--limit", "0"]) == 2

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
-import json
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl.pipeline.planning.errors import RunPlanError
-from qerl.pipeline.store.files import atomic_write_json, sha256_json
+from qerl.pipeline.store.files import atomic_write_json, read_json, sha256_json
 from qerl.pipeline.store.layout import CURSOR_DIR
 
 
@@ -91,7 +90,7 @@ class DataCursor:
         with open(self.path.with_suffix(".lock"), "a") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
-                data = json.loads(self.path.read_text()) if self.path.is_file() else {}
+                data = read_json(self.path) if self.path.is_file() else {}
                 data.setdefault("streams", {})
                 yield data
             finally:

@@ -46,6 +46,7 @@ from qerl.pipeline.store.files import (
     fsync_dir,
     human_bytes,
     is_disk_full,
+    read_json,
     sha256_file,
     sha256_json,
 )
@@ -367,7 +368,11 @@ class ArtifactStore:
         fingerprint = sha256_json([(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
         memo_path = self.root / DIGESTS_MEMO
         with self.lock("digests"):
-            memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+            try:
+                memo = read_json(memo_path) if memo_path.is_file() else {}
+            except ValueError as err:  # a memo of derived values: rebuilt, said in the log
+                log.warning("%s: the source digest memo starts again", err)
+                memo = {}
             if memo.get(str(path), {}).get("fingerprint") == fingerprint:
                 return memo[str(path)]["digest"]
             base = path if path.is_dir() else path.parent

@@ -7,7 +7,8 @@ memory. This module imports nothing of the project.
 
 A full disk (``ENOSPC``) is a ``DiskFullError`` (a ``RuntimeError``: the CLI prints it in one line)
 naming the path, what was being written, the bytes it needed and the bytes free there; the temp file
-is removed, so the target keeps its old content.
+is removed, so the target keeps its old content. A record that cannot be parsed (damaged outside
+qerl: writes here are never torn) is a ``ValueError`` naming its path (``read_json``).
 """
 
 from __future__ import annotations
@@ -127,3 +128,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON document at ``path``; one that does not parse is a ``ValueError`` naming the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError as err:  # JSONDecodeError, and UnicodeDecodeError from a binary file
+        raise ValueError(f"{path} cannot be read as JSON ({err})") from None
