@@ -64,6 +64,7 @@ from qerl.pipeline.planning.engine_setup import needs_twin
 from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_fit import fit_prompts, load_tokenizer, prompt_token_limit
 from qerl.pipeline.planning.prompt_stream import DataCursor, data_slice, step_prompts, stream_key
+from qerl.pipeline.planning.run_checks import check_model
 from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.registry import live, tracking
 from qerl.pipeline.registry.adapters import base_lineage_digest
@@ -73,6 +74,7 @@ from qerl.pipeline.rollout.lazy import LazyEngine
 from qerl.pipeline.store import releases, retention
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import package_version
+from qerl.pipeline.store.files import read_json
 from qerl.pipeline.store.layout import RUN_RECORD, STORE_DIR
 from qerl.pipeline.store.manifest import Manifest
 from qerl.stages import train
@@ -159,6 +161,8 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     t0 = time.perf_counter()
     src = base_task(cfg, store)
     ui.stage("base", src, time.perf_counter() - t0)
+    if (Path(src) / "config.json").is_file():  # the demo's, the catalogue's: known only now
+        check_model(cfg.rollout, read_json(Path(src) / "config.json"))
     t0 = time.perf_counter()
     measures = cfg.quantize.scheme == "nvfp4" and cfg.quantize.quality.enabled
     quantized = quantize_task(cfg, src, store, progress=console.quantize_progress(ui, measures))

@@ -147,8 +147,20 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{pair}' sets a key below the scalar '{part}'")
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        node[parts[-1]] = _yaml(raw, f"the value of override '{pair}'", at=False) if raw != "" else ""
     return nested
+
+
+def _yaml(text: str, what: str, at: bool = True) -> Any:
+    """``text`` parsed as YAML; a ``ConfigError`` naming ``what`` and, ``at``, where the parse stopped."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if at and mark is not None else ""
+        raise ConfigError(
+            f"{what} is not valid YAML{where}: {getattr(err, 'problem', None) or err}"
+        ) from None
 
 
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +224,7 @@ def load_config(
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text())
+        loaded = _yaml(path.read_text(), f"config file {path}")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

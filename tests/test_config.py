@@ -60,6 +60,19 @@ def test_missing_file_and_non_mapping(tmp_path):
         load_config(Outer, bad)
 
 
+def test_yaml_that_does_not_parse_is_a_config_error_naming_it(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("name: run1\ninner:\n  targets: [q_proj\n")
+    with pytest.raises(
+        ConfigError, match=r"config file .*broken.yaml is not valid YAML at line 4, column 1: expected"
+    ):
+        load_config(Outer, bad)
+    with pytest.raises(
+        ConfigError, match=r"the value of override 'inner.targets=\[a' is not valid YAML: expected"
+    ):
+        load_config(Outer, None, ["inner.targets=[a"])
+
+
 def test_apply_overrides_and_hash_is_stable():
     cfg = Outer()
     changed = apply_overrides(cfg, ["inner.lr=0.5"])
@@ -200,7 +213,11 @@ def test_eval_engine_caps_are_derived_and_configurable(tmp_path):
     assert (bare.max_model_len, bare.enable_lora, bare.temperature, bare.n_samples) == (300, False, 0.0, 1)
     with pytest.raises(ConfigError, match="max_new_tokens 600 must be < max_model_len 512"):
         eval_rollout_config(EvalConfig(max_new_tokens=600), "vllm", model, None)
-    assert eval_rollout_config(EvalConfig(max_new_tokens=600), "vllm", model, None, ["max_model_len=1024"])
+    with pytest.raises(
+        ConfigError, match="max_model_len 1024 is longer than the model's max_position_embeddings 512"
+    ):
+        eval_rollout_config(EvalConfig(), "vllm", model, None, ["max_model_len=1024"])
+    assert eval_rollout_config(EvalConfig(max_new_tokens=300), "vllm", model, None, ["max_model_len=400"])
     assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 32, 300, 512)] == [1, 8, 8, 16, 32, 320, 512]
     with pytest.raises(ValueError, match="exceeds vLLM's largest"):
         vllm_lora_rank(513)

@@ -244,6 +244,29 @@ def test_bad_inputs_name_the_problem(tmp_path):
         plan_memory(SMALL, 1e9, _run(), prompt_tokens=2000)
 
 
+def test_the_context_must_fit_the_models_positions_unless_rope_scaling_extends_them():
+    from qerl.pipeline.planning.run_checks import check_context
+    from qerl.pipeline.rollout.config import RolloutConfig
+
+    long = RolloutConfig(max_model_len=4096)
+    check_context(RolloutConfig(max_model_len=1024), {"max_position_embeddings": 1024})  # equal fits
+    for default in (
+        {},
+        {"rope_scaling": None},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+    ):
+        with pytest.raises(
+            ConfigError, match="max_model_len 4096 is longer than .* 1024: set it to 1024 or less"
+        ):
+            check_context(long, {"max_position_embeddings": 1024, **default})
+    for scaled in (
+        {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "yarn"}},
+    ):
+        check_context(long, {"max_position_embeddings": 1024, **scaled})  # vLLM derives the longer context
+    check_context(long, {})  # no positions recorded: nothing to check against
+
+
 # -- rollout.tensor_parallel_size --------------------------------------------------------------------
 
 

@@ -126,6 +126,29 @@ def test_qerl_run_reports_malformed_data_in_one_line(tiny_model_dir, tmp_path):
     assert _built_stages(work) == []
 
 
+def test_a_context_longer_than_the_model_is_refused_before_the_quantize_stage(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """A local model is checked when the config loads; any other source (here the demo's, which is
+    known only once the base stage has built it) right after the base stage, before quantizing."""
+    from qerl.flows import rl_phases, runner
+    from qerl.pipeline.config import ConfigError
+    from qerl.pipeline.planning.run_config import RunConfig, load_run_config
+
+    cfg = tiny_run_config(tiny_model_dir)
+    cfg["rollout"]["max_model_len"] = 2048  # the tiny model has 1024 positions
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    refused = r"rollout.max_model_len 2048 is longer than the model's max_position_embeddings 1024"
+    with pytest.raises(ConfigError, match=refused):
+        load_run_config(tmp_path / "run.yaml")
+    cfg["model"] = {"source": "demo"}
+    monkeypatch.setattr(rl_phases, "base_task", lambda *_: str(tiny_model_dir))  # the base stage's output
+    work = tmp_path / "work"
+    with pytest.raises(ConfigError, match=refused):
+        runner.run(RunConfig.model_validate(cfg), work)
+    assert _built_stages(work) == []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -63,10 +63,14 @@ def eval_rollout_config(
 
     Derived rather than fixed: the context is the rollout default capped by the model's
     ``max_position_embeddings``, the LoRA slot is the smallest vLLM rank that holds the adapter (no
-    LoRA without one). ``overrides`` (``key=value``, RolloutConfig keys) are applied last.
+    LoRA without one). ``overrides`` (``key=value``, RolloutConfig keys) are applied last, and the
+    context is checked against the model after them (``run_checks.check_context``).
     """
+    from qerl.pipeline.planning.run_checks import check_context  # which imports this module
+
     default_len = RolloutConfig.model_fields["max_model_len"].default
-    positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    positions = model_config.get("max_position_embeddings")
     derived = RolloutConfig.model_construct(  # validated once, with the overrides, below
         engine=engine,
         n_samples=cfg.n_samples,
@@ -81,4 +85,6 @@ def eval_rollout_config(
         else RolloutConfig.model_fields["max_lora_rank"].default,
         logprobs=False,
     )
-    return apply_overrides(derived, overrides, prefix="rollout")
+    rollout = apply_overrides(derived, overrides, prefix="rollout")
+    check_context(rollout, model_config)  # an override past the model's positions
+    return rollout

@@ -26,8 +26,13 @@ rather than after the first step:
   say where the items came from); one with its own root keeps it, and a procedural set or a file path
   has no use for one. ``$QERL_DATA_DIR`` needs nothing derived: every load without a root reads it
   (``qerl.pipeline.data.datasets.data_root``), training and evaluation alike;
-- tensor parallelism fits the model's heads (``check_parallelism``): it needs the model's
-  config.json, so it runs where that is known rather than in the validators;
+- the engine fits the model (``check_model``): tensor parallelism fits its heads
+  (``check_parallelism``), and ``rollout.max_model_len`` is no longer than its
+  ``max_position_embeddings`` unless a RoPE scaling extends them (``check_context``; vLLM refuses such
+  an engine, the HF engine would run past the positions it was trained for). They need the model's
+  config.json, so they run where that is known rather than in the validators: in ``load_run_config``
+  for a local model directory, and after the base stage for any other source (the demo model, the
+  catalogue, the hub), before the quantize stage;
 - the engine can serve in the rollout dtype on this machine (``check_served_dtype``): on CUDA, vLLM
   serves the NVFP4 checkpoint on FP4 Marlin, in bfloat16 or float16 only, so a float32 run (the
   embedded demo's dtype) is refused when its config is loaded there, before the quantize stage, rather
@@ -179,11 +184,37 @@ def check_served_dtype(cfg: RunConfig, mode: str | None = None) -> None:
         raise ConfigError(problem)
 
 
+def check_model(rollout: RolloutConfig, model_config: dict[str, Any]) -> None:
+    """The engine's settings against the model's config.json: context (``check_context``) and, for
+    more than one GPU, tensor parallelism (``check_parallelism``, which asks whether CUDA is here)."""
+    check_context(rollout, model_config)
+    if rollout.tensor_parallel_size > 1:  # 1 is valid everywhere; asking for CUDA imports torch
+        from qerl.pipeline.runtime.device import cuda_available
+
+        check_parallelism(rollout, model_config, cuda_available())
+
+
+def check_context(rollout: RolloutConfig, model_config: dict[str, Any]) -> None:
+    """``rollout.max_model_len`` within the model's ``max_position_embeddings``; a model with a RoPE
+    scaling other than the default is left to vLLM, which derives its longer context itself."""
+    positions = model_config.get("max_position_embeddings")
+    scalings = (model_config.get("rope_scaling"), model_config.get("rope_parameters"))
+    scaled = any(
+        isinstance(s, dict) and s.get("rope_type", s.get("type")) not in (None, "default") for s in scalings
+    )
+    if isinstance(positions, int) and not scaled and rollout.max_model_len > positions:
+        raise ConfigError(
+            f"rollout.max_model_len {rollout.max_model_len} is longer than the model's "
+            f"max_position_embeddings {positions}: set it to {positions} or less "
+            f"(--set rollout.max_model_len={positions})"
+        )
+
+
 def check_parallelism(rollout: RolloutConfig, model_config: dict[str, Any], cuda: bool) -> None:
     """vLLM's tensor-parallel rules for this model on this machine; a ConfigError names the setting.
 
-    It needs the model's config.json, so it runs where that is known: ``load_run_config`` for a local
-    model directory, and wherever a hub model's config has been fetched (``qerl plan``, the flow).
+    It needs the model's config.json, so it runs where that is known (``check_model``, and ``qerl
+    plan`` once it has a hub model's config).
     vLLM shards the attention heads over the GPUs (``num_attention_heads % tp == 0``) and splits or
     replicates the KV heads (``num_key_value_heads % tp == 0`` or ``tp % num_key_value_heads == 0``);
     on a CPU it runs a single worker.

@@ -14,7 +14,6 @@ first step; they live in ``qerl.pipeline.planning.run_checks``, which says what 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,7 +26,7 @@ from qerl.pipeline.evaluation.eval_config import EvalConfig
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 from qerl.pipeline.planning.run_checks import (
     check_consistent,
-    check_parallelism,
+    check_model,
     check_served_dtype,
     derived_settings,
 )
@@ -35,6 +34,7 @@ from qerl.pipeline.registry.tracking import RegistryConfig
 from qerl.pipeline.rl.train_config import TrainConfig
 from qerl.pipeline.rollout.aqn import AQNConfig
 from qerl.pipeline.rollout.config import RolloutConfig
+from qerl.pipeline.store.files import read_json
 from qerl.pipeline.store.retention_policy import RetentionConfig
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -117,8 +117,6 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
     if cfg.rollout.dtype == "float32":  # the one dtype a CUDA engine refuses (no torch import otherwise)
         check_served_dtype(cfg)
     model_json = Path(cfg.model.source) / "config.json"
-    if cfg.rollout.tensor_parallel_size > 1 and model_json.is_file():  # 1 is valid everywhere
-        from qerl.pipeline.runtime.device import cuda_available
-
-        check_parallelism(cfg.rollout, json.loads(model_json.read_text()), cuda_available())
+    if model_json.is_file():  # other sources are checked after the base stage (run_checks)
+        check_model(cfg.rollout, read_json(model_json))
     return cfg
