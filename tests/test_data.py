@@ -150,7 +150,9 @@ def test_local_bigmath_and_aime_layouts(tmp_path):
 
 def test_hub_offline_error_says_what_to_do(monkeypatch):
     monkeypatch.delenv("QERL_DATA_DIR", raising=False)
-    with pytest.raises(RuntimeError, match=r"openai/gsm8k.*QERL_DATA_DIR.*pass a local file"):
+    with pytest.raises(
+        RuntimeError, match=r"openai/gsm8k.*QERL_DATA_DIR.*benchmark.root in qerl eval.*a local file"
+    ):
         load_problems(DataConfig(dataset="gsm8k", split="test"))
 
 

@@ -185,9 +185,9 @@ def _load_hub(name: str, split: str, levels: list[int] | None) -> tuple[list[dic
         raise RuntimeError(
             f"could not load {repo}{f' ({config})' if config else ''} split '{hub_split}' from the Hugging "
             f"Face hub ({type(err).__name__}: {str(err)[:200]}). Offline? Download it elsewhere and either "
-            f"set data.root (or ${DATA_DIR_ENV}) to a directory holding {name}/{split}.jsonl, or pass a "
-            f"local file instead: --set data.dataset=/path/{name}.parquet (or .jsonl) with columns "
-            f"{'|'.join(qcols)}/{acol}"
+            f"set ${DATA_DIR_ENV} (or this dataset's root: data.root, eval.benchmark.root, benchmark.root "
+            f"in qerl eval) to a directory holding {name}/{split}.jsonl, or name a local file as the "
+            f"dataset (/path/{name}.parquet or .jsonl, columns {'|'.join(qcols)}/{acol})"
         ) from err
     rows = [dict(r) for r in ds]
     if name == "bigmath":
