@@ -153,6 +153,7 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> tuple[Any, Any]:
     import time
 
     from qerl.pipeline.config import apply_overrides, load_config
+    from qerl.pipeline.data.datasets import load_problems
     from qerl.pipeline.data.rewards import RewardConfig
     from qerl.pipeline.evaluation.eval_config import EvalConfig
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
@@ -185,6 +186,8 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> tuple[Any, Any]:
     if args.benchmark:
         cfg = apply_overrides(cfg, {"benchmark": {"dataset": args.benchmark}})
     engine_sets = sets["rollout"]
+    for benchmark in (cfg.benchmark, *cfg.also):  # read before the base is built: a missing file fails now
+        load_problems(benchmark)
     store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
     quantized, twin = _eval_base(args.base, needs_twin(args.engine), recipe, store, ui, run_recipe)
     adapter = _eval_adapter(args.adapter, registered, quantized, store, ui)

@@ -378,6 +378,13 @@ def test_cli_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert len(rows) == 3 and all(r["completion_tokens"] <= 8 for r in rows)
     assert json.loads((manifest_dir / "manifest.json").read_text())["mode"] == "hf-nvfp4-emulated"
 
+    # a benchmark that cannot be read fails before the base is quantized or an engine is built
+    fresh, missing = tmp_path / "fresh-work", tmp_path / "missing.jsonl"
+    argv = ["eval", "--base", str(tiny_model_dir), "--adapter", "none", "--benchmark", str(missing),
+            "--engine", "hf", "--work-dir", str(fresh)]  # fmt: skip
+    assert main(argv) == 2
+    assert str(missing) in capsys.readouterr().err and not (fresh / "store" / "objects").exists()
+
 
 @pytest.mark.slow
 def test_cli_eval_on_the_default_vllm_engine(tiny_model_dir, tmp_path, capsys):
