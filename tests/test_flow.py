@@ -256,13 +256,18 @@ def test_cli_help_lists_every_command():
         assert command in out.stdout
 
 
-def test_resume_unknown_run_names_known_runs(tmp_path):
+def test_a_mistyped_run_id_or_work_dir_is_named_and_nothing_is_made(tmp_path):
     proc = _qerl(["resume", "nope"], tmp_path)
     assert proc.returncode == 2 and "no run 'nope'" in proc.stderr
     mistyped = tmp_path / "no-such-work-dir"  # an error, and no work directory made there
     proc = _qerl(["resume", "nope", "--work-dir", str(mistyped)], tmp_path)
     assert proc.returncode == 2 and f"no run 'nope' under {mistyped}" in proc.stderr
     assert not mistyped.exists()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept")
+    proc = _qerl(["run", "--work-dir", str(a_file)], tmp_path)
+    assert proc.returncode == 2 and f"work directory {a_file} is not a directory" in proc.stderr
+    assert a_file.read_text() == "kept"
 
 
 def test_schedule_needs_a_server(tmp_path, monkeypatch):

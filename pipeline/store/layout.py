@@ -65,5 +65,9 @@ def recorded_run(work: Path, run_id: str) -> Path:
 
 
 def default_work_dir(work_dir: str | Path | None = None) -> Path:
-    """The one work directory (store, run records, MLflow db): argument, $QERL_WORK_DIR, ./qerl-work."""
-    return Path(work_dir or os.environ.get("QERL_WORK_DIR") or "qerl-work").resolve()
+    """The one work directory (store, run records, MLflow db): argument, $QERL_WORK_DIR, ./qerl-work;
+    a ``ValueError`` when that path is a file."""
+    path = Path(work_dir or os.environ.get("QERL_WORK_DIR") or "qerl-work").resolve()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"work directory {path} is not a directory (--work-dir or $QERL_WORK_DIR)")
+    return path
