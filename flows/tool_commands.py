@@ -38,9 +38,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     names = [args.name] if args.name else ["quantize", "score", "rollout", "train", "contention"]
     for name in names:
         script = root / "benchmarks" / f"bench_{name}.py"
-        if not script.is_file():
-            print(f"no benchmark '{name}' ({script} not found)", file=sys.stderr)
-            return 2
+        if not script.is_file():  # from a checkout only: an installed qerl has no benchmarks/
+            known = sorted(p.stem.removeprefix("bench_") for p in (root / "benchmarks").glob("bench_*.py"))
+            raise FileNotFoundError(
+                f"no benchmark '{name}' ({script} not found; benchmarks: {', '.join(known) or 'none'})"
+            )
     missed = []  # a benchmark exits 1 when it misses its goal, after writing its results: collect them all
     for name in names:
         if subprocess.run(

@@ -256,6 +256,14 @@ def test_cli_help_lists_every_command():
         assert command in out.stdout
 
 
+def test_an_unknown_benchmark_lists_the_benchmarks(capsys):
+    from qerl.flows.cli import main
+
+    assert main(["bench", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qerl bench: error: no benchmark 'nosuch'") and "quantize, rollout, score" in err
+
+
 def test_a_mistyped_run_id_or_work_dir_is_named_and_nothing_is_made(tmp_path):
     proc = _qerl(["resume", "nope"], tmp_path)
     assert proc.returncode == 2 and "no run 'nope'" in proc.stderr
