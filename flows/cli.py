@@ -303,8 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        # ConfigError, ArtifactError, EngineError and friends: a clear message, not a traceback.
+    except (ValueError, OSError, RuntimeError) as err:
+        # ConfigError, ArtifactError, EngineError, a path that is missing, a directory or not
+        # writable: a clear message naming it, not a traceback (-v shows the traceback).
         if getattr(args, "verbose", False):
             raise
         print(f"qerl {args.command}: error: {err}", file=sys.stderr)

@@ -106,6 +106,11 @@ def test_cli_score_jsonl(tmp_path, capsys):
     assert main(["score", "--input", str(tmp_path / "missing.jsonl"), "--output", str(out)]) == 2
     err = capsys.readouterr().err  # the error alone: no progress bar drawn for a file that is not there
     assert err.startswith("qerl score: error: input file not found:") and "answer/s" not in err
+    a_dir = tmp_path / "a-dir"
+    a_dir.mkdir()  # an OSError that is not a missing file: one line naming the path, not a traceback
+    assert main(["score", "--input", str(src), "--output", str(a_dir), "--set", "workers=1"]) == 2
+    err = capsys.readouterr().err
+    assert "qerl score: error: [Errno 21] Is a directory" in err and "a-dir" in err and "Traceback" not in err
 
 
 def test_score_jsonl_names_the_bad_line(tmp_path):
