@@ -83,7 +83,7 @@ def _print_run(record: dict, work: str) -> None:
     """The run's result for people: the last thing ``qerl run``/``qerl resume`` prints."""
     from pathlib import Path
 
-    from qerl.flows.run_record import eval_text
+    from qerl.flows.run_record import earlier_registration, eval_text, registered_line
     from qerl.pipeline.store.layout import MLFLOW_DB, RUN_RECORD, RUNS_DIR
 
     def say(text: str) -> None:
@@ -102,10 +102,10 @@ def _print_run(record: dict, work: str) -> None:
         who = "base (no adapter)" if e["adapter"] is None else f"adapter after step {e['step']}"
         say(f"  {eval_text(e)}  {who}")
     if reg:
-        promoted = "promoted to champion" if reg.get("promoted") else "not promoted"  # when it was registered
-        say(f"  registered {reg.get('model_name')} v{reg.get('version')}, {promoted}")
+        by = earlier_registration(record)
+        say(f"  {registered_line(reg, by)}")
         if reg.get("promotion"):
-            say(f"  promotion: {reg['promotion']}")
+            say(f"  promotion{'' if by is None else f' (run {by})'}: {reg['promotion']}")
     run_path = Path(work) / RUNS_DIR / record["run_id"]
     say(f"  run record: {run_path / RUN_RECORD}")
     say(f"  log:        {run_path / 'run.log'}")

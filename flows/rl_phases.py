@@ -48,6 +48,7 @@ from qerl.flows.rl_tasks import (
 )
 from qerl.flows.run_record import (
     carried_over,
+    earlier_registration,
     eval_entry,
     eval_text,
     load_run_record,
@@ -399,7 +400,9 @@ def register_final(
     rec["registration"] = {**reg.extra, **reg.metrics, "promotion": decision.get("promotion"),
                            "decided_on": decision.get("decided_on")}  # fmt: skip
     promoted = "champion" if reg.metrics.get("promoted") else "not promoted"
-    run.ui.stage("register", f"{reg.extra.get('model_name')} v{reg.metrics.get('version')}, {promoted}",
+    by = earlier_registration(rec)
+    already = "" if by is None else f" (already registered by run {by}: the same adapter)"
+    run.ui.stage("register", f"{reg.extra.get('model_name')} v{reg.metrics.get('version')}{already}, {promoted}",
                  time.perf_counter() - t0, run.cached(reg))  # fmt: skip
     if decision.get("promotion"):
         run.logger.info("promotion: %s", decision["promotion"])

@@ -196,10 +196,27 @@ def summary_markdown(record: dict[str, Any]) -> str:
     if reg:
         lines += [
             "",
-            f"registered `{reg.get('model_name')}` v{reg.get('version')}, "
-            + ("promoted to champion" if reg.get("promoted") else "not promoted"),
+            registered_line(reg, earlier_registration(record), "`{}`"),
         ]
     return "\n".join(lines)
+
+
+def registered_line(reg: dict[str, Any], by: str | None, name: str = "{}") -> str:
+    """The registration in one line; ``by``: the other run whose version it reused
+    (``earlier_registration``), whose decision the champion alias reflects, not this run's."""
+    model, version, promoted = name.format(reg.get("model_name")), reg.get("version"), reg.get("promoted")
+    if by is None:
+        return f"registered {model} v{version}, {'promoted to champion' if promoted else 'not promoted'}"
+    return f"already registered: {model} v{version}, by run {by} (the same adapter), {'champion' if promoted else 'not champion'}"
+
+
+def earlier_registration(record: dict[str, Any]) -> str | None:
+    """The run that registered the version this run's registration reused, when that is another run
+    (this run's adapter is byte-identical to that version's), else None: the version, its aliases and
+    its promotion decision are that run's."""
+    reg = record.get("registration") or {}
+    by = reg.get("registered_by")
+    return by if reg.get("created") is False and by and by != record.get("run_id") else None
 
 
 def table_row(entry: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,11 @@ version keeps its promotion decision (its ``promotion`` tag): a re-run after an 
 stage's key, with no champion evaluation passed, must not re-decide it on the recorded accuracies
 alone, nor against a champion crowned since. Only a version registered by an attempt cut off before
 its decision (no tag) is decided now, and so is an ablation's version (never a candidate) or a
-partial run's, when a complete run's registration reuses it.
+partial run's, when a complete run's registration reuses it. A night whose training left the
+warm-start adapter byte-identical (no group of any step had an advantage, and weight decay is off,
+its default) reuses that
+version the same way; ``registered_by`` (the version's ``run_id`` tag) then names the earlier run,
+so the run's record and console say the version and its decision are that run's.
 
 ``promote=False`` (the runs of an ablation, ``qerl ablate``): the version is registered with its
 lineage but takes no alias at all, neither challenger nor champion: an ablation never moves them.
@@ -321,6 +325,7 @@ def run(
             "version": version,
             "created": created,
             "run_id": run_id,
+            "registered_by": info["tags"].get("run_id"),  # another run's, when its adapter is this one
             "source": info["source"],
             "aliases": info["aliases"],
             "challenger": challenger,
@@ -339,7 +344,11 @@ def run(
         return BuildResult(
             mode=f"mlflow-{kind}",
             metrics={"version": int(version), "promoted": promoted, "created": created},
-            extra={"run_id": run_id, "model_name": resolved.model_name},
+            extra={
+                "run_id": run_id,
+                "model_name": resolved.model_name,
+                "registered_by": record["registered_by"],
+            },
         )
 
     code = code_version(sys.modules[__name__])

@@ -142,7 +142,10 @@ def test_register_rejects_bad_inputs(work):
 def test_register_is_idempotent_per_run_and_weights(work):
     """A rebuilt train step whose adapter_config.json differs (a new train digest) but whose weights are
     the same bytes is the same registration for the same run: no second version, no alias moves. Another
-    run with the same weights is a version of its own."""
+    run with the same weights is a version of its own; a later run with the very same adapter reuses
+    that version and names the run that registered it."""
+    from qerl.flows.run_record import earlier_registration, registered_line
+
     store = ArtifactStore(work / "store-weights")
     cfg = reg.RegistryConfig(model_name="weights-adapter")
 
@@ -175,6 +178,22 @@ def test_register_is_idempotent_per_run_and_weights(work):
     )  # fmt: skip
     assert json.loads(other.file("registration.json").read_text())["created"] is True
     assert len(client.search_model_versions("name = 'weights-adapter'")) == 2
+    # a later night whose training left that adapter byte-identical reuses its version, and says whose
+    later = register.run(
+        cfg, rebuilt, fake_eval(store, 0.5), {**lineage, "run_id": "night-abc-20260103"}, HISTORY, work,
+        True, store,
+    )  # fmt: skip
+    rec = json.loads(later.file("registration.json").read_text())
+    assert (rec["version"], rec["created"], rec["registered_by"]) == ("2", False, "night-abc-20260102")
+    record = {"run_id": "night-abc-20260103", "registration": {**later.extra, **later.metrics}}
+    assert earlier_registration(record) == "night-abc-20260102"
+    assert registered_line(record["registration"], "night-abc-20260102") == (
+        "already registered: weights-adapter v2, by run night-abc-20260102 (the same adapter), not champion"
+    )
+    own = {"run_id": "night-abc-20260102", "registration": {**other.extra, **other.metrics}}
+    assert earlier_registration(own) is None and registered_line(own["registration"], None).startswith(
+        "registered weights-adapter v2, "
+    )
 
 
 def test_a_reused_version_keeps_its_promotion_decision(work, monkeypatch):
