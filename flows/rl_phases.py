@@ -162,7 +162,7 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     t0 = time.perf_counter()
     src = base_task(cfg, store)
     ui.stage("base", src, time.perf_counter() - t0)
-    if (Path(src) / "config.json").is_file():  # the demo's, the catalogue's: known only now
+    if (Path(src) / "config.json").is_file():  # the demo's and the catalogue's are known only now
         check_model(cfg.rollout, read_json(Path(src) / "config.json"))
     t0 = time.perf_counter()
     measures = cfg.quantize.scheme == "nvfp4" and cfg.quantize.quality.enabled

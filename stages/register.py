@@ -35,9 +35,9 @@ alone, nor against a champion crowned since. Only a version registered by an att
 its decision (no tag) is decided now, and so is an ablation's version (never a candidate) or a
 partial run's, when a complete run's registration reuses it. A night whose training left the
 warm-start adapter byte-identical (no group of any step had an advantage, and weight decay is off,
-its default) reuses that
-version the same way; ``registered_by`` (the version's ``run_id`` tag) then names the earlier run,
-so the run's record and console say the version and its decision are that run's.
+its default) reuses that version the same way; ``registered_by`` (the version's ``run_id`` tag) then
+names the earlier run, so the run's record and console say the version and its decision are that
+run's.
 
 ``promote=False`` (the runs of an ablation, ``qerl ablate``): the version is registered with its
 lineage but takes no alias at all, neither challenger nor champion: an ablation never moves them.
