@@ -24,7 +24,7 @@ What, on one CUDA GPU, side by side in one run:
    (8 and 64 tokens) and prefill (4,096 tokens) shapes of 7B's projections.
 
 ``--dry-run`` runs the same code on the CPU at tiny shapes in seconds (CI exercises it through
-``scripts/gpu_check.sh --dry-run``); there the memory is the child's peak RSS above its baseline and
+``scripts/gpu/gpu_check.sh --dry-run``); there the memory is the child's peak RSS above its baseline and
 the kernels are the CPU dispatcher's (numba), so its numbers say nothing about a GPU. Results go to
 ``gpu.md`` + ``gpu.json`` in ``--out-dir`` (default: benchmarks/results for a CUDA run, never for a
 dry run, so BENCHMARKS.md only ever shows GPU numbers), rewritten atomically after every arm so a run

@@ -1,6 +1,6 @@
 """The GPU validation kit: CUDA paths checked on a CUDA machine, and the kit itself checked anywhere.
 
-``gpu`` tests (run by ``scripts/gpu_check.sh`` on a CUDA machine, skipped elsewhere with the reason):
+``gpu`` tests (run by ``scripts/gpu/gpu_check.sh`` on a CUDA machine, skipped elsewhere with the reason):
 the Triton kernels compiled for the GPU, bit-exact with the PyTorch reference over the truth tables,
 adversarial and random weights; ``NVFP4Linear`` forward and LoRA gradients on CUDA against a bf16
 model holding the dequantized weights; one GRPO train step on CUDA from the packed base, whose
@@ -25,7 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
-GPU_ENV = "TRITON_INTERPRET=0 is needed: run the gpu tests through scripts/gpu_check.sh"
+GPU_ENV = "TRITON_INTERPRET=0 is needed: run the gpu tests through scripts/gpu/gpu_check.sh"
 
 # What the GPU image lacks and the kit must therefore never import (directly or through our modules).
 FORBIDDEN = (
@@ -38,7 +38,7 @@ FORBIDDEN = (
 def cuda():
     """Skip without CUDA; on CUDA insist on compiled Triton (the interpreter would test nothing)."""
     if not CUDA:
-        pytest.skip("needs a CUDA GPU: run `bash scripts/gpu_check.sh` on one")
+        pytest.skip("needs a CUDA GPU: run `bash scripts/gpu/gpu_check.sh` on one")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         pytest.fail(GPU_ENV)
     return torch.device("cuda")
@@ -131,7 +131,7 @@ print(json.dumps(ops))
 
 def test_wheel_script_downloads_and_enforces_the_limit(tmp_path):
     """One tiny wheel (iniconfig, ~8 KB) from the registry, then the same with a limit it exceeds."""
-    script = ROOT / "scripts" / "fetch_gpu_wheels.sh"
+    script = ROOT / "scripts" / "gpu" / "fetch_gpu_wheels.sh"
     proc = subprocess.run(
         ["bash", str(script), "--dest", str(tmp_path / "w"), "--only", "iniconfig"],
         capture_output=True,
@@ -162,7 +162,7 @@ def test_the_kit_vllm_modules_share_one_checkpoint_under_gpu_check(tmp_path, tmp
     first = kit_checkpoint(tmp_path_factory)
     second = kit_checkpoint(tmp_path_factory)  # as the other module's process finds it
     assert first.dir == second.dir and first.key == second.key
-    assert "export QERL_GPU_KIT_DIR=" in (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert "export QERL_GPU_KIT_DIR=" in (ROOT / "scripts" / "gpu" / "gpu_check.sh").read_text()
     monkeypatch.delenv("QERL_GPU_KIT_DIR")
     assert kit_checkpoint(tmp_path_factory).dir != first.dir  # run alone: a fresh folder
 
@@ -176,7 +176,7 @@ def test_gpu_check_dry_run(tmp_path):
     before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
     env = {**os.environ, "OUT": str(tmp_path)}
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"],
+        ["bash", str(ROOT / "scripts" / "gpu" / "gpu_check.sh"), "--dry-run"],
         capture_output=True,
         text=True,
         env=env,
@@ -212,7 +212,7 @@ def test_gpu_check_budget_cuts_parts_and_says_so(tmp_path):
     not started, one that runs past it is cut off; the report's parts table says which, and the exit
     status is 5 (incomplete, nothing failed)."""
     env = {**os.environ, "OUT": str(tmp_path), "QERL_GPU_PART_MIN_S": "5", "QERL_GPU_REPORT_RESERVE_S": "0"}
-    script = str(ROOT / "scripts" / "gpu_check.sh")
+    script = str(ROOT / "scripts" / "gpu" / "gpu_check.sh")
     proc = subprocess.run(
         ["bash", script, "--dry-run", "--budget-s", "25"], capture_output=True, text=True, env=env, cwd=ROOT
     )
@@ -226,10 +226,10 @@ def test_gpu_check_budget_cuts_parts_and_says_so(tmp_path):
 
 
 def test_gpu_check_runs_the_test_files_it_is_given(tmp_path):
-    """``--test-files``: a lease can run one GPU test file that no lease has run yet, alone; a name
+    """``--test-files``: one GPU test file can run alone (gpu_validate.sh's padded item); a name
     that is no GPU test file is refused before anything runs."""
     env = {**os.environ, "OUT": str(tmp_path)}
-    script = str(ROOT / "scripts" / "gpu_check.sh")
+    script = str(ROOT / "scripts" / "gpu" / "gpu_check.sh")
     only = "tests/test_gpu_vllm_padded.py"
     args = ["bash", script, "--dry-run", "--tests-only", "--test-files", only]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -321,7 +321,7 @@ def test_triton_kernels_bit_exact_on_cuda(cuda):
 def cuda_checkpoints(request, tmp_path_factory):
     """The tiny model quantized by the real quantize stage on CUDA (Triton), and its bf16 twin."""
     if not CUDA:  # before the tiny model is built: nothing to do on a CPU
-        pytest.skip("needs a CUDA GPU: run `bash scripts/gpu_check.sh` on one")
+        pytest.skip("needs a CUDA GPU: run `bash scripts/gpu/gpu_check.sh` on one")
     tiny_model_dir = request.getfixturevalue("tiny_model_dir")
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore

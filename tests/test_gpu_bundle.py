@@ -1,4 +1,4 @@
-"""The vLLM bundle's machinery (scripts/gpu_bundle.py), on small synthetic trees, with no network.
+"""The vLLM bundle's machinery (scripts/gpu/gpu_bundle.py), on small synthetic trees, with no network.
 
 The split, the staging of carried chunks, the reassembly and the checksum checks: a missing chunk is
 named, a flipped byte is detected and the chunk named, the reassembled archive extracts to the same
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
+SCRIPTS = ROOT / "scripts" / "gpu"
 SCRIPT = SCRIPTS / "gpu_bundle.py"
 sys.path.insert(0, str(SCRIPTS))  # the scripts import their siblings, as they do when run
 import gpu_bundle as gb  # noqa: E402
@@ -159,16 +159,16 @@ KIT_FILES = (
 def _device_root(tmp_path: Path, leave_out: str = "") -> tuple[Path, dict]:
     """A throwaway repository root holding the kit's scripts, and the environment to run it in."""
     root = tmp_path / "device-root"
-    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "gpu").mkdir(parents=True)
     for name in KIT_FILES:
         if name != leave_out:
-            (root / "scripts" / name).write_bytes((SCRIPTS / name).read_bytes())
+            (root / "scripts" / "gpu" / name).write_bytes((SCRIPTS / name).read_bytes())
     return root, {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "results")}
 
 
 def _stage_only(root: Path, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(root / "scripts" / "gpu_check.sh"), "--dry-run", "--stage-only"],
+        ["bash", str(root / "scripts" / "gpu" / "gpu_check.sh"), "--dry-run", "--stage-only"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
 
@@ -217,9 +217,9 @@ def test_a_clean_vllm_import_check_serves_the_later_calls_of_a_lease(tmp_path):
     bundle and roots list: a later call on the same machine reuses a clean result, and a changed list checks again."""
     root, env = _device_root(tmp_path)
     for name in ("gpu_src.sh", "gpu_sitecustomize.py", "gpu_vllm_roots.txt"):
-        (root / "scripts" / name).write_bytes((SCRIPTS / name).read_bytes())
+        (root / "scripts" / "gpu" / name).write_bytes((SCRIPTS / name).read_bytes())
     (root / "qerl").mkdir()
-    (root / "qerl" / "__init__.py").write_bytes((SCRIPTS.parent / "qerl" / "__init__.py").read_bytes())
+    (root / "qerl" / "__init__.py").write_bytes((ROOT / "qerl" / "__init__.py").read_bytes())
     (root / ".gpu-vllm-site").mkdir()
     (root / ".gpu-vllm-site" / ".bundle-sha256").write_text("ab" * 32 + "\n")  # an extracted bundle
     fake = tmp_path / "python"
@@ -229,7 +229,7 @@ def test_a_clean_vllm_import_check_serves_the_later_calls_of_a_lease(tmp_path):
     env = {**env, "PYTHON": str(fake), "IMPORT_CHECKS": str(checks)}
 
     def call() -> str:
-        proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--tests-only"], cwd=root, env=env,
+        proc = subprocess.run(["bash", "scripts/gpu/gpu_check.sh", "--tests-only"], cwd=root, env=env,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         assert proc.returncode == 2 and "no CUDA device" in proc.stderr, proc.stderr  # stops there
         return proc.stderr
@@ -237,7 +237,7 @@ def test_a_clean_vllm_import_check_serves_the_later_calls_of_a_lease(tmp_path):
     assert "vLLM imports: 39 of 39 roots import (9.9 s)\n" in call()
     assert "roots import (9.9 s), by an earlier call on this machine" in call()
     assert checks.read_text().count("run") == 1
-    with (root / "scripts" / "gpu_vllm_roots.txt").open("a") as roots:
+    with (root / "scripts" / "gpu" / "gpu_vllm_roots.txt").open("a") as roots:
         roots.write("vllm.extra\n")
     assert "by an earlier call" not in call()  # another list: checked again
     assert checks.read_text().count("run") == 2
@@ -248,7 +248,7 @@ def test_the_kit_does_not_start_the_tests_without_pydantic(tmp_path):
     kit says so and names the bundle's state instead of running tests that all error at setup."""
     root, env = _device_root(tmp_path)
     for name in ("gpu_src.sh", "gpu_sitecustomize.py", "gpu_vllm_roots.txt"):
-        (root / "scripts" / name).write_bytes((SCRIPTS / name).read_bytes())
+        (root / "scripts" / "gpu" / name).write_bytes((SCRIPTS / name).read_bytes())
     fake = tmp_path / "python"
     fake.write_text(
         FAKE_IMAGE_PYTHON.replace("*is_available*) exit 1 ;;", "*is_available*) exit 0 ;;").replace(
@@ -259,7 +259,7 @@ def test_the_kit_does_not_start_the_tests_without_pydantic(tmp_path):
     fake.chmod(0o755)
     checks = tmp_path / "calls"
     env = {**env, "PYTHON": str(fake), "IMPORT_CHECKS": str(checks)}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--tests-only", "--no-vllm"], cwd=root, env=env,
+    proc = subprocess.run(["bash", "scripts/gpu/gpu_check.sh", "--tests-only", "--no-vllm"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert "tests: not started: qerl needs pydantic, which the vLLM bundle brings" in proc.stderr, proc.stderr
     assert not checks.exists() or "PYTEST-RAN" not in checks.read_text()
@@ -519,12 +519,12 @@ def test_build_resolved_carries_the_closure_less_the_image_and_the_other_bundle(
 
 
 def test_requirements_are_exact_pins_consistent_with_the_small_wheel_set():
-    reqs = gb.parse_requirements(ROOT / "scripts" / "gpu_vllm_requirements.txt")
+    reqs = gb.parse_requirements(ROOT / "scripts" / "gpu" / "gpu_vllm_requirements.txt")
     pins = {r["dist"]: r["version"] for r in reqs}
     assert pins["vllm"] == "0.26.0" and all(r["reason"] for r in reqs), "each line says why"
     image = gi.image_packages()
     assert not set(pins) & image, "carrying an image package would shadow the image's (torch above all)"
-    small = (ROOT / "scripts" / "fetch_gpu_wheels.sh").read_text()
+    small = (ROOT / "scripts" / "gpu" / "fetch_gpu_wheels.sh").read_text()
     for dist in ("pydantic", "pydantic-core", "annotated-types", "typing-inspection"):
         m = re.search(rf"(?<![-\w]){re.escape(dist)}==([\w.]+)", small)
         assert m and m.group(1) == pins[dist], f"{dist}: both bundles may share one sys.path"
@@ -549,7 +549,7 @@ def test_run_bundle_pins_are_the_cpu_environments():
         if "==" in spec:
             name, version = spec.split("==", 1)
             cpu[gi.norm(name.split("[")[0])] = version.strip()
-    reqs = gb.parse_requirements(ROOT / "scripts" / "gpu_run_requirements.txt")
+    reqs = gb.parse_requirements(ROOT / "scripts" / "gpu" / "gpu_run_requirements.txt")
     assert {r["dist"] for r in reqs} == {"prefect", "mlflow", "math-verify"} and all(
         r["reason"] for r in reqs
     )
@@ -558,21 +558,21 @@ def test_run_bundle_pins_are_the_cpu_environments():
 
 
 def test_drop_list_spares_the_extensions_the_dense_path_loads():
-    patterns = gb.read_list(ROOT / "scripts" / "gpu_vllm_drop.txt")
+    patterns = gb.read_list(ROOT / "scripts" / "gpu" / "gpu_vllm_drop.txt")
     import fnmatch
 
     assert "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" in patterns
     for kept in ("vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "vllm/_qutlass_C.abi3.so",
                  "vllm/vllm_flash_attn/flash_attn_interface.py", "vllm/cumem_allocator.abi3.so"):  # fmt: skip
         assert not any(fnmatch.fnmatchcase(kept, p) for p in patterns), kept
-    roots = gb.read_list(ROOT / "scripts" / "gpu_vllm_roots.txt")
+    roots = gb.read_list(ROOT / "scripts" / "gpu" / "gpu_vllm_roots.txt")
     assert "vllm.entrypoints.llm" in roots and "vllm.model_executor.models.qwen2" in roots
 
 
 def test_the_shell_script_exposes_the_vllm_build():
-    text = (ROOT / "scripts" / "fetch_gpu_wheels.sh").read_text()
+    text = (ROOT / "scripts" / "gpu" / "fetch_gpu_wheels.sh").read_text()
     assert "--vllm)" in text and "gpu_bundle.py build" in text
-    check = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    check = (ROOT / "scripts" / "gpu" / "gpu_check.sh").read_text()
     assert "--stage-only)" in check and "gpu_bundle.py stage" in check and "gpu_bundle.py unpack" in check
 
 
@@ -638,7 +638,9 @@ def test_the_qerl_side_of_the_vllm_part_needs_only_the_image_and_the_bundle(tmp_
     assert not result["missing"], result["missing"]
     assert len(result["reached"]) > 20
     provided = gi.image_packages()
-    provided |= {r["dist"] for r in gb.parse_requirements(ROOT / "scripts" / "gpu_vllm_requirements.txt")}
+    provided |= {
+        r["dist"] for r in gb.parse_requirements(ROOT / "scripts" / "gpu" / "gpu_vllm_requirements.txt")
+    }
     needed = {
         top: (e["dist"], " > ".join(e["chain"]))
         for top, e in result["externals"].items()
@@ -729,7 +731,7 @@ def test_the_defer_list_names_only_what_the_vllm_wheel_needs_deferred():
     assert listed and all(p.startswith("vllm/") and p.endswith(".py") for p in listed)
     wheels = sorted((ROOT / ".gpu-vllm-build" / "wheels").glob("vllm-*.whl"))
     if not wheels:
-        pytest.skip("no vLLM wheel here (scripts/fetch_gpu_wheels.sh --vllm downloads it)")
+        pytest.skip("no vLLM wheel here (scripts/gpu/fetch_gpu_wheels.sh --vllm downloads it)")
     with zipfile.ZipFile(wheels[-1]) as zf:
         for rel in listed:
             uses = gpu_lazy.eager_lazy_modules(ast.parse(zf.read(rel)))
@@ -746,7 +748,7 @@ def test_the_kit_turns_off_the_sampler_that_needs_flashinfer():
     )
     wheels = sorted((ROOT / ".gpu-vllm-build" / "wheels").glob("vllm-*.whl"))
     if not wheels:
-        pytest.skip("no vLLM wheel here (scripts/fetch_gpu_wheels.sh --vllm downloads it)")
+        pytest.skip("no vLLM wheel here (scripts/gpu/fetch_gpu_wheels.sh --vllm downloads it)")
     with zipfile.ZipFile(wheels[-1]) as zf:
         src = zf.read("vllm/v1/sample/ops/topk_topp_sampler.py").decode()
     switch, needs = (
@@ -758,7 +760,7 @@ def test_the_kit_turns_off_the_sampler_that_needs_flashinfer():
 
 def test_the_root_import_check_names_every_failing_root(tmp_path):
     """After extracting the bundle the kit imports each root of the scan on its own
-    (scripts/gpu_import_roots.py), so one call shows every module the scan missed (on the first H200
+    (scripts/gpu/gpu_import_roots.py), so one call shows every module the scan missed (on the first H200
     run each missing module cost a try)."""
     pkg = tmp_path / "site" / "fake"
     pkg.mkdir(parents=True)
@@ -790,7 +792,7 @@ def test_the_root_import_check_names_every_failing_root(tmp_path):
 
 
 def test_the_kits_src_folder_puts_qerl_first_and_the_bundles_after_site_packages(tmp_path):
-    """scripts/gpu_src.sh: qerl imports from the folder, and in every process started with it (a
+    """scripts/gpu/gpu_src.sh: qerl imports from the folder, and in every process started with it (a
     child of a child too: vLLM's engine core, `qerl run`) the bundles come after site-packages."""
     subprocess.run(["bash", str(SCRIPTS / "gpu_src.sh"), str(tmp_path / "src")], check=True)
     bundle = tmp_path / "bundle"

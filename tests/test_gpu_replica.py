@@ -1,6 +1,6 @@
-"""The CPU replica of the GPU image (``scripts/gpu_replica.sh``, ``scripts/gpu_replica_check.py``).
+"""The CPU replica of the GPU image (``scripts/gpu/gpu_replica.sh``, ``scripts/gpu/gpu_replica_check.py``).
 
-The replica itself (6.3 GB: the image's CUDA torch) is a developer's pre-flight before a lease and is
+The replica itself (6.3 GB: the image's CUDA torch) is a developer's pre-flight before a GPU run and is
 not built here. What is tested here runs without it: the stub driver, the replica's package lists,
 the plugins the build registers, and the requests and model checks against this environment's vLLM
 (0.32 on the CPU; the replica runs them against 0.26).
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
+SCRIPTS = ROOT / "scripts" / "gpu"
 sys.path.insert(0, str(SCRIPTS))  # the scripts import their siblings, as they do when run
 import gpu_imports as gi  # noqa: E402
 import gpu_replica_build as grb  # noqa: E402
@@ -72,7 +72,17 @@ def test_the_replica_script_names_a_bad_option():
     assert out.returncode == 2 and "unknown option --bogus" in out.stderr
     out = subprocess.run(["bash", str(SCRIPTS / "gpu_replica.sh"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--python PATH" in out.stdout and "--build-only" in out.stdout
-    assert "--user-install" in out.stdout
+    assert "--user-install" in out.stdout and "--requirements FILE" in out.stdout
+    untested = "requirements/gpu-untested-vllm032.txt"
+    out = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_replica.sh"), "--requirements", untested], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "--requirements goes with --user-install" in out.stderr
+    out = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_replica.sh"), "--user-install", "--requirements", "requirements/no-such.txt"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 2 and "no requirements file 'requirements/no-such.txt'" in out.stderr
 
 
 @pytest.mark.parametrize(("flags", "python"), [([], "3.12"), (["--user-install"], "3.11")])
@@ -80,7 +90,7 @@ def test_the_replica_refuses_a_python_other_than_its_targets_before_removing_any
     """The image replica wants the image's Python, the user-install one the GPU set-up's;
     a wrong one is refused before --rebuild removes the venv (/bin/false answers no version)."""
     assert "QERL_ENV=gpu make venv" in (ROOT / "README.md").read_text()
-    assert "PY=${PYTHON:-python3.11}" in (SCRIPTS / "bootstrap.sh").read_text()  # the set-up's Python
+    assert "PY=${PYTHON:-python3.11}" in (SCRIPTS.parent / "bootstrap.sh").read_text()  # the set-up's Python
     out = subprocess.run(
         ["bash", str(SCRIPTS / "gpu_replica.sh"), *flags, "--rebuild", "--python", "/bin/false"],
         capture_output=True,

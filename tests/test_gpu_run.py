@@ -35,7 +35,7 @@ def test_gpu_check_run_part_runs_qerl_run_and_reports_it(tmp_path, tiny_model_fa
     env = {**os.environ, "OUT": str(out)}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--run-only", "--run-config", str(cfg_path)],
+        ["bash", str(ROOT / "scripts" / "gpu" / "gpu_check.sh"), "--dry-run", "--run-only", "--run-config", str(cfg_path)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,113 +1,64 @@
 #!/usr/bin/env bash
-# The GPU validation kit: one command, from the repository root of a CUDA machine.
+# The GPU kit's runner: the GPU tests and benchmarks on one CUDA machine, one call, one report.
+# What a user runs is scripts/gpu/gpu_validate.sh (every check, in priority order, each under its own
+# time limit); it calls this script once an item. Run this one directly for a part on its own.
 #
-#   bash scripts/gpu_check.sh              installs the carried wheels (.gpu-wheels, see
-#                                          scripts/fetch_gpu_wheels.sh) into .gpu-site, runs the `gpu`
-#                                          tests (tests/test_gpu.py) with compiled Triton, runs the GPU
-#                                          benchmark (benchmarks/bench_gpu.py) and writes the results
-#   bash scripts/gpu_check.sh --dry-run    the same on a CPU at tiny shapes, in about a minute (CI):
-#                                          the gpu tests skip, the benchmark runs its tiny CPU shapes
+#   bash scripts/gpu/gpu_check.sh              the `gpu` tests (tests/test_gpu_vllm.py, _aqn.py,
+#                                              _padded.py, tests/test_gpu.py) with compiled Triton, then
+#                                              the benchmarks (benchmarks/bench_vllm.py, bench_gpu.py)
+#   bash scripts/gpu/gpu_check.sh --dry-run    the same on a CPU at tiny shapes, in about a minute (CI):
+#                                              the gpu tests skip, the benchmarks run their tiny CPU shapes
 #
-# Results go to $OUT (the device tool's output folder; default qerl-work/gpu-check), at most the 8
-# files the device tool brings back: gpu-check.md (the report: mode, environment, parts, each test's
-# outcome, benchmark tables), gpu-check.log (everything, pytest's output included), gpu.{md,json}
-# and vllm.{md,json} (the benchmarks), vllm-gap.json and determinism.json (what the tests measured).
-# A CUDA run also writes benchmarks/results/gpu.{md,json} in this tree (copy them from $OUT into the
-# repository when the tree is a remote copy); vllm.{md,json} go to $OUT from .gpu-bench-work (kept
-# while the machine is warm). A dry run never touches benchmarks/results.
-# The exit status is 1 when a test or a benchmark failed, 5 when nothing failed but the budget cut a
-# part.
+# Where: a GPU install (.venv from requirements/gpu.txt; PYTHON=.venv/bin/python), or an offline GPU
+# machine with the carried bundles (.gpu-vllm/, .gpu-run/: docs/guide/gpu-offline.md), which this
+# script stages, checks (sha256) and extracts after the machine's own site-packages before any part.
+#
+# Results go to $OUT (default qerl-work/gpu-check): gpu-check.md (the report: mode, environment, parts,
+# each test's outcome, benchmark tables), gpu-check.log (everything, pytest's output included),
+# gpu.{md,json} and vllm.{md,json} (the benchmarks), vllm-gap.json and determinism.json (what the
+# tests measured), quantize-7b.{md,json} (--exec-py scripts/gpu/gpu_quantize_7b.py). A CUDA run also
+# writes benchmarks/results/gpu.{md,json}; a dry run never touches benchmarks/results.
+# Exit: 1 when a test or a benchmark failed, 5 when nothing failed but the budget cut a part, 2 on a
+# wrong option or no CUDA device.
 #
 # Options: --dry-run  --tests-only  --bench-only  --run-e2e  --run-only  --run-config CFG
-#          --models 7b,14b,32b  --arms nvfp4,bf16
+#          --models 7b,14b,32b  --arms nvfp4,bf16[,nvfp4-det]
 #          --steps N  --prompt N  --completion N  --skip-kernels  --merge  (these go to bench_gpu.py;
 #          --merge keeps the other models' arms already in benchmarks/results/gpu.json)
 #          --vllm-models 0.5b[,7b]  (bench_vllm.py's shapes; default 0.5b)
 #          --vllm-layers N  (each of those with N decoder layers of its shape: "7b-4l", the Marlin/bf16
-#                        ratio at 7B's matrices in a fraction of a 7B arm's minutes)
-#          --no-bench-gpu  the benchmark part without bench_gpu.py (part 4)
-#          --vllm-arms nvfp4,bf16[,nvfp4-aqn]  (bench_vllm.py's arms, in order; nvfp4-aqn: what exact
-#                        AQN noise costs, the engine built for AQN with its norms fp32 from the load)
-#          --budget-s N  the seconds this call may spend: the parts run in the order below, each
-#                        under what is left (SIGINT, so pytest still writes its summary and the
-#                        benchmarks keep every finished arm); one that would get under 45 s is not
-#                        started. The report's parts table says what ran, what was cut off, what was
-#                        not started; exit 5 = nothing failed but the kit is incomplete.
-# The parts, in the order of what they are worth to a short lease: (1) tests/test_gpu_vllm.py (the
-# default GPU engine), tests/test_gpu_vllm_aqn.py (the same engine built for AQN, on the same
-# checkpoint, after the first compiled: it must not get that engine's cached graphs) and
-# tests/test_gpu_vllm_padded.py (a model at SmolLM2-135M's shape, which Marlin serves padded), (2)
-# tests/test_gpu.py (kernels, trainer, determinism on CUDA), (3) benchmarks/bench_vllm.py (Marlin
-# NVFP4 vs bf16 tokens/s), (4) benchmarks/bench_gpu.py (GRPO update time and memory at 7B/14B/32B,
-# kernels).
+#                        ratio at 7B's matrices in a fraction of a whole 7B arm's minutes)
+#          --vllm-prompts N, --vllm-n N  (bench_vllm.py's prompts x samples: the concurrent sequences;
+#                        default 16 x 8 = 128)
+#          --vllm-arms nvfp4,bf16[,nvfp4-aqn]  (bench_vllm.py's arms, in order; nvfp4-aqn: what exact AQN
+#                        noise costs, the engine built for AQN with its norms fp32 from the load)
+#          --no-bench-gpu  the benchmark part without bench_gpu.py
+#          --no-vllm      the kit without the vLLM parts (its tests and bench_vllm.py)
+#          --vllm-only    only the vLLM tests
+#          --test-files F[,F...]  these GPU test files in place of the parts' list, in this order
+#          --exec-py "FILE ARGS"  only this kit script, as a part (e.g. scripts/gpu/gpu_quantize_7b.py)
+#          --stage-only   stage the carried bundle chunks (extract when complete), report, stop
+#          --budget-s N   the seconds this call may spend: the parts run in the order below, each under
+#                        what is left (SIGINT, so pytest still writes its summary and the benchmarks keep
+#                        every finished arm); one that would get under 45 s is not started. The
+#                        report's parts table says what ran, was cut off, or was not started.
+# The parts, in this order: (1) the vLLM tests: tests/test_gpu_vllm.py (the default GPU engine on FP4
+# Marlin with CUDA graphs), tests/test_gpu_vllm_aqn.py (the same engine built for AQN, after the first
+# compiled: it must not get that engine's cached graphs), tests/test_gpu_vllm_padded.py (SmolLM2-135M's
+# 576-wide shape, which Marlin serves padded); (2) tests/test_gpu.py (kernels, trainer, determinism);
+# `qerl run --config CFG` with --run-e2e (default the demo-gpu preset, in a fresh .gpu-run-work);
+# (3) benchmarks/bench_vllm.py (Marlin NVFP4 vs bf16 tokens/s); (4) benchmarks/bench_gpu.py (a GRPO
+# update at 7B/14B/32B, kernels); --exec-py's script.
 #
-# The vLLM bundle: vLLM travels as chunks of a trimmed bundle built here by `bash
-# scripts/fetch_gpu_wheels.sh --vllm` (.gpu-vllm/part-01 ... part-NN, at most 50 MiB each, and
-# .gpu-vllm/manifest.json with their sha256); it cannot travel whole (74.5 MiB, of which 53 MiB is
-# vLLM's _C extension, compressed CUDA code that xz cannot shrink; the working tree adds 2.7 MiB) and
-# one call carries 64 MiB. A warm machine keeps ignored folders between calls but waits only ~30 s
-# for the next call, so each call moves its chunk into .gpu-vllm-chunks/ (kept there), and once all
-# are there and sound the archive is reassembled, its sha256 checked and extracted into
-# .gpu-vllm-site/, which goes on sys.path AFTER the image's site-packages (.gpu-src/sitecustomize.py
-# appends it: vLLM uses the image's torch; the bundle also brings pydantic, so qerl needs no
-# .gpu-wheels). A call names what is still missing ("MISSING 1 of 2 chunks: part-02" and the carry
-# for the next call); a chunk whose size or sha256 differs is named ("CORRUPT chunk ...: carry it
-# again"); with chunks missing or corrupt the vLLM part is skipped with that message. If the machine
-# went back between calls (the chunks staged so far are listed each time), start again at call 1.
-#
-# Before a lease, on the CPU machine: `bash scripts/gpu_replica.sh` runs vLLM 0.26's CUDA paths with
-# qerl's engines in a CPU replica of the image, up to where a GPU is first needed, and `qerl run` with
-# the run bundle (~3.5 min the first time, then ~1.5 min); a finding there would have cost a try here.
-#
-# The sequence for a 15-minute lease (device time counts from the start, ~1-2 min, to the give-back;
-# make each call the moment the last returns, calls 1 and 2 in one message: a pause over ~30 s gives
-# the machine back, and the staged chunk with it; give the machine back after the last call):
-#   call 1  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"], timeout_s 120
-#           `bash scripts/gpu_check.sh --stage-only`            stages part-01, names part-02 missing
-#   call 2  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-02"], timeout_s 390
-#           `bash scripts/gpu_check.sh --tests-only --budget-s 330`
-#           stages part-02, checks every sum, extracts, runs parts 1 and 2: correctness first
-#   call 3  no carry (the bundle stays extracted), timeout_s = budget_left_s - 60 (status), and
-#           `bash scripts/gpu_check.sh --bench-only --models 7b --budget-s <timeout_s - 30>`
-#           parts 3 and 4: measurements, in what is left (about 5 minutes)
-# That is about 2 + 0.5 + 6 + 5 minutes. With more than one chunk, calls 2..N-1 are call 1 with
-# part-02 ... part-(N-1). Another session's lease can go to what the budget cut (e.g. `--bench-only
-# --vllm-models 7b`, or `--bench-only --models 14b,32b --merge`).
-# Once the vLLM tests and tests/test_gpu.py have passed on a GPU (BENCHMARKS.md, the GPU kit
-# section), a lease goes to what no lease has measured. tests/test_gpu.py needs pydantic, which only
-# the extracted vLLM bundle brings, so no part runs before call 2:
-#   call 1  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"], timeout_s 60, --stage-only
-#   call 2  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-02", ".gpu-run/manifest.json",
-#           ".gpu-run/part-01"], timeout_s 450, `bash scripts/gpu_check.sh --run-e2e --bench-only
-#           --no-vllm --models 7b --arms nvfp4,nvfp4-det --skip-kernels --budget-s 430`
-#           qerl run on FP4 Marlin to the end, then a 7B update with and without deterministic kernels
-#   call 3  no carry, timeout_s = budget_left_s - 30, `bash scripts/gpu_check.sh --bench-only
-#           --no-bench-gpu --vllm-models 7b --vllm-layers 4 --budget-s <timeout_s - 20>`
-#                                                   Marlin vs bf16 at 7B's matrices, 4 of its 28 layers
-#   (call 4, if the budget cut an arm and 4 minutes are left: the same with `--vllm-arms bf16`;
-#   .gpu-bench-work keeps the model and call 3's arms; if none was cut and 3 minutes are left:
-#   `--tests-only --test-files tests/test_gpu_vllm_padded.py`, a SmolLM2-shaped model that vLLM
-#   pads to Marlin's tiles, not run yet). All 28 layers: a lease of their own.
-#   --stage-only   stage the carried chunks (extract when complete), report, stop
-#   --vllm-only    only part 1 (stage, extract, pytest tests/test_gpu_vllm.py, _aqn.py and _padded.py)
-#   --test-files F[,F...]  these test files in place of the parts' list, in this order (for one
-#                  that a lease has not run yet, e.g. tests/test_gpu_vllm_padded.py)
-#   --no-vllm      the kit without the vLLM parts (1 and 3)
-#
-# `qerl run` on the GPU (--run-e2e adds it after the tests; --run-only runs it alone): the user's own
-# command end to end in a fresh work folder (.gpu-run-work), with --run-config CFG (default the
-# demo-gpu preset: the demo's tiny model at head_dim 64 in bf16, NVFP4 on FP4 Marlin with CUDA graphs,
-# 20 steps). It needs the run bundle (`bash scripts/fetch_gpu_wheels.sh --run`, after --vllm: Prefect,
-# MLflow, math-verify and their dependencies less the image's and the vLLM bundle's; one chunk of
-# 21.8 MiB, .gpu-run/part-01 + .gpu-run/manifest.json), which fits beside vLLM's part-02 in one call.
-# The report gives the run's status, engine mode, accuracies, tokens/s, registration and console.
-# A lease for it (after one that ran the sequence above):
-#   call 1  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-01"], timeout_s 120, --stage-only
-#   call 2  carry [".gpu-vllm/manifest.json", ".gpu-vllm/part-02", ".gpu-run/manifest.json",
-#           ".gpu-run/part-01"], timeout_s budget_left_s - 60,
-#           `bash scripts/gpu_check.sh --run-only --budget-s <timeout_s - 30>` (or --run-e2e --no-vllm ...)
+# Bundles: .gpu-NAME/part-NN + manifest.json (NAME vllm or run, built by
+# scripts/gpu/fetch_gpu_wheels.sh) are moved into .gpu-NAME-chunks/ (kept), and once all chunks are
+# there and sound the archive is reassembled, its sha256 checked and extracted into .gpu-NAME-site/,
+# which goes on sys.path AFTER the machine's site-packages (.gpu-src/sitecustomize.py appends it:
+# vLLM uses the machine's torch). A missing chunk is named ("MISSING 1 of 2 chunks: part-02"), a
+# corrupt one too ("CORRUPT chunk ...: carry it again"); the vLLM parts are then skipped, saying so.
+# Checked before a GPU is at hand: `bash scripts/gpu/gpu_replica.sh` (a CPU replica of the GPU image).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 
 DRY=0
@@ -122,6 +73,8 @@ BUDGET_S=0
 VLLM_MODELS=0.5b
 VLLM_LAYERS=()
 VLLM_ARMS=nvfp4,bf16
+VLLM_SIZE=()
+EXEC_PY=
 RUN_E2E=0
 RUN_CONFIG=demo-gpu
 TEST_FILES_ONLY=
@@ -146,6 +99,8 @@ while (($#)); do
     --vllm-models) VLLM_MODELS=$2; shift 2 ;;
     --vllm-layers) VLLM_LAYERS=(--layers "$2"); shift 2 ;;
     --vllm-arms) VLLM_ARMS=$2; shift 2 ;;
+    --vllm-prompts|--vllm-n) VLLM_SIZE+=("--${1#--vllm-}" "$2"); shift 2 ;;
+    --exec-py) EXEC_PY=$2; TESTS=0; BENCH=0; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -181,13 +136,13 @@ stage_bundle() {  # stage_bundle NAME LABEL: prints the bundle's state (one line
     return
   fi
   if [[ ! -f ".gpu-$name/manifest.json" && ! -f ".gpu-$name-chunks/manifest.json" ]]; then
-    echo "no $label bundle carried (see --help: scripts/fetch_gpu_wheels.sh --$name, one chunk a call)"
+    echo "no $label bundle carried (see --help: scripts/gpu/fetch_gpu_wheels.sh --$name, one chunk a call)"
     return
   fi
-  "$PY" scripts/gpu_bundle.py stage --from ".gpu-$name" --to ".gpu-$name-chunks" >>"$LOG.$name" 2>&1
+  "$PY" scripts/gpu/gpu_bundle.py stage --from ".gpu-$name" --to ".gpu-$name-chunks" >>"$LOG.$name" 2>&1
   rc=$?
   if ((rc == 0)); then
-    if "$PY" scripts/gpu_bundle.py unpack --dir ".gpu-$name-chunks" --dest ".gpu-$name-site" >>"$LOG.$name" 2>&1; then
+    if "$PY" scripts/gpu/gpu_bundle.py unpack --dir ".gpu-$name-chunks" --dest ".gpu-$name-site" >>"$LOG.$name" 2>&1; then
       echo "$label bundle extracted in .gpu-$name-site"
     else
       echo "$label part skipped: the bundle did not extract (see $LOG)"
@@ -221,7 +176,7 @@ export OUT  # the vLLM tests write vllm-gap.json there
 # as `qerl` sets it at start-up (qerl.pipeline.runtime.determinism): cuBLAS reads it once, at its first
 # use in a process, and the determinism test runs after other CUDA tests in the same pytest process
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
-# the vLLM bundle leaves FlashInfer out (scripts/gpu_vllm_requirements.txt), and vLLM's sampler imports
+# the vLLM bundle leaves FlashInfer out (scripts/gpu/gpu_vllm_requirements.txt), and vLLM's sampler imports
 # it at engine start unless told not to (vllm/v1/sample/ops/topk_topp_sampler.py), so the engine would
 # not start ("No module named 'flashinfer'"). With it off, vLLM's own PyTorch top-k/top-p sampling
 # runs (qerl's defaults, top_p 1 and top_k -1, use neither).
@@ -234,11 +189,11 @@ if ((STAGE_ONLY)); then
   exit 0
 fi
 
-# 1. the qerl package from this tree, with no installer (scripts/gpu_src.sh: the GPU image may have no
+# 1. the qerl package from this tree, with no installer (scripts/gpu/gpu_src.sh: the GPU image may have no
 # setuptools); its sitecustomize puts the bundles AFTER the image's site-packages (the image's torch
 # must win) in every process started here. It goes first on sys.path in the dry run too, so the CPU
 # run exercises the same import path.
-bash scripts/gpu_src.sh .gpu-src
+bash scripts/gpu/gpu_src.sh .gpu-src
 # the repository root too, for tests/ and benchmarks/ (the kit imports `benchmarks`)
 export PYTHONPATH="$ROOT/.gpu-src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import qerl.kernels, qerl.pipeline.runtime, qerl.stages" 2>>"$LOG"; then
@@ -264,7 +219,7 @@ elif compgen -G ".gpu-wheels/*.whl" >/dev/null; then
   export PYTHONPATH="$ROOT/.gpu-site:$PYTHONPATH"
   "$PY" -c "import pydantic, pytest" 2>>"$LOG" || { say "pydantic/pytest still not importable (see $LOG)"; exit 1; }
 else
-  say "no .gpu-wheels/*.whl here: using the image's packages only (run scripts/fetch_gpu_wheels.sh and carry .gpu-wheels)"
+  say "no .gpu-wheels/*.whl here: using the image's packages only (run scripts/gpu/fetch_gpu_wheels.sh and carry .gpu-wheels)"
 fi
 
 # 2b. the extracted vLLM bundle goes on sys.path after the image's site-packages
@@ -273,7 +228,7 @@ VLLM_IMPORTS=""
 # the stamp names the roots list it checked, and a new bundle is extracted into a fresh folder,
 # without the stamp. Written aside, then renamed: a call cut off mid-write leaves no half stamp.
 IMPORTS_STAMP=.gpu-vllm-site/.imports-ok
-ROOTS_SUM=$(sha256sum scripts/gpu_vllm_roots.txt | cut -d' ' -f1)
+ROOTS_SUM=$(sha256sum scripts/gpu/gpu_vllm_roots.txt | cut -d' ' -f1)
 if [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* && -f "$IMPORTS_STAMP" \
   && "$(head -1 "$IMPORTS_STAMP")" == "$ROOTS_SUM" ]]; then
   VLLM_IMPORTS="$(tail -n +2 "$IMPORTS_STAMP"), by an earlier call on this machine"
@@ -286,7 +241,7 @@ elif [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* ]]; then
   fi
   # every root of the bundle's import scan, each on its own: all the modules the scan missed show in
   # this call, not only the first one an engine start hits
-  if VLLM_IMPORTS=$("$PY" scripts/gpu_import_roots.py scripts/gpu_vllm_roots.txt 2>>"$LOG") && ((PAIRED)); then
+  if VLLM_IMPORTS=$("$PY" scripts/gpu/gpu_import_roots.py scripts/gpu/gpu_vllm_roots.txt 2>>"$LOG") && ((PAIRED)); then
     printf '%s\n%s\n' "$ROOTS_SUM" "$(grep -m1 '^imports:' <<<"$VLLM_IMPORTS")" >"$IMPORTS_STAMP.tmp"
     mv -f "$IMPORTS_STAMP.tmp" "$IMPORTS_STAMP"
   fi
@@ -427,6 +382,7 @@ if rates:
     print(f"rollout tokens/s: median {sorted(rates)[len(rates) // 2]:.0f} over {len(rates)} steps")
 reg = r.get("registration") or {}
 print(f"registration: {reg.get('model_name')} v{reg.get('version')}, promoted {reg.get('promoted')}")
+print(f"champion alias: {'yes' if reg.get('promoted') else 'no'}")
 if r.get("error"):
     print(f"error: {r['error']}")
 print("console:")
@@ -450,7 +406,7 @@ if ((BENCH)) && ((!NO_VLLM)); then
     # .gpu-bench-work stays while the machine is warm: a later call of the lease reuses its built
     # models and quantized stores, and its table keeps the arms the earlier calls measured (--merge)
     run_part bench_vllm "$PY" benchmarks/bench_vllm.py --models "$VLLM_MODELS" "${VLLM_LAYERS[@]}" --arms "$VLLM_ARMS" \
-      --work-dir "$ROOT/.gpu-bench-work" --out-dir "$ROOT/.gpu-bench-work" --merge >>"$LOG" 2>&1
+      "${VLLM_SIZE[@]}" --work-dir "$ROOT/.gpu-bench-work" --out-dir "$ROOT/.gpu-bench-work" --merge >>"$LOG" 2>&1
     VLLM_BENCH_RC=$?
     cp .gpu-bench-work/vllm.md .gpu-bench-work/vllm.json "$OUT"/ 2>/dev/null
   else
@@ -470,13 +426,26 @@ if ((BENCH && BENCH_GPU)); then
   say "benchmark: exit $BENCH_RC"
 fi
 
+# a Python script of the kit as a part of its own (--exec-py "FILE ARGS"; gpu_validate.sh's item 5), with
+# this environment: qerl from .gpu-src, the bundles after the image's site-packages
+EXEC_RC=skipped
+if [[ -n "$EXEC_PY" ]]; then
+  read -ra EXEC_ARGV <<<"$EXEC_PY"
+  EXEC_NAME=$(basename "${EXEC_ARGV[0]}" .py)
+  ((DRY)) && EXEC_ARGV+=(--dry-run)
+  say "$EXEC_NAME: ${EXEC_ARGV[*]}"
+  run_part "$EXEC_NAME" "$PY" "${EXEC_ARGV[@]}" >>"$LOG" 2>&1
+  EXEC_RC=$?
+  say "$EXEC_NAME: exit $EXEC_RC"
+fi
+
 # 6. the report (written beside, then renamed: a reader never sees half of it)
 INCOMPLETE=0
 for p in "${PARTS[@]}"; do [[ "$p" == *"|cut off"* || "$p" == *"|not started"* ]] && INCOMPLETE=1; done
 {
   echo "# GPU check ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
   echo
-  echo "mode: $MODE; tests exit $TEST_RC; qerl run exit $RUN_RC; vLLM benchmark exit $VLLM_BENCH_RC; benchmark exit $BENCH_RC; budget $( ((BUDGET_S)) && echo "${BUDGET_S}s, used $((SECONDS - T_START))s" || echo none)"
+  echo "mode: $MODE; tests exit $TEST_RC; qerl run exit $RUN_RC; vLLM benchmark exit $VLLM_BENCH_RC; benchmark exit $BENCH_RC; script exit $EXEC_RC; budget $( ((BUDGET_S)) && echo "${BUDGET_S}s, used $((SECONDS - T_START))s" || echo none)"
   ((INCOMPLETE)) && echo && echo "INCOMPLETE: a part was cut off or not started within the budget (table below)"
   echo
   echo '```'
@@ -509,6 +478,7 @@ for p in "${PARTS[@]}"; do [[ "$p" == *"|cut off"* || "$p" == *"|not started"* ]
     echo
   fi
   [[ -f "$OUT/vllm.md" ]] && cat "$OUT/vllm.md" && echo
+  [[ -f "$OUT/quantize-7b.md" ]] && cat "$OUT/quantize-7b.md" && echo
   [[ -f "$OUT/gpu.md" ]] && cat "$OUT/gpu.md" || echo "(no bench_gpu results)"
 } >"$OUT/gpu-check.md.tmp" && mv "$OUT/gpu-check.md.tmp" "$OUT/gpu-check.md"
 say "report: $OUT/gpu-check.md"
@@ -518,6 +488,7 @@ FAILED=0
 [[ "$RUN_RC" == 0 || "$RUN_RC" == skipped || "$RUN_RC" == 124 ]] || FAILED=1
 [[ "$BENCH_RC" == 0 || "$BENCH_RC" == skipped || "$BENCH_RC" == 124 ]] || FAILED=1
 [[ "$VLLM_BENCH_RC" == 0 || "$VLLM_BENCH_RC" == skipped || "$VLLM_BENCH_RC" == 124 ]] || FAILED=1
+[[ "$EXEC_RC" == 0 || "$EXEC_RC" == skipped || "$EXEC_RC" == 124 ]] || FAILED=1
 ((FAILED)) && exit 1
 ((INCOMPLETE)) && { say "INCOMPLETE (exit 5): a part was cut off or not started, see the parts table"; exit 5; }
 exit 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU validation kit needs (run on a networked machine; the GPU machines have
 # no network). They go into .gpu-wheels/ (git-ignored), which the device tool carries by name:
-#   bash scripts/fetch_gpu_wheels.sh            then run scripts/gpu_check.sh with carry [".gpu-wheels"]
+#   bash scripts/gpu/fetch_gpu_wheels.sh            then run scripts/gpu/gpu_check.sh with carry [".gpu-wheels"]
 #
 # The GPU image has Python 3.12, torch (CUDA), triton, transformers, peft, safetensors, accelerate,
 # numpy, pyarrow, pandas, pyyaml and numba, but no pydantic (our configs) and no pytest. Only those
@@ -14,34 +14,34 @@
 #          --extra transformers==5.19.0 if the image's version turns out incompatible)  --list
 #
 # --vllm: build the vLLM bundle instead (issue 23): download the wheels pinned in
-#   scripts/gpu_vllm_requirements.txt (vllm 0.26.0 and the few distributions the image lacks that an
+#   scripts/gpu/gpu_vllm_requirements.txt (vllm 0.26.0 and the few distributions the image lacks that an
 #   offline LLM(...).generate with LoRA on an NVFP4A16 checkpoint imports, each with its reason) into
 #   .gpu-vllm-build/wheels (kept: a second run downloads nothing), unpack them into a staging folder,
-#   delete what Hopper's dense path never loads (scripts/gpu_vllm_drop.txt, each with what was
-#   checked), give the modules in scripts/gpu_vllm_defer_annotations.txt `from __future__ import
-#   annotations` (scripts/gpu_lazy.py), re-run the static import scan on the staged tree (scripts/gpu_bundle.py scan, roots in
-#   scripts/gpu_vllm_roots.txt: it fails if a needed distribution or module is missing), then tar + xz
+#   delete what Hopper's dense path never loads (scripts/gpu/gpu_vllm_drop.txt, each with what was
+#   checked), give the modules in scripts/gpu/gpu_vllm_defer_annotations.txt `from __future__ import
+#   annotations` (scripts/gpu/gpu_lazy.py), re-run the static import scan on the staged tree (scripts/gpu/gpu_bundle.py scan, roots in
+#   scripts/gpu/gpu_vllm_roots.txt: it fails if a needed distribution or module is missing), then tar + xz
 #   it and split it into chunks of at most 50 MiB in .gpu-vllm/ (part-01, part-02, ...) with
 #   .gpu-vllm/manifest.json (each chunk's size and sha256, the archive's, the dependency list, the
-#   dropped files). Those travel one chunk per device call: see `scripts/gpu_check.sh --help`.
+#   dropped files). Those travel one chunk per device call: see `scripts/gpu/gpu_check.sh --help`.
 #   Options with --vllm: --vllm-dest DIR (default .gpu-vllm)  --chunk-mib N (default 50: a chunk, the
 #   manifest and the working tree must stay under the 64 MiB a device call carries)
 #   --xz-preset N (default 6: 285 MiB -> 74.5 MiB in ~4.5 min on 2 busy cores; 3 gives 78.2 MiB in
 #   2.4 min, the same 2 chunks; the 75 MiB _C extension is already compressed and does not shrink)
 #   --vllm-wheel PATH (an already downloaded vllm wheel: linked, not fetched)
 #   To redo the scan by hand (here, or on the GPU image with --installed instead of the built-in list):
-#     python3 scripts/gpu_bundle.py scan --tree .gpu-vllm-build/site --roots-file scripts/gpu_vllm_roots.txt
+#     python3 scripts/gpu/gpu_bundle.py scan --tree .gpu-vllm-build/site --roots-file scripts/gpu/gpu_vllm_roots.txt
 #   (build with --keep-stage via GPU_BUNDLE_KEEP_STAGE=1 to keep .gpu-vllm-build/site).
 #
 # --run: build the run bundle (after --vllm): what `qerl run` needs on the GPU image beyond it and the
-#   vLLM bundle (Prefect, MLflow, math-verify, pinned in scripts/gpu_run_requirements.txt, which says
+#   vLLM bundle (Prefect, MLflow, math-verify, pinned in scripts/gpu/gpu_run_requirements.txt, which says
 #   why the whole resolved closure travels rather than a scanned one). pip resolves the pins for
 #   Python 3.12 manylinux with the vLLM bundle's versions as constraints, into .gpu-run-build/wheels;
 #   the build leaves out the image's distributions and the vLLM bundle's, drops the web UIs
-#   (scripts/gpu_run_drop.txt) and packs the rest into .gpu-run/ (part-01, ..., manifest.json).
+#   (scripts/gpu/gpu_run_drop.txt) and packs the rest into .gpu-run/ (part-01, ..., manifest.json).
 #   Options with --run: --run-dest DIR (default .gpu-run), --chunk-mib, --xz-preset as above.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PINS=(
   pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
@@ -86,7 +86,7 @@ PLATFORM_ARGS=(--only-binary=:all: --python-version 3.12 --implementation cp --a
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
 
 if ((VLLM)); then
-  REQ=scripts/gpu_vllm_requirements.txt
+  REQ=scripts/gpu/gpu_vllm_requirements.txt
   BUILD=.gpu-vllm-build
   mkdir -p "$BUILD/wheels"
   if [[ -n "$VLLM_WHEEL" ]]; then
@@ -101,14 +101,14 @@ if ((VLLM)); then
   KEEP=()
   [[ -n "${GPU_BUNDLE_KEEP_STAGE:-}" ]] && KEEP=(--keep-stage)
   # xz over ~300 MiB on a shared machine: be nice to the neighbours
-  exec nice -n 10 "$PY" scripts/gpu_bundle.py build --wheels "$BUILD/wheels" --requirements "$REQ" \
-    --drop scripts/gpu_vllm_drop.txt --defer-annotations scripts/gpu_vllm_defer_annotations.txt \
-    --roots scripts/gpu_vllm_roots.txt --stage "$BUILD/site" \
+  exec nice -n 10 "$PY" scripts/gpu/gpu_bundle.py build --wheels "$BUILD/wheels" --requirements "$REQ" \
+    --drop scripts/gpu/gpu_vllm_drop.txt --defer-annotations scripts/gpu/gpu_vllm_defer_annotations.txt \
+    --roots scripts/gpu/gpu_vllm_roots.txt --stage "$BUILD/site" \
     --out "$VLLM_DEST" --chunk-mib "$CHUNK_MIB" --preset "$XZ_PRESET" "${KEEP[@]}"
 fi
 
 if ((RUN)); then
-  REQ=scripts/gpu_run_requirements.txt
+  REQ=scripts/gpu/gpu_run_requirements.txt
   BUILD=.gpu-run-build
   [[ -f "$VLLM_DEST/manifest.json" ]] || {
     echo "fetch_gpu_wheels: build the vLLM bundle first (--vllm): the run bundle leaves out what it carries" >&2
@@ -127,8 +127,8 @@ PYEOF
     -c "$BUILD/constraints.txt" -d "$BUILD/wheels" "${RSPECS[@]}" || exit 1
   KEEP=()
   [[ -n "${GPU_BUNDLE_KEEP_STAGE:-}" ]] && KEEP=(--keep-stage)
-  exec nice -n 10 "$PY" scripts/gpu_bundle.py build --resolved --provided "$VLLM_DEST/manifest.json" \
-    --wheels "$BUILD/wheels" --requirements "$REQ" --drop scripts/gpu_run_drop.txt --stage "$BUILD/site" \
+  exec nice -n 10 "$PY" scripts/gpu/gpu_bundle.py build --resolved --provided "$VLLM_DEST/manifest.json" \
+    --wheels "$BUILD/wheels" --requirements "$REQ" --drop scripts/gpu/gpu_run_drop.txt --stage "$BUILD/site" \
     --out "$RUN_DEST" --chunk-mib "$CHUNK_MIB" --preset "$XZ_PRESET" "${KEEP[@]}"
 fi
 

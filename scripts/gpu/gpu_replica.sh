@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
-# A pre-flight for a GPU lease, on this CPU machine: build the CPU replica of the GPU image in
-# .gpu-replica/ (git-ignored) and run scripts/gpu_replica_check.py in it (what it checks, and where it
-# stops: its docstring). A lease's try costs minutes of a 15-minute budget; whatever fails here before
-# the GPU is needed would fail there too.
+# A pre-flight for a GPU machine, on a CPU machine: build the CPU replica of the GPU image in
+# .gpu-replica/ (git-ignored) and run scripts/gpu/gpu_replica_check.py in it (what it checks, and where it
+# stops: its docstring). Whatever fails here before the GPU is needed would fail there too, and here it
+# costs no GPU time.
 #
 # The replica: a Python 3.12 venv with the image's torch 2.11.0+cu130 and the image's packages that
-# vLLM and qerl read (scripts/gpu_replica_requirements.txt), less anything pip pulled in that the image
-# lacks (scripts/gpu_image_packages.txt); the vLLM bundle (.gpu-vllm, from
-# `scripts/fetch_gpu_wheels.sh --vllm`) and the run bundle (.gpu-run, `--run`), staged and extracted
-# by scripts/gpu_bundle.py and put after site-packages by the kit's own sitecustomize
-# (scripts/gpu_src.sh), in every process; a libcuda.so.1 built
-# here whose every entry point answers "no device" (scripts/gpu_replica_build.py); and
-# scripts/gpu_replica_platform.py installed as two vLLM plugins (an H200's capability 9.0; a stop at
+# vLLM and qerl read (scripts/gpu/gpu_replica_requirements.txt), less anything pip pulled in that the image
+# lacks (scripts/gpu/gpu_image_packages.txt); the vLLM bundle (.gpu-vllm, from
+# `scripts/gpu/fetch_gpu_wheels.sh --vllm`) and the run bundle (.gpu-run, `--run`), staged and extracted
+# by scripts/gpu/gpu_bundle.py and put after site-packages by the kit's own sitecustomize
+# (scripts/gpu/gpu_src.sh), in every process; a libcuda.so.1 built
+# here whose every entry point answers "no device" (scripts/gpu/gpu_replica_build.py); and
+# scripts/gpu/gpu_replica_platform.py installed as two vLLM plugins (an H200's capability 9.0; a stop at
 # the worker's init_device, where the GPU is first needed).
 #
 # --user-install: the same check on what a user's GPU install gets instead of the image: a Python 3.11
 # venv in .gpu-replica-user/ filled as `QERL_ENV=gpu make venv` fills .venv (one `pip install -r
-# requirements/gpu.txt`), from the package registry alone (pip --isolated: this machine's pip configuration off), so vLLM 0.32's CUDA
-# build, the CUDA 13 torch 2.13.0 it pins, and FlashInfer and Humming, which vLLM 0.32 would pick for
-# NVFP4 on an H200 without the engine's linear_backend; no bundles. No lease can run that set (the
-# image's torch is 2.11.0), so this is as far as it is checked.
+# requirements/gpu.txt`: vLLM 0.26.0's CUDA build on the CUDA 13 torch 2.11.0 it pins), from the
+# package registry alone (pip --isolated: this machine's pip configuration off); no bundles. With
+# --requirements requirements/gpu-untested-vllm032.txt it checks the untested newer set instead (vLLM
+# 0.32 on torch 2.13.0, with FlashInfer and Humming, which 0.32 would pick for NVFP4 on an H200 without
+# the engine's linear_backend): as far as that set has been checked, since no GPU has run it.
 #
-# Usage: bash scripts/gpu_replica.sh [--user-install] [--python PATH] [--rebuild] [--build-only]
+# Usage: bash scripts/gpu/gpu_replica.sh [--user-install [--requirements FILE]] [--python PATH] [--rebuild] [--build-only]
 #   --user-install  check a user's GPU install (requirements/gpu.txt) instead of the GPU image
+#   --requirements FILE  the requirements file --user-install installs (default requirements/gpu.txt);
+#                   the replica is rebuilt when it was built from another file
 #   --python PATH   a Python 3.12 (default: python3.12 on PATH, else pyenv's newest 3.12); 3.11 with
 #                   --user-install
 #   --rebuild       build the venv anew (else it is topped up, and the bundles, stub and plugins refreshed)
@@ -31,7 +34,7 @@
 # check ~1.5 min; --user-install ~9.6 GB and ~4 min. Output: the findings on the console; vLLM's log
 # in .gpu-replica/check.log (.gpu-replica-user/check.log).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 REP=$ROOT/.gpu-replica
 PYVER=3.12
@@ -39,9 +42,11 @@ PYBASE=""
 REBUILD=0
 BUILD_ONLY=0
 USER_INSTALL=0
+USER_REQS=requirements/gpu.txt
 while (($#)); do
   case $1 in
     --user-install) USER_INSTALL=1; REP=$ROOT/.gpu-replica-user; PYVER=3.11; shift ;;
+    --requirements) USER_REQS=$2; shift 2 ;;
     --python) PYBASE=$2; shift 2 ;;
     --rebuild) REBUILD=1; shift ;;
     --build-only) BUILD_ONLY=1; shift ;;
@@ -50,6 +55,15 @@ while (($#)); do
   esac
 done
 say() { echo "[gpu_replica] $*" >&2; }
+if [[ "$USER_REQS" != requirements/gpu.txt ]]; then
+  ((USER_INSTALL)) || { say "--requirements goes with --user-install"; exit 2; }
+  [[ -f "$USER_REQS" ]] || { say "no requirements file '$USER_REQS'"; exit 2; }
+fi
+# a user-install replica built from another requirements file is built anew
+if ((USER_INSTALL)) && [[ -f "$REP/.requirements" && "$(cat "$REP/.requirements")" != "$USER_REQS" ]]; then
+  say "$REP was built from $(cat "$REP/.requirements"): building it anew from $USER_REQS"
+  REBUILD=1
+fi
 
 PY=$REP/bin/python
 is_ver() { [[ -n "$1" ]] && "$1" -c "import sys; sys.exit('%d.%d' % sys.version_info[:2] != '$PYVER')" 2>/dev/null; }
@@ -66,13 +80,14 @@ if ((REBUILD)) || [[ ! -x "$PY" ]]; then
   fi
 fi
 if ((!USER_INSTALL)) && [[ ! -f .gpu-vllm/manifest.json ]]; then
-  say "no vLLM bundle in .gpu-vllm: build it first with 'bash scripts/fetch_gpu_wheels.sh --vllm'"
+  say "no vLLM bundle in .gpu-vllm: build it first with 'bash scripts/gpu/fetch_gpu_wheels.sh --vllm'"
   exit 1
 fi
 if ((REBUILD)) || [[ ! -x "$PY" ]]; then
   rm -rf "$REP"
-  say "venv from $PYBASE ($("$PYBASE" --version)); installing $( ((USER_INSTALL)) && echo "requirements/gpu.txt (~10 GB)" || echo "the image's packages (~6 GB)")"
+  say "venv from $PYBASE ($("$PYBASE" --version)); installing $( ((USER_INSTALL)) && echo "$USER_REQS (~10 GB)" || echo "the image's packages (~6 GB)")"
   "$PYBASE" -m venv "$REP"
+  ((USER_INSTALL)) && echo "$USER_REQS" >"$REP/.requirements"
 fi
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # The plugins are off the path while pip runs (the bundles always are: only the check's environment
@@ -81,15 +96,15 @@ rm -rf "$SITE"/qerl_replica_platform.py "$SITE"/qerl_replica_platform-0.dist-inf
 AFTER=()
 if ((USER_INSTALL)); then
   # the README's command, from the package registry alone (no find-links, constraints or mirrors)
-  if ! "$PY" -m pip --isolated install --disable-pip-version-check -r requirements/gpu.txt >>"$REP/build.log" 2>&1; then
+  if ! "$PY" -m pip --isolated install --disable-pip-version-check -r "$USER_REQS" >>"$REP/build.log" 2>&1; then
     tail -5 "$REP/build.log" >&2
-    say "pip could not install requirements/gpu.txt (the whole output: $REP/build.log)"
+    say "pip could not install $USER_REQS (the whole output: $REP/build.log)"
     exit 1
   fi
 else
   # the image's packages: the list, and those the bundles were built to find there (each run: a
   # bundle rebuilt since may need one more)
-  "$PY" scripts/gpu_replica_build.py needs --out "$REP/requirements.txt"
+  "$PY" scripts/gpu/gpu_replica_build.py needs --out "$REP/requirements.txt"
   if ! "$PY" -m pip install --disable-pip-version-check -r "$REP/requirements.txt" >>"$REP/build.log" 2>&1; then
     tail -5 "$REP/build.log" >&2
     say "pip could not install the image's packages (the whole output: $REP/build.log)"
@@ -100,7 +115,7 @@ else
 import sys
 from importlib.metadata import distributions
 
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "scripts/gpu")
 from gpu_imports import image_packages, norm
 
 print(" ".join(sorted({norm(d.metadata["Name"]) for d in distributions()} - image_packages() - {"pip"})))
@@ -120,8 +135,8 @@ PYEOF
       rm -rf "$REP/$name-carried" "$REP/$name-chunks" "$REP/$name-site"
       # staging moves what a call carried: it gets links to the chunks (a copy across file systems)
       cp -al ".gpu-$name" "$REP/$name-carried" 2>/dev/null || cp -a ".gpu-$name" "$REP/$name-carried"
-      "$PY" scripts/gpu_bundle.py stage --from "$REP/$name-carried" --to "$REP/$name-chunks" >&2
-      "$PY" scripts/gpu_bundle.py unpack --dir "$REP/$name-chunks" --dest "$REP/$name-site" >&2
+      "$PY" scripts/gpu/gpu_bundle.py stage --from "$REP/$name-carried" --to "$REP/$name-chunks" >&2
+      "$PY" scripts/gpu/gpu_bundle.py unpack --dir "$REP/$name-chunks" --dest "$REP/$name-site" >&2
       rm -rf "$REP/$name-carried" "$REP/$name-chunks"
     fi
     AFTER+=("$REP/$name-site")
@@ -130,21 +145,21 @@ PYEOF
   if [[ -f .gpu-run/manifest.json ]]; then
     stage run
   else
-    say "no run bundle in .gpu-run: the check's 'qerl run' part is skipped (scripts/fetch_gpu_wheels.sh --run)"
+    say "no run bundle in .gpu-run: the check's 'qerl run' part is skipped (scripts/gpu/fetch_gpu_wheels.sh --run)"
   fi
 fi
 
 # qerl and the bundles on sys.path as the kit puts them: .gpu-replica/src first (qerl, and a
 # sitecustomize that appends $QERL_SYS_PATH_AFTER after site-packages in every process)
-bash scripts/gpu_src.sh "$REP/src"
+bash scripts/gpu/gpu_src.sh "$REP/src"
 QERL_SYS_PATH_AFTER=$(IFS=:; echo "${AFTER[*]}")
 
 # the stub driver, for the driver entry points vLLM's extensions link (the bundle's, or the install's)
 if ((USER_INSTALL)); then STUB_SITE=$SITE; else STUB_SITE=$REP/vllm-site; fi
-"$PY" scripts/gpu_replica_build.py stub --site "$STUB_SITE" --out "$REP/driver" >&2
+"$PY" scripts/gpu/gpu_replica_build.py stub --site "$STUB_SITE" --out "$REP/driver" >&2
 
 # the plugins (the platform, the stop at the GPU): every process vLLM starts finds them by their entry points
-cp scripts/gpu_replica_platform.py "$SITE/qerl_replica_platform.py"
+cp scripts/gpu/gpu_replica_platform.py "$SITE/qerl_replica_platform.py"
 mkdir -p "$SITE/qerl_replica_platform-0.dist-info"
 printf 'Metadata-Version: 2.1\nName: qerl-replica-platform\nVersion: 0\n' >"$SITE/qerl_replica_platform-0.dist-info/METADATA"
 printf '%s\n' '[vllm.platform_plugins]' 'replica_h200 = qerl_replica_platform:activate' '' \
@@ -155,7 +170,7 @@ say "replica ready: $PY ($(du -sh "$REP" | cut -f1))"
 ((BUILD_ONLY)) && exit 0
 
 # CUDA_VISIBLE_DEVICES="": vLLM then keeps Triton with no active driver (as it would with one) and so
-# picks the model runner the H200 gets. The sampler switch is the kit's (scripts/gpu_check.sh), not a
+# picks the model runner the H200 gets. The sampler switch is the kit's (scripts/gpu/gpu_check.sh), not a
 # user's.
 SAMPLER=(VLLM_USE_FLASHINFER_SAMPLER=0)
 ((USER_INSTALL)) && SAMPLER=()
@@ -164,7 +179,7 @@ set +e
 env LD_LIBRARY_PATH="$REP/driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_VISIBLE_DEVICES="" \
   "${SAMPLER[@]}" VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
   PYTHONPATH="$REP/src:$ROOT" QERL_SYS_PATH_AFTER="$QERL_SYS_PATH_AFTER" \
-  "$PY" scripts/gpu_replica_check.py --report "$REP/report.txt" >"$REP/check.log" 2>&1
+  "$PY" scripts/gpu/gpu_replica_check.py --report "$REP/report.txt" >"$REP/check.log" 2>&1
 RC=$?
 set -e
 if [[ -f "$REP/report.txt" ]]; then cat "$REP/report.txt"; else tail -20 "$REP/check.log"; fi

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Before a GPU lease: vLLM's CUDA code paths with qerl's engine, as far as they go without a GPU.
 
-It runs in the CPU replica of the GPU image that ``scripts/gpu_replica.sh`` builds in ``.gpu-replica``:
+It runs in the CPU replica of the GPU image that ``scripts/gpu/gpu_replica.sh`` builds in ``.gpu-replica``:
 Python 3.12, the image's torch 2.11.0+cu130 and the image's packages that vLLM and qerl read, the
 bundles (vLLM 0.26) appended after them by the kit's own sitecustomize, a ``libcuda.so.1`` whose every entry
-point answers "no device" (``scripts/gpu_replica_build.py``), and the vLLM plugins of
-``scripts/gpu_replica_platform.py`` (an H200's capability 9.0; a stop at the worker's ``init_device``). Each check stops where a GPU is
+point answers "no device" (``scripts/gpu/gpu_replica_build.py``), and the vLLM plugins of
+``scripts/gpu/gpu_replica_platform.py`` (an H200's capability 9.0; a stop at the worker's ``init_device``). Each check stops where a GPU is
 first needed: whatever fails before that point fails on the lease too, where a try costs minutes of
 a 15-minute budget, while here it costs seconds. With ``--user-install`` the script builds
 ``.gpu-replica-user`` instead: a user's GPU install (``requirements/gpu.txt`` from the registry: vLLM
-0.32's CUDA build on torch 2.13.0+cu130), which no lease can run, with the same driver and plugins.
+0.26.0's CUDA build on torch 2.11.0+cu130; with ``--requirements requirements/gpu-untested-vllm032.txt``
+the untested vLLM 0.32 on torch 2.13.0+cu130), with the same driver and plugins.
 
 1. imports: every root of the bundle's import scan imports under vLLM's CUDA platform.
 2. scheme: vLLM reads the quantize stage's checkpoint (the kit test's Marlin-sized Qwen2) and, under
@@ -34,7 +35,7 @@ a 15-minute budget, while here it costs seconds. With ``--user-install`` the scr
 6. weights: vLLM's own loader fills the model, built on the CPU, from the checkpoint (the kit test's
    Qwen2, then the padded test's SmolLM2-shaped Llama, whose padding comes after loading); every
    parameter is compared with the checkpoint, fused layers' global scales must agree, and Marlin's
-   conversion of the block scales must keep them (``scripts/gpu_replica_weights.py``).
+   conversion of the block scales must keep them (``scripts/gpu/gpu_replica_weights.py``).
 7. run: ``qerl run --config demo-gpu`` end to end (two steps, the transformers engine) with the run
    bundle: Prefect's temporary server, MLflow's registry and math-verify on the image's Python and
    packages, as the kit's ``--run-only`` part needs them (skipped without the run bundle).
@@ -42,8 +43,8 @@ a 15-minute budget, while here it costs seconds. With ``--user-install`` the scr
 Not checked (a GPU is needed): Marlin's repacking (``gptq_marlin_repack``), CUDA graph capture, the
 sampler, the Triton kernels compiled, anything the kit's tests measure.
 
-Usage: bash scripts/gpu_replica.sh (builds the replica, then runs this with its environment)
-       .gpu-replica/bin/python scripts/gpu_replica_check.py [--work DIR] [--report FILE]  (exit 1: findings)
+Usage: bash scripts/gpu/gpu_replica.sh (builds the replica, then runs this with its environment)
+       .gpu-replica/bin/python scripts/gpu/gpu_replica_check.py [--work DIR] [--report FILE]  (exit 1: findings)
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 log = logging.getLogger("gpu_replica_check")
 REPORT: list[Path] = []  # --report: the lines for people also go there (vLLM's log goes to stdout)
 
@@ -75,7 +76,7 @@ def check_imports() -> list[str]:
     from gpu_bundle import read_list
     from gpu_import_roots import import_each
 
-    failed = import_each(read_list(ROOT / "scripts" / "gpu_vllm_roots.txt"))
+    failed = import_each(read_list(ROOT / "scripts" / "gpu" / "gpu_vllm_roots.txt"))
     return [f"import {name}: {err}" for name, err in failed.items() if err]
 
 
@@ -134,7 +135,7 @@ def check_scheme(model_dir: Path) -> list[str]:
 
 def pretend_cuda() -> None:
     """qerl plans the CUDA mode (vllm-nvfp4-marlin) in this process; vLLM stops at the GPU by itself
-    (the replica's general plugin, scripts/gpu_replica_platform.py)."""
+    (the replica's general plugin, scripts/gpu/gpu_replica_platform.py)."""
     import qerl.pipeline.rollout.vllm_engine as vllm_engine
     from qerl.pipeline.runtime import device
 
@@ -334,7 +335,7 @@ def check_run(work: Path) -> list[str]:
     import subprocess
 
     if importlib.util.find_spec("prefect") is None:
-        say("  run: skipped (no run bundle in the replica: scripts/fetch_gpu_wheels.sh --run)")
+        say("  run: skipped (no run bundle in the replica: scripts/gpu/fetch_gpu_wheels.sh --run)")
         return []
     cmd = [
         sys.executable,
