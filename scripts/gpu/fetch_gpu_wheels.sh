@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Download the wheels the GPU validation kit needs (run on a networked machine; the GPU machines have
-# no network). They go into .gpu-wheels/ (git-ignored), which the device tool carries by name:
-#   bash scripts/gpu/fetch_gpu_wheels.sh            then run scripts/gpu/gpu_check.sh with carry [".gpu-wheels"]
+# Build what an offline GPU machine needs (run on a connected machine; docs/guide/gpu-offline.md says
+# how the bundles are carried, unpacked and checked). With no option: the small wheel set alone, into
+# .gpu-wheels/ (git-ignored), which scripts/gpu/gpu_check.sh installs when it finds it there:
+#   bash scripts/gpu/fetch_gpu_wheels.sh            then carry .gpu-wheels/ with the checkout
 #
 # The GPU image has Python 3.12, torch (CUDA), triton, transformers, peft, safetensors, accelerate,
 # numpy, pyarrow, pandas, pyyaml and numba, but no pydantic (our configs) and no pytest. Only those
 # are fetched: cp312 manylinux or pure-Python wheels, no dependencies resolved (--no-deps: the list is
 # the closure), at the versions of the CPU environment (requirements/cpu.txt resolves to these).
-# The total must stay under the device tool's carry limit (64 MiB, shared with anything else carried).
+# The total stays under --max-mib, for transfers limited to 64 MiB.
 #
 # Options: --dest DIR (default .gpu-wheels)  --max-mib N (default 48, leaving room under 64)
 #          --only NAME (repeatable: just these of the list)  --extra SPEC (repeatable: e.g.
@@ -23,9 +24,9 @@
 #   scripts/gpu/gpu_vllm_roots.txt: it fails if a needed distribution or module is missing), then tar + xz
 #   it and split it into chunks of at most 50 MiB in .gpu-vllm/ (part-01, part-02, ...) with
 #   .gpu-vllm/manifest.json (each chunk's size and sha256, the archive's, the dependency list, the
-#   dropped files). Those travel one chunk per device call: see `scripts/gpu/gpu_check.sh --help`.
+#   dropped files). The chunks can travel one at a time: see docs/guide/gpu-offline.md.
 #   Options with --vllm: --vllm-dest DIR (default .gpu-vllm)  --chunk-mib N (default 50: a chunk, the
-#   manifest and the working tree must stay under the 64 MiB a device call carries)
+#   manifest and the working tree fit a transfer of 64 MiB)
 #   --xz-preset N (default 6: 285 MiB -> 74.5 MiB in ~4.5 min on 2 busy cores; 3 gives 78.2 MiB in
 #   2.4 min, the same 2 chunks; the 75 MiB _C extension is already compressed and does not shrink)
 #   --vllm-wheel PATH (an already downloaded vllm wheel: linked, not fetched)
