@@ -237,6 +237,8 @@ def plan_data(run: Run, quantized: Manifest, problems: list[Any]) -> Manifest | 
         plan["warm_start"] = {"from": "champion" if warm else "base", "version": warm.extra["version"] if warm else None}  # fmt: skip
         if warm is not None:
             plan["warm_start"]["digest"] = warm.digest
+    elif run.night is not None:  # loop.warm_start: base; recorded, as the MLflow tags read it
+        plan["warm_start"] = {"from": "base", "version": None}
     slot_text = (
         f"slots {plan['start_slot']}..{plan['end_slot'] - 1} (epoch {', '.join(map(str, plan['epochs']))})"
     )

@@ -40,6 +40,21 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
     return factory
 
 
+@pytest.fixture(scope="session")
+def learner_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 that has learned the answer format and is right about 40% of the time on level-1
+    arithmetic (sampled at temperature 1): the embedded demo's warm-up at a smaller size (about 12 s),
+    so GRPO groups have mixed rewards and the end-to-end tests train for real (tests/learning.py)."""
+    from qerl.pipeline.demo.base_model import DemoBaseConfig, build_demo_base
+
+    cfg = DemoBaseConfig(
+        levels=[1], n_train=400, sft_steps=150, hidden_size=64, intermediate_size=192, num_layers=2
+    )
+    out = tmp_path_factory.mktemp("learner")
+    build_demo_base(out, cfg)
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_prefects_temporary_servers():
     """Stop the temporary Prefect servers in-process flows started, while pytest still captures output:

@@ -164,16 +164,20 @@ def test_vllm_run_end_to_end(flow_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_runs_resume_to_the_identical_adapter(flow_model, tmp_path):
+def test_killed_runs_resume_to_the_identical_adapter(learner_model_dir, tmp_path):
     """Crash-and-resume on the transformers engine (the resume logic does not depend on the engine;
-    vLLM's start-up, five times over, would cost minutes on two cores)."""
+    vLLM's start-up, five times over, would cost minutes on two cores), on a model that learns: the
+    clean run is shown to train before the crashed one is required to match it."""
+    from learning import assert_trained, learning_run_config, run_record
+
     cfg_path = tmp_path / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(tiny_run_config(flow_model)))
+    cfg_path.write_text(yaml.safe_dump(learning_run_config(learner_model_dir)))
     args = ["run", "--config", str(cfg_path)]
 
     clean = _qerl(args, tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr[-3000:]
     _assert_console(clean, tmp_path / "clean", ("qerl.stages.rollout: rollout step 0",))
+    assert_trained(tmp_path / "clean", run_record(tmp_path / "clean"))
     reference = _final_adapter(tmp_path / "clean")
 
     crashed = tmp_path / "crashed"

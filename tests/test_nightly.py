@@ -26,26 +26,34 @@ from qerl.pipeline.planning.warm_start import warm_start_adapter
 from qerl.pipeline.store.layout import WARM_START_STAGE
 from qerl.pipeline.store.manifest import Manifest
 
-LONG_ID = "math500-13"
+N_PROBLEMS = 80
+LONG_ID = f"math500-{N_PROBLEMS}"
 
 
 def _dataset(path: Path) -> Path:
-    rows = [{"problem": f"{a} + {a + 1} =", "answer": str(2 * a + 1)} for a in range(13)]
-    rows.append({"problem": " ".join(["a very long question"] * 60) + " 1 + 1 =", "answer": "2"})  # LONG_ID
+    """80 level-1 arithmetic problems in MATH-500's schema (what the learner model was warmed up on),
+    then one too long for the context (``LONG_ID``)."""
+    from qerl.pipeline.data.arithmetic import arithmetic_problems
+
+    rows = [
+        {"problem": p["question"], "answer": p["answer"]}
+        for p in arithmetic_problems(N_PROBLEMS, seed=3, split="train", levels=[1])
+    ]
+    rows.append({"problem": " ".join(["a very long question"] * 60) + " 1 + 1 =", "answer": "2"})
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
 
 def _night_config(model_dir: Path, data: Path) -> dict:
-    from test_flow import tiny_run_config
+    from learning import learning_run_config
 
-    cfg = tiny_run_config(model_dir)
+    cfg = learning_run_config(model_dir)
     cfg["data"] = {"dataset": str(data), "template": "terse"}
-    cfg["loop"].update(name="nightly", steps=2, prompts_per_step=2)
-    cfg["eval"]["validation"] = {"size": 1}  # one problem held out: 12 left, 6 disjoint slots
-    # A random tiny model earns reward 0 everywhere, so GRPO's gradient is 0; AdamW's decoupled weight
-    # decay still moves the LoRA weights, so each night ends with an adapter of its own.
-    cfg["train"]["weight_decay"] = 0.1
+    cfg["loop"].update(name="nightly", steps=3, prompts_per_step=6)
+    cfg["train"]["total_steps"] = None  # derived from the steps
+    cfg["eval"]["validation"] = {"size": 24}  # about 20 problems held out (a seeded hash of their ids)
+    cfg["eval"]["k"] = 4
+    cfg["eval"]["temperature"] = 0.6
     return cfg
 
 
@@ -63,36 +71,46 @@ def _manifest(work: Path, stage: str, key: str) -> dict:
     return json.loads((work / "store" / "objects" / stage / key / "manifest.json").read_text())
 
 
+def _night(base: dict, lr: float, warm_start: str = "champion", **store: object) -> dict:
+    """One night's config: the base config with its learning rate, warm start and store settings."""
+    cfg = json.loads(json.dumps(base))
+    cfg["train"]["lr"] = lr
+    cfg["loop"]["warm_start"] = warm_start
+    cfg["store"].update(store)
+    return cfg
+
+
 @pytest.mark.slow
-def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_model_factory, tmp_path):
-    import torch
+def test_nights_advance_data_warm_start_and_promote_on_merit_only(learner_model_dir, tmp_path):
+    """Four nights on a model that learns: night 1 trains at a learning rate that ruins the policy and
+    is promoted (no champion yet); night 2, a fresh LoRA at a sane rate, beats that champion on the
+    validation items by the rule; night 3 warm-starts from night 2's champion at a ruinous rate and
+    loses; night 4 keeps one version."""
+    from learning import assert_trained
     from mlflow.tracking import MlflowClient
     from qerl.flows import runner
     from qerl.pipeline.planning.run_config import RunConfig
     from qerl.pipeline.registry import promotion
     from qerl.pipeline.registry.protocol import PROTOCOL_FILE, SECTIONS, read_protocol
 
-    model = tiny_model_factory(arch="qwen2", dtype=torch.float32)
-    cfg = RunConfig.model_validate(_night_config(model, _dataset(tmp_path / "data.jsonl")))
+    base = _night_config(learner_model_dir, _dataset(tmp_path / "data.jsonl"))
     work = tmp_path / "work"
-    nights = [dt.date(2026, 1, 1), dt.date(2026, 1, 2), dt.date(2026, 1, 3)]
-    records = []
-    for i, night in enumerate(nights):
-        if i == 2:
-            # Every tiny-model accuracy is 0.0, so no night beats the champion on merit (the champion is
-            # re-evaluated beside each night's adapter: a recorded number cannot be doctored into a
-            # win); an operator makes night 2 the champion by hand, and night 3 starts from it.
-            promotion.promote(cfg.registry, "qerl-adapter", "2")
-        records.append(runner.run(cfg, work, night))
+    nights = [(4e-2, "champion"), (1e-3, "base"), (3e-1, "champion")]
+    configs = [RunConfig.model_validate(_night(base, lr, warm)) for lr, warm in nights]
+    records = [runner.run(cfg, work, dt.date(2026, 1, 1 + i)) for i, cfg in enumerate(configs)]
 
-    # each night is its own run, id carrying the date
+    # each night is its own run, id carrying the date, and each trained on mixed rewards
     assert [r["run_id"].rsplit("-", 1)[1] for r in records] == ["20260101", "20260102", "20260103"]
     assert len({r["run_id"] for r in records}) == 3 and all(r["status"] == "completed" for r in records)
-    # three registered versions; the champion moved on night 1 (no champion), not on nights 2 and 3 (a
-    # tie with the champion, evaluated under the same protocol on the same validation items, is no win)
+    for record in records:
+        assert_trained(work, record)
+    # three versions; the champion moves on night 1 (none yet) and on night 2, which beats it on the
+    # validation items (the champion re-evaluated beside it under the same protocol), not on night 3
     assert [str(r["registration"]["version"]) for r in records] == ["1", "2", "3"]
-    assert [bool(r["registration"]["promoted"]) for r in records] == [True, False, False]
-    assert all("difference +0.0000" in r["registration"]["promotion"] for r in records[1:])
+    assert [bool(r["registration"]["promoted"]) for r in records] == [True, True, False]
+    won, lost = records[1]["registration"]["promotion"], records[2]["registration"]["promotion"]
+    assert won.startswith("beats the champion") and "vs champion v1" in won, won
+    assert lost.startswith("does not beat the champion") and "vs champion v2" in lost, lost
     assert all(r["registration"]["decided_on"].startswith("data/validation@") for r in records)
     assert str(MlflowClient().get_model_version_by_alias("qerl-adapter", "champion").version) == "2"
     # each version carries its run's protocol, for `qerl eval` where the run's record is not
@@ -100,59 +118,56 @@ def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_mod
     assert logged == {"run_id": records[2]["run_id"], **{k: records[2]["config"][k] for k in SECTIONS}}
 
     # the data advances: disjoint slices, the cursor after the last night, the long prompt dropped
-    assert [r["plan"]["start_slot"] for r in records] == [0, 2, 4]
+    assert [r["plan"]["start_slot"] for r in records] == [0, 3, 6]
     used = [_rollout_ids(work, r) for r in records]
-    assert all(len(u) == 4 for u in used)
+    assert all(len(u) == 18 for u in used)
     assert max(Counter(i for u in used for i in u).values()) == 1, used
     assert LONG_ID not in {i for u in used for i in u}
     held = {r["data"]["validation"]["n_items"] for r in records}
-    assert held == {1} and len({r["data"]["validation"]["digest"] for r in records}) == 1
-    assert all(r["data"]["dropped_too_long"] == 1 and r["data"]["kept"] == 13 for r in records)
+    assert (
+        len(held) == 1 and held.pop() > 10 and len({r["data"]["validation"]["digest"] for r in records}) == 1
+    )
+    assert all(r["data"]["dropped_too_long"] == 1 and r["data"]["kept"] == N_PROBLEMS for r in records)
     cursor = json.loads((work / "cursors" / "nightly.json").read_text())
-    assert [s["next_slot"] for s in cursor["streams"].values()] == [6]
+    assert [s["next_slot"] for s in cursor["streams"].values()] == [9]
 
-    # warm start from the champion of the night before: none, v1, v2; in rollout and train alike
-    assert records[0]["plan"]["warm_start"] == {"from": "base", "version": None}
-    for record, version in zip(records[1:], ["1", "2"], strict=True):
-        warm = record["plan"]["warm_start"]
-        assert warm["from"] == "champion" and warm["version"] == version
-        first = record["steps"][0]["manifests"]
-        assert _manifest(work, "rollout", first["rollout"])["inputs"]["adapter"] == warm["digest"]
-        assert _manifest(work, "train", first["train"])["inputs"]["init_adapter"] == warm["digest"]
+    # warm start: none on night 1, none on night 2 (loop.warm_start: base), night 3 from champion v2
+    assert [r["plan"]["warm_start"] for r in records[:2]] == [{"from": "base", "version": None}] * 2
+    warm = records[2]["plan"]["warm_start"]
+    assert warm["from"] == "champion" and warm["version"] == "2"
+    first = records[2]["steps"][0]["manifests"]
+    assert _manifest(work, "rollout", first["rollout"])["inputs"]["adapter"] == warm["digest"]
+    assert _manifest(work, "train", first["train"])["inputs"]["init_adapter"] == warm["digest"]
     # the champion's weights really are the next night's starting point
     warm_dirs = {
         Manifest.load(d).digest: d for d in (work / "store" / "objects" / WARM_START_STAGE).glob("*")
     }
-    for champion, record in zip(records[:2], records[1:], strict=True):
-        fetched = warm_dirs[record["plan"]["warm_start"]["digest"]] / "adapter" / "adapter_model.safetensors"
-        assert (
-            fetched.read_bytes()
-            == (Path(champion["final_adapter"]) / "adapter_model.safetensors").read_bytes()
-        )
+    fetched = warm_dirs[warm["digest"]] / "adapter" / "adapter_model.safetensors"
+    champion_adapter = Path(records[1]["final_adapter"]) / "adapter_model.safetensors"
+    assert fetched.read_bytes() == champion_adapter.read_bytes()
 
-    # resuming night 2 is night 2: same slice, same warm start (v1, though v2 is champion now), nothing rebuilt
+    # resuming night 3 is night 3: same slice, same warm start (v2, though v3 is champion now), nothing rebuilt
+    promotion.promote(configs[2].registry, "qerl-adapter", "3")
     builds = (work / "store" / "builds.jsonl").read_text().count("\n")
-    v2 = MlflowClient().get_model_version("qerl-adapter", "2")
-    (Path(urlparse(MlflowClient().get_run(v2.run_id).info.artifact_uri).path) / PROTOCOL_FILE).unlink()
-    assert read_protocol(v2) is None  # as for a version registered before protocol.json existed
-    again = runner.resume(records[1]["run_id"], work)
-    assert read_protocol(v2)["run_id"] == records[1]["run_id"]  # the re-run logged it again
-    assert again["plan"]["start_slot"] == 2 and again["plan"]["warm_start"]["version"] == "1"  # champion: v2
-    assert again["final_adapter"] == records[1]["final_adapter"]
+    v3 = MlflowClient().get_model_version("qerl-adapter", "3")
+    (Path(urlparse(MlflowClient().get_run(v3.run_id).info.artifact_uri).path) / PROTOCOL_FILE).unlink()
+    assert read_protocol(v3) is None  # as for a version registered before protocol.json existed
+    again = runner.resume(records[2]["run_id"], work)
+    assert read_protocol(v3)["run_id"] == records[2]["run_id"]  # the re-run logged it again
+    assert again["plan"]["start_slot"] == 6 and again["plan"]["warm_start"]["version"] == "2"
+    assert again["final_adapter"] == records[2]["final_adapter"]
     assert (work / "store" / "builds.jsonl").read_text().count("\n") == builds
     assert json.loads((work / "cursors" / "nightly.json").read_text()) == cursor
 
-    # a fourth night under store.keep_versions 1 releases v1 and v3 (v2 is champion, v4 the newest and
-    # challenger): their MLflow copies and their nights' adapters go; v1's warm-start copy stays, as
-    # night 2 (kept) started from it
-    # (another weight decay: from the same champion with zero gradients, night 3's would be its weights)
-    kept = cfg.model_copy(
-        update={
-            "store": cfg.store.model_copy(update={"keep_versions": 1}),
-            "train": cfg.train.model_copy(update={"weight_decay": 0.2}),
-        }
+    # a fourth night, from champion v2 again (an operator's promotion), under store.keep_versions 1
+    # releases v1 and v3 (v2 is champion, v4 the newest and challenger): their MLflow copies and their
+    # nights' adapters go; v2's warm-start copy stays, as night 3 (released, but its record kept)
+    # and night 4 started from it
+    promotion.promote(configs[2].registry, "qerl-adapter", "2")
+    records.append(
+        runner.run(RunConfig.model_validate(_night(base, 1e-3, keep_versions=1)), work, dt.date(2026, 1, 4))
     )
-    records.append(runner.run(kept, work, dt.date(2026, 1, 4)))
+    assert records[3]["plan"]["warm_start"]["version"] == "2" and not records[3]["registration"]["promoted"]
     client = MlflowClient()
     released = {v: "released" in client.get_model_version("qerl-adapter", v).tags for v in "1234"}
     assert released == {"1": True, "2": False, "3": True, "4": False}
@@ -161,10 +176,8 @@ def test_three_nights_advance_data_warm_start_and_promote_only_on_a_win(tiny_mod
         assert ("adapter/adapter_model.safetensors" in pruned) == gone, record["run_id"]
         version = client.get_model_version("qerl-adapter", str(record["registration"]["version"]))
         assert Path(urlparse(version.source).path).exists() != gone
-    v1_copy = warm_dirs[records[1]["plan"]["warm_start"]["digest"]]
-    assert Manifest.load(v1_copy).pruned == {}
-    # manifests stay: re-running released night 1, and night 2 that started from released v1, is all
-    # cache hits (night 2 from v1's store copy)
+    assert Manifest.load(warm_dirs[warm["digest"]]).pruned == {}
+    # manifests stay: re-running released night 1, and night 2, is all cache hits
     builds = (work / "store" / "builds.jsonl").read_text().count("\n")
     for record in records[:2]:
         assert runner.resume(record["run_id"], work)["status"] == "completed"
