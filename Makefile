@@ -1,5 +1,5 @@
 # Two entry points; each creates .venv on first use (scripts/bootstrap.sh).
-.PHONY: demo test lint bench venv docs
+.PHONY: demo test test-kit lint bench venv docs
 venv:
 	@scripts/bootstrap.sh
 
@@ -10,7 +10,11 @@ test: venv
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not kit"
+
+# The GPU kit's slow CPU checks (dry runs of scripts/gpu/ on the CPU); CI runs them after `make test`.
+test-kit: venv
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m kit
 
 bench: venv
 	.venv/bin/qerl bench

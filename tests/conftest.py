@@ -56,6 +56,21 @@ def learner_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _migrated_prefect_database(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Migrate one Prefect database for the session's CLI runs (tests/prefect_home.py); xdist's
+    workers share it, made by whichever gets the lock first."""
+    from filelock import FileLock
+    from prefect_home import TEMPLATE_ENV, make_template
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers
+    with FileLock(str(root / "prefect-template.lock")):
+        home = make_template(root / "prefect-template")
+    os.environ[TEMPLATE_ENV] = str(home)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _stop_prefects_temporary_servers():
     """Stop the temporary Prefect servers in-process flows started, while pytest still captures output:
     Prefect's own atexit stop logs to a stream pytest has closed by then (a logging traceback after the

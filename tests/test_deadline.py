@@ -16,7 +16,9 @@ from qerl.pipeline.store import run_lock
 
 def _qerl(args: list[str], work: Path) -> subprocess.CompletedProcess:
     """The CLI in its own session, not killed afterwards: the deadline itself must leave no process."""
-    env = {**os.environ, "QERL_WORK_DIR": str(work)}
+    from prefect_home import seeded_env
+
+    env = seeded_env({**os.environ, "QERL_WORK_DIR": str(work)}, work)
     for name in ("QERL_FAULT", "TRITON_INTERPRET", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         env.pop(name, None)
     return subprocess.run(

@@ -65,7 +65,9 @@ def _qerl(args: list[str], work: Path, fault: str | None = None) -> subprocess.C
     """Run the CLI in its own session; output goes to files, not pipes, because a SIGKILLed run
     leaves children (Prefect's temporary server, verifier workers) that would hold pipes open.
     The whole process group is killed afterwards, as a supervisor would after a crash."""
-    env = {**os.environ, "QERL_WORK_DIR": str(work)}
+    from prefect_home import seeded_env
+
+    env = seeded_env({**os.environ, "QERL_WORK_DIR": str(work)}, work)
     env.pop("QERL_FAULT", None)
     # the kernel tests' interpreter mode would leak into vLLM's in-process Triton kernel rebinding
     env.pop("TRITON_INTERPRET", None)
@@ -170,8 +172,9 @@ def test_killed_runs_resume_to_the_identical_adapter(learner_model_dir, tmp_path
     clean run is shown to train before the crashed one is required to match it."""
     from learning import assert_trained, learning_run_config, run_record
 
+    cfg = learning_run_config(learner_model_dir)
     cfg_path = tmp_path / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(learning_run_config(learner_model_dir)))
+    cfg_path.write_text(yaml.safe_dump(cfg))
     args = ["run", "--config", str(cfg_path)]
 
     clean = _qerl(args, tmp_path / "clean")

@@ -356,25 +356,24 @@ def test_real_train_steps_resume_after_gc(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_gc_between_real_runs(tiny_model_factory, tmp_path, capsys):
-    """`qerl run`, `qerl gc`, `qerl run` again on the tiny model (transformers engine): the flow prunes
-    its past steps by the run's own `store` section as it goes, so gc afterwards finds nothing left,
-    and the re-run rebuilds nothing and ends on the same adapter."""
+    """A run, `qerl gc`, the run again on the tiny model (transformers engine, in this process): the
+    flow prunes its past steps by the run's own `store` section as it goes, so gc afterwards finds
+    nothing left, and the re-run rebuilds nothing and ends on the same adapter."""
     import torch
-    import yaml
+    from qerl.flows import runner
+    from qerl.pipeline.planning.run_config import RunConfig
 
-    from tests.test_flow import _final_adapter, _journal, _qerl, tiny_run_config
+    from tests.test_flow import _final_adapter, _journal, tiny_run_config
 
     cfg = tiny_run_config(tiny_model_factory(arch="qwen2", dtype=torch.float32))
     cfg["store"] = {"keep_optimizer_last": 1}
     cfg["loop"]["steps"] = 2
-    cfg_path, work = tmp_path / "run.yaml", tmp_path / "work"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    first = _qerl(["run", "--config", str(cfg_path)], work)
-    assert first.returncode == 0, first.stderr[-3000:]
+    run_cfg, work = RunConfig.model_validate(cfg), tmp_path / "work"
+    first = runner.run(run_cfg, work)
+    assert first["status"] == "completed", first.get("error")
     adapter, built = _final_adapter(work), len(_journal(work))
 
-    (record_path,) = (work / "runs").glob("*/run.json")
-    keys = [s["manifests"]["train"] for s in json.loads(record_path.read_text())["steps"]]
+    keys = [s["manifests"]["train"] for s in first["steps"]]
     pruned = [set(Manifest.load(work / "store" / "objects" / "train" / k).pruned) for k in keys]
     # pruned by the flow: a completed run keeps no optimizer state, and (no interim evaluations) only
     # its final adapter
@@ -387,8 +386,8 @@ def test_gc_between_real_runs(tiny_model_factory, tmp_path, capsys):
     assert main(["gc", "--work-dir", str(work)]) == 0
     assert "nothing to delete" in capsys.readouterr().out
 
-    again = _qerl(["run", "--config", str(cfg_path)], work)
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = runner.run(run_cfg, work)
+    assert again["status"] == "completed", again.get("error")
     assert len(_journal(work)) == built and _final_adapter(work) == adapter
 
 

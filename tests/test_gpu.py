@@ -168,6 +168,7 @@ def test_the_kit_vllm_modules_share_one_checkpoint_under_gpu_check(tmp_path, tmp
 
 
 @pytest.mark.slow  # about 2 min on an idle 2-core machine (child processes import torch, two start vLLM)
+@pytest.mark.kit
 def test_gpu_check_dry_run(tmp_path):
     """``gpu_check.sh --dry-run`` on the CPU: the gpu tests skip, both benchmarks run at tiny shapes,
     the results are written under $OUT (no more files than the device tool brings back), and
@@ -207,6 +208,7 @@ def test_gpu_check_dry_run(tmp_path):
 
 
 @pytest.mark.slow  # about 30 s
+@pytest.mark.kit
 def test_gpu_check_budget_cuts_parts_and_says_so(tmp_path):
     """``--budget-s``: parts run under what is left of the budget; one that would get too little is
     not started, one that runs past it is cut off; the report's parts table says which, and the exit
@@ -225,6 +227,7 @@ def test_gpu_check_budget_cuts_parts_and_says_so(tmp_path):
     assert bad.returncode == 2 and "--budget-s takes whole seconds, not 'soon'" in bad.stderr
 
 
+@pytest.mark.kit
 def test_gpu_check_runs_the_test_files_it_is_given(tmp_path):
     """``--test-files``: one GPU test file can run alone (gpu_validate.sh's padded item); a name
     that is no GPU test file is refused before anything runs."""
@@ -657,6 +660,7 @@ def test_bench_report_records_oom_and_merges_runs(tmp_path):
         bench._merge_previous({**report, "steps": 3}, tmp_path / "gpu.json", ["7b"])
 
 
+@pytest.mark.kit
 def test_bench_gpu_times_the_deterministic_switch_beside_the_plain_arm(tmp_path):
     """``--arms nvfp4,nvfp4-det``: the same NVFP4 update with and without train.deterministic's
     kernels, each in its own process, and the ratio of their times (on the CPU the switch changes no

@@ -131,6 +131,7 @@ def test_the_requests_check_names_an_argument_vllm_does_not_take(tiny_model_dir,
     assert len(findings) == 1 and "lora" in findings[0], findings
 
 
+@pytest.mark.kit
 def test_the_model_check_runs_against_this_vllm_and_names_a_missing_fp4_scheme(tiny_model_dir, tmp_path):
     """check_model on this environment's vLLM and a plain bf16 model: the AQN part holds (targets, the
     noise written, sigma 0), and the one finding is the missing FP4 scheme. In a subprocess: it
@@ -195,6 +196,7 @@ print("FINDINGS=" + json.dumps(w.check_weights(Path(sys.argv[3]), Path(sys.argv[
 """
 
 
+@pytest.mark.kit
 @pytest.mark.parametrize("loader", ["as-is", "swap"])
 def test_the_weights_check_compares_what_vllms_loader_wrote_with_the_checkpoint(
     loader, tiny_model_dir, tmp_path

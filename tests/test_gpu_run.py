@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow  # about a minute: one qerl run of one step on the transformers engine
+@pytest.mark.kit
 def test_gpu_check_run_part_runs_qerl_run_and_reports_it(tmp_path, tiny_model_factory):
     """``--run-only`` (the kit's ``qerl run`` part) in the dry run, with a tiny config on the CPU: the
     run goes end to end in a fresh work folder, and the report gives its record's summary."""

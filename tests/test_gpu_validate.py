@@ -156,6 +156,7 @@ done
     assert f"| {stop_in} | {ORDER[stop_in - 1]} |" in table and "cut (the run was stopped)" in table
 
 
+@pytest.mark.kit
 @pytest.mark.slow  # about a minute: two of the kit's own dry runs on the CPU
 def test_the_cpu_wiring_check_runs_the_kit_itself(tmp_path):
     """--cpu: the real gpu_check.sh at tiny shapes for the padded test and the quantize item."""

@@ -5,10 +5,10 @@ The pruned checkpoint is rebuilt, checked against its recorded digests and put b
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.manifest import BuildResult
 
@@ -60,43 +60,37 @@ def test_a_rebuild_with_other_bytes_is_rekeyed_not_a_failure(tmp_path):
     assert [e["event"] for e in events] == ["pruned", "rekeyed", "pruned", "rekeyed"]
 
 
-@pytest.fixture(scope="module")
-def flow_model(tiny_model_factory) -> Path:
-    import torch
-
-    return tiny_model_factory(arch="qwen2", dtype=torch.float32)
-
-
 @pytest.mark.slow
-def test_a_run_continues_from_a_checkpoint_another_run_pruned(flow_model, tmp_path):
+def test_a_run_continues_from_a_checkpoint_another_run_pruned(learner_model_dir, tmp_path):
     """Run A (AQN off, keep 1 optimizer state) prunes its step-1 checkpoint; run B (AQN on, sigma 0
-    for steps 0-1) finds steps 0-1 cached, then must build step 2 from A's pruned step 1."""
-    from test_flow import _journal, _qerl, tiny_run_config
+    for steps 0-1) finds steps 0-1 cached, then must build step 2 from A's pruned step 1. Both learn
+    (tests/learning.py), so the healed steps' bytes are a real match, not two untrained adapters."""
+    from learning import assert_trained, learning_run_config
+    from qerl.flows import runner
+    from qerl.pipeline.planning.run_config import RunConfig
+    from test_flow import _journal
 
-    cfg = tiny_run_config(flow_model, engine="hf")
+    cfg = learning_run_config(learner_model_dir)
     cfg["loop"]["steps"] = 4
     cfg["train"]["total_steps"] = None
     cfg["aqn"] = {"num_stages": 2, "enabled": False}
-    cfg["store"] = {"keep_optimizer_last": 1}
+    cfg["store"]["keep_optimizer_last"] = 1
     work = tmp_path / "work"
-    for name, aqn in (("a", False), ("b", True)):
+    records = []
+    for aqn in (False, True):
         cfg["aqn"]["enabled"] = aqn
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-        proc = _qerl(["run", "--config", str(tmp_path / f"{name}.yaml")], work)
-        assert proc.returncode == 0, (name, proc.stderr[-4000:])
-    runs = {
-        json.loads(p.read_text())["run_id"]: json.loads(p.read_text()) for p in work.glob("runs/*/run.json")
-    }
-    a, b = sorted(runs.values(), key=lambda r: r["config"]["aqn"]["enabled"])
+        records.append(runner.run(RunConfig.model_validate(cfg), work))
+        assert records[-1]["status"] == "completed", records[-1].get("error")
+    a, b = records
+    for record in records:
+        assert_trained(work, record)
     keys = [[s["manifests"]["train"] for s in r["steps"]] for r in (a, b)]
     assert keys[0][:2] == keys[1][:2] and keys[0][2:] != keys[1][2:]  # a shared prefix, then apart
     gc_events = [json.loads(line) for line in (work / "store" / "gc.jsonl").read_text().splitlines()]
     # A kept step 3's optimizer state only: B rebuilds steps 0 and 1 (same bytes), then builds on
     assert [e["key"] for e in gc_events if e["event"] == "healed"] == keys[0][:2], gc_events
-    assert b["status"] == "completed"
-    assert (
-        max(__import__("collections").Counter((e["stage"], e["key"]) for e in _journal(work)).values()) == 1
-    )
+    assert not [e for e in gc_events if e["event"] == "rekeyed"], gc_events
+    assert max(Counter((e["stage"], e["key"]) for e in _journal(work)).values()) == 1
 
 
 from test_evaluation import FakeEngine, base  # noqa: E402,F401 (base: a fixture)

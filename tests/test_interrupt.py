@@ -47,7 +47,10 @@ def _default_sigint() -> None:
 
 def _start(cfg_path: Path, work: Path, fault: str | None = None) -> tuple[subprocess.Popen, Path]:
     # PREFECT_*: in-process flows of earlier tests set PREFECT_HOME here (prepare_environment)
+    from prefect_home import seeded_env
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"QERL_WORK_DIR": str(work)}
+    env = seeded_env(env, work)
     for key in ("QERL_FAULT", "TRITON_INTERPRET", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         env.pop(key, None)
     if fault:

@@ -1,0 +1,52 @@
+"""One migrated Prefect database per test session, copied into the work dirs of the tests' CLI runs.
+
+``qerl run`` in a fresh work directory starts Prefect's temporary server on an empty database, which
+Prefect migrates first: about half of the 15 s the start takes on two cores. A user's work directory
+pays that once, on its first run; the tests' CLI runs each get a fresh work directory and would pay
+it every time, so they start from a copy of one database migrated at the start of the session
+(``seeded_env``). The runs still start their own temporary server, as a user's do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+TEMPLATE_ENV = "QERL_TEST_PREFECT_TEMPLATE"
+# what an in-process flow's prepare_environment left in this process's environment: not the child's
+_PER_WORK_DIR = ("PREFECT_HOME", "PREFECT_SERVER_MEMO_STORE_PATH")
+_MIGRATE = (
+    "from prefect.server.api.server import SubprocessASGIServer\n"
+    "server = SubprocessASGIServer()\n"
+    "server.start()\n"
+    "server.stop()\n"
+)
+
+
+def make_template(home: Path) -> Path:
+    """Start and stop a temporary server on ``home`` (a PREFECT_HOME) in a child process, which leaves
+    a migrated ``prefect.db`` there; returns ``home``."""
+    if (home / "prefect.db").is_file():
+        return home
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
+    subprocess.run([sys.executable, "-c", _MIGRATE], env=env, check=True, capture_output=True, timeout=300)
+    return home
+
+
+def seeded_env(env: dict[str, str], work: Path) -> dict[str, str]:
+    """``env`` for a CLI run in ``work``: Prefect's home is the work dir's own (as for a user), and
+    holds a copy of the session's migrated database unless it has one already."""
+    env = {k: v for k, v in env.items() if k not in _PER_WORK_DIR}
+    template = os.environ.get(TEMPLATE_ENV)
+    target = work / "prefect"
+    if template and not (target / "prefect.db").exists():
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("prefect.db", "prefect.db-wal", "prefect.db-shm"):
+            if (Path(template) / name).is_file():
+                shutil.copyfile(Path(template) / name, target / name)
+    return env
