@@ -55,6 +55,26 @@ def learner_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(autouse=True)
+def _no_handler_on_a_closed_stream():
+    """After each test, drop logging handlers left writing to a stream that is closed by now (the
+    test's captured stderr, kept by a handler that Prefect or a console session set up during it).
+    Logging to one fails, and inside a flow Prefect turns the failure's report (a print) into a log
+    record again: a recursion that ends a later test of the same worker."""
+    import logging
+
+    yield
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in list(getattr(logger, "handlers", ())):
+            # a StreamHandler's stream, or the rich console's file of Prefect's console handler
+            stream = getattr(getattr(handler, "console", None), "file", None) or getattr(
+                handler, "stream", None
+            )
+            if stream is not None and getattr(stream, "closed", False):
+                logger.removeHandler(handler)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _migrated_prefect_database(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Migrate one Prefect database for the session's CLI runs (tests/prefect_home.py); xdist's
