@@ -21,11 +21,13 @@ Run: ``.venv/bin/python benchmarks/bench_gptq_shapes.py [--sequences 8 --tokens 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,6 +45,37 @@ def _vm(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+@contextlib.contextmanager
+def timed_gptq_phases(cuda: bool = False) -> Iterator[dict[str, float]]:
+    """Seconds spent inside, by calibration's two phases: the Hessians and forwards (linear in the
+    calibration tokens) and GPTQ itself; ``cuda`` waits for the GPU before each reading. The
+    calibration module's functions are wrapped while inside and restored after."""
+    import torch
+    from qerl.pipeline.nvfp4 import calibration
+
+    timed = {"hessians_and_forwards": 0.0, "gptq": 0.0}
+
+    def timed_as(key: str, fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if cuda:
+                    torch.cuda.synchronize()
+                timed[key] += time.perf_counter() - t0
+
+        return wrapper
+
+    saved = calibration._collect_hessians, calibration._quantize_group
+    calibration._collect_hessians = timed_as("hessians_and_forwards", calibration._collect_hessians)
+    calibration._quantize_group = timed_as("gptq", calibration._quantize_group)
+    try:
+        yield timed
+    finally:
+        calibration._collect_hessians, calibration._quantize_group = saved
+
+
 def worker(model_dir: Path, sequences: int, tokens: int) -> dict:
     """One layer's GPTQ in this process: seconds of the two phases, peak and baseline RSS."""
     import torch
@@ -58,23 +91,10 @@ def worker(model_dir: Path, sequences: int, tokens: int) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     ids = [torch.randint(0, vocab, (tokens,)).tolist() for _ in range(sequences)]
     baseline = _vm("VmRSS")
-    timed: dict[str, float] = {"hessians_and_forwards": 0.0, "gptq": 0.0}
-
-    def timed_as(key: str, fn):  # noqa: ANN001, ANN202
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                timed[key] += time.perf_counter() - t0
-
-        return wrapper
-
-    calibration._collect_hessians = timed_as("hessians_and_forwards", calibration._collect_hessians)
-    calibration._quantize_group = timed_as("gptq", calibration._quantize_group)
-    t0 = time.perf_counter()
-    outputs = sum(len(out) for _, out in calibration.gptq_layers(model_dir, specs, plan, cfg, ids))
-    total = time.perf_counter() - t0
+    with timed_gptq_phases() as timed:
+        t0 = time.perf_counter()
+        outputs = sum(len(out) for _, out in calibration.gptq_layers(model_dir, specs, plan, cfg, ids))
+        total = time.perf_counter() - t0
     return {
         "seconds": total,
         **timed,

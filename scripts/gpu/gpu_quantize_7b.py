@@ -83,6 +83,8 @@ def gptq_layer(model_dir: Path, sequences: int, tokens: int, device: str) -> dic
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.nvfp4.safetensors_io import safetensors_index
 
+    from benchmarks.bench_gptq_shapes import timed_gptq_phases
+
     cuda = device == "cuda"
     torch.manual_seed(0)
     cfg = QuantizeConfig(method="gptq")
@@ -90,33 +92,14 @@ def gptq_layer(model_dir: Path, sequences: int, tokens: int, device: str) -> dic
     plan = plan_quantization(specs, cfg)
     config = json.loads((model_dir / "config.json").read_text())
     ids = [torch.randint(0, config["vocab_size"], (tokens,)).tolist() for _ in range(sequences)]
-    timed = {"hessians_and_forwards": 0.0, "gptq": 0.0}
-
-    def timed_as(key: str, fn):  # noqa: ANN001, ANN202
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if cuda:
-                    torch.cuda.synchronize()
-                timed[key] += time.perf_counter() - t0
-
-        return wrapper
-
-    saved = calibration._collect_hessians, calibration._quantize_group
-    calibration._collect_hessians = timed_as("hessians_and_forwards", calibration._collect_hessians)
-    calibration._quantize_group = timed_as("gptq", calibration._quantize_group)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    try:
+    with timed_gptq_phases(cuda) as timed:
         t0 = time.perf_counter()
         n = sum(
             len(out) for _, out in calibration.gptq_layers(model_dir, specs, plan, cfg, ids, device=device)
         )
         seconds = time.perf_counter() - t0
-    finally:
-        calibration._collect_hessians, calibration._quantize_group = saved
     layers = config["num_hidden_layers"]
     return {
         "device": device, "layers": layers, "sequences": sequences, "tokens": tokens, "tensors": n,
