@@ -138,8 +138,11 @@ for i in $(seq 300); do
   sleep 0.1
 done
 """
-    proc = subprocess.Popen(["bash", str(SCRIPT), "--items", "1,2,3", "--limit", "1=1", "--limit", "2=1",
-                             "--limit", "3=60"], env={**slow, "QERL_GPU_ITEM_MIN_S": "0"},
+    # the items before stop_in end by their 1 s limits; stop_in's own 60 s outlasts the stop however
+    # slowly the machine gets to it
+    limits = [arg for n in (1, 2, 3) for arg in ("--limit", f"{n}={1 if n < stop_in else 60}")]
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--items", "1,2,3", *limits],
+                            env={**slow, "QERL_GPU_ITEM_MIN_S": "0"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     subprocess.run(["bash", "-c", script], timeout=60, check=True)
     time.sleep(0.5)
