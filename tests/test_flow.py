@@ -212,8 +212,10 @@ def test_killed_runs_resume_to_the_identical_adapter(learner_model_dir, tmp_path
     }
     assert Counter(s for s, _ in built)["train"] == 3
 
-    again = _qerl(args, crashed)  # a completed run re-run: nothing is built
-    assert again.returncode == 0
+    from qerl.flows import runner
+
+    again = runner.run(load_run_config(cfg_path), crashed)  # a completed run re-run: nothing is built
+    assert again["status"] == "completed", again.get("error")
     assert len(_journal(crashed)) == sum(built.values())
     (record_path,) = (crashed / "runs").glob("*/run.json")
     record = json.loads(record_path.read_text())
