@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_score(sub)
     _add_quantize(sub)
     _add_promote(sub)
+    _add_policy(sub)
     _add_versions(sub)
     _add_eval(sub)
     _add_run(sub)
@@ -203,6 +204,17 @@ def _add_promote(sub: argparse._SubParsersAction) -> None:
     _config_options(p, "YAML file with registry settings (RegistryConfig)", "override a registry setting")
     _common(p)
     COMMANDS["promote"] = registry_commands.cmd_promote
+
+
+def _add_policy(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("policy", help="show a registered model's promotion policy, or change it (recorded)")
+    p.add_argument("name", nargs="?", default=None, metavar="NAME",
+                   help="registered model name (default: registry.model_name)")  # fmt: skip
+    p.add_argument("--change", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a field (margin_se, margin, benchmark, base_digest, quant_recipe); repeatable")  # fmt: skip
+    _config_options(p, "YAML file with registry settings (RegistryConfig)", "override a registry setting")
+    _common(p)
+    COMMANDS["policy"] = registry_commands.cmd_policy
 
 
 def _add_versions(sub: argparse._SubParsersAction) -> None:

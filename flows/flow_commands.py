@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from qerl.flows.tool_commands import work_dir
@@ -172,6 +173,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
     recorded_run(work, args.run_id)  # a mistyped id or --work-dir: an error, and nothing made there
     runner.prepare_environment(work)  # runner.recorded_run imports Prefect
     cfg, night = runner.recorded_run(args.run_id, work)
+    from qerl.flows.run_record import load_run_record
+    from qerl.flows.upgrade_check import since_last_attempt
+
+    for line in since_last_attempt(work, load_run_record(work, args.run_id)):
+        print(f"resume {args.run_id}: {line}", file=sys.stderr)
     if args.set:  # resource settings only: the same run, its finished steps reused
         from qerl.flows.run_record import with_resources
 

@@ -1,4 +1,5 @@
-"""The registry's commands: ``qerl versions`` lists a model's versions, ``qerl promote`` moves the champion.
+"""The registry's commands: ``qerl versions`` lists a model's versions, ``qerl promote`` moves the
+champion, ``qerl policy`` shows or changes a model's promotion policy (``qerl.pipeline.registry.policy``).
 
 ``qerl versions`` is what an operator on a machine without a browser asks first: which version is
 champion and challenger, which night made each, what it scored on the test benchmark and on the
@@ -80,4 +81,44 @@ def cmd_versions(args: argparse.Namespace) -> int:
             state += ", incomplete run"
         test, validation = _accuracy(tags, "eval_accuracy"), _accuracy(tags, "promotion_accuracy")
         print(f"  v{v.version:<4} {held:<24} {tags.get('run_id', '-'):<32} {test} / {validation}  {state}")
+    return 0
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    import getpass
+    import json
+
+    import yaml
+    from qerl.pipeline.config import load_config
+    from qerl.pipeline.registry import adapters, policy
+    from qerl.pipeline.registry import tracking as registry
+    from qerl.pipeline.registry.lock import RegistryError, registry_lock
+
+    cfg = load_config(registry.RegistryConfig, args.config, args.set)
+    name = args.name or cfg.model_name
+    uri = adapters.open_registry(cfg, work_dir(args))
+    adapters.require_registered_model(name, uri)
+    if args.change:
+        updates = {}
+        for item in args.change:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise RegistryError(
+                    f"--change {item!r} is not KEY=VALUE (keys: {', '.join(policy.CHANGEABLE)})"
+                )
+            updates[key.strip()] = yaml.safe_load(value)
+        with registry_lock(uri, name, cfg.lock_timeout_s):
+            policy.change_policy(name, updates, f"qerl policy by {getpass.getuser()}")
+    current = policy.read_policy(name)
+    if current is None:
+        print(f"{name}: no promotion policy yet (its first complete run with a validation split sets it)")
+        return 0
+    print(f"{name}: promotion policy (set by {current.set_by})")
+    for key, value in current.model_dump().items():
+        if key != "set_by":
+            print(f"  {key:<13} {value}")
+    for change in policy.policy_changes(name):
+        print(
+            f"  changed {change['at']} by {change['by']}: {json.dumps(change['from'])} -> {json.dumps(change['to'])}"
+        )
     return 0

@@ -50,9 +50,9 @@ from qerl.flows.rl_phases import (
     plan_data,
     prepare_base,
     read_data,
-    register_final,
     train_loop,
 )
+from qerl.flows.rl_register import register_final
 from qerl.flows.run_record import publish, run_dir
 from qerl.pipeline.planning.disk_plan import check_disk
 from qerl.pipeline.planning.errors import RunPlanError
@@ -107,7 +107,9 @@ def _attempt(run: Run) -> dict[str, Any]:
         open_live(run)  # the MLflow run gets each step as it ends
         final = train_loop(run, quantized, engine, problems, warm)
         final_eval = evaluate_adapter(run, quantized, final, engine, cfg.loop.steps, run.validation)
-        baseline = evaluate_adapter(run, quantized, None, engine, 0) if cfg.loop.eval_base else None
+        baseline = (
+            evaluate_adapter(run, quantized, None, engine, 0, run.validation) if cfg.loop.eval_base else None
+        )
         register_final(run, quantized, final, final_eval, engine)
         rec["final_adapter"] = str(final.dir / "adapter")
         rec["baseline_accuracy"] = baseline.metrics.get("accuracy") if baseline else None

@@ -1,14 +1,14 @@
 """The phases of one RL run, in the order ``qerl.flows.rl.rl_flow`` calls them: the base model and
 its NVFP4 checkpoint (and dequantized twin), the training data, the plan (data slice and warm start),
 the step loop (rollout -> score -> train, with interim evaluations), the final evaluation and the
-registration. From the plan on, each step's metrics (and each interim evaluation) go to the run's
-MLflow run as the step ends (``qerl.pipeline.registry.live``), the run registration completes.
+registration (``qerl.flows.rl_register``). From the plan on, each step's metrics (and each interim
+evaluation) go to the run's MLflow run as the step ends (``qerl.pipeline.registry.live``), the run
+registration completes.
 
 The training data loses its validation slice first (``eval.validation``, held out after the prompt
 fit, so the data cursor's stream never holds it); the final evaluation scores it beside the test
-benchmark, and registration compares it item by item with the champion evaluated under the same
-protocol (``_champion_evaluation``: the champion's adapter fetched through the warm-start stage and
-evaluated like this run's, a store hit when it already was).
+benchmark, and registration compares it item by item with the champion (or the base model) evaluated
+under the same protocol.
 
 ``Run`` carries one run's state through them: config, store, record, console and the stage timing.
 A stage found in the store is shown as cached (built before this process started). A step or an
@@ -22,7 +22,6 @@ evaluation that must build from a checkpoint another run's retention pruned gets
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import threading
 import time
@@ -39,7 +38,6 @@ from qerl.flows.rl_tasks import (
     base_task,
     evaluate_task,
     quantize_task,
-    register_task,
     rollout_task,
     score_task,
     train_task,
@@ -48,7 +46,6 @@ from qerl.flows.rl_tasks import (
 )
 from qerl.flows.run_record import (
     carried_over,
-    earlier_registration,
     eval_entry,
     eval_text,
     load_run_record,
@@ -57,24 +54,21 @@ from qerl.flows.run_record import (
     save_record,
     step_record,
 )
-from qerl.pipeline.config import config_hash
 from qerl.pipeline.data.datasets import load_problems, problems_digest
 from qerl.pipeline.evaluation.eval_config import validation_split
 from qerl.pipeline.nvfp4.quality_report import quality_brief, quality_line, quality_metrics
 from qerl.pipeline.planning.engine_setup import needs_twin
-from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_fit import fit_prompts, load_tokenizer, prompt_token_limit
 from qerl.pipeline.planning.prompt_stream import DataCursor, data_slice, step_prompts, stream_key
 from qerl.pipeline.planning.run_checks import check_model
 from qerl.pipeline.planning.run_config import RunConfig
-from qerl.pipeline.registry import live, tracking
+from qerl.pipeline.registry import live
 from qerl.pipeline.registry.adapters import base_lineage_digest
-from qerl.pipeline.registry.protocol import log_protocol, protocol_of
 from qerl.pipeline.rollout.aqn import sigma_schedule
 from qerl.pipeline.rollout.lazy import LazyEngine
-from qerl.pipeline.store import releases, retention
+from qerl.pipeline.store import retention
 from qerl.pipeline.store.artifact_store import ArtifactStore
-from qerl.pipeline.store.code_version import package_version
+from qerl.pipeline.store.code_version import dependency_versions, package_version
 from qerl.pipeline.store.files import read_json
 from qerl.pipeline.store.layout import RUN_RECORD, STORE_DIR
 from qerl.pipeline.store.manifest import Manifest
@@ -103,7 +97,7 @@ class Run:
         self.record: dict[str, Any] = {
             "run_id": self.run_id, "config": cfg.model_dump(mode="json"), "status": "running", "steps": [],
             "evaluations": [], "flow_run_id": flow_run.get_id(), "code_version": package_version(),
-            "night": night.isoformat() if night else None, "ablation": ablation,
+            "versions": dependency_versions(), "night": night.isoformat() if night else None, "ablation": ablation,
             "started_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         }  # fmt: skip
         self.record.update(carried_over(self.previous))  # from the first save on: a crash keeps the plan
@@ -346,96 +340,3 @@ def _progress(run: Run) -> Callable[[int, int], None]:
         run.ui.progress("evaluate", done, total)
 
     return progress
-
-
-def register_final(
-    run: Run, quantized: Manifest, final: Manifest, final_eval: Manifest, engine: LazyEngine
-) -> None:
-    """Register the final adapter with its lineage (promoted on a win, never for an ablation run)."""
-    run.park_if_stopped()
-    rec = run.record
-    lineage = {
-        "base_digest": base_lineage_digest(quantized),
-        "quant_recipe": config_hash(quantized.extra.get("recipe", {}))[:16],
-        "dataset_digest": rec["data"]["dataset_digest"],
-        "code_version": package_version(),
-        "flow_run_id": str(flow_run.get_id()),
-        "run_id": run.run_id,
-        "engine_mode": engine.mode,
-    }
-    if run.night is not None:
-        lineage.update(
-            night=run.night.isoformat(), warm_start=str((rec["plan"].get("warm_start") or {}).get("version"))
-        )
-    if run.ablation is not None:
-        lineage.update(ablation_id=run.ablation["id"], arm=run.ablation["arm"])
-    history = [{k: v for k, v in h.items() if k != "manifests"} for h in rec["steps"]]
-    t0 = time.perf_counter()
-    # a run that registered before (a re-run) finds its registration in the store: the champion, maybe
-    # this very run's version by now, is not fetched or evaluated again
-    before = run.previous.get("registration") or {}
-    released = releases.by_run(releases.load(run.store)).get(run.run_id)
-    if before.get("version") and released:  # its adapter is gone: the registration stays as it was
-        rec["registration"] = before
-        detail = f"{before.get('model_name')} v{before['version']}, {released}: not registered again"
-        run.ui.stage("register", detail, time.perf_counter() - t0, True)
-        return
-    registered_before = bool(before.get("version"))
-    champion = (
-        None
-        if run.ablation is not None or registered_before
-        else _champion_evaluation(run, quantized, engine)
-    )
-    reg = register_task(
-        run.cfg, final, final_eval, lineage, history, run.work, run.store, run.ablation, champion,
-        rec.get(live.RECORD_KEY),
-    )  # fmt: skip
-    if reg.metrics.get("created") and not run.cached(reg):
-        _log_quantize_quality(run, str(reg.extra["run_id"]), quantized)
-    if reg.metrics.get("created"):
-        # for `qerl eval` of this version where this run's record is not (another machine's work dir);
-        # a re-run logs it again (the same file): it backfills one registered before it existed, or
-        # whose logging failed after the registration
-        tracking.connect(run.cfg.registry, run.work)
-        log_protocol(str(reg.extra["run_id"]), protocol_of(rec["config"], run.run_id))
-    decision = json.loads(reg.file("registration.json").read_text())
-    rec["registration"] = {**reg.extra, **reg.metrics, "promotion": decision.get("promotion"),
-                           "decided_on": decision.get("decided_on")}  # fmt: skip
-    promoted = "champion" if reg.metrics.get("promoted") else "not promoted"
-    by = earlier_registration(rec)
-    already = "" if by is None else f" (already registered by run {by}: the same adapter)"
-    run.ui.stage("register", f"{reg.extra.get('model_name')} v{reg.metrics.get('version')}{already}, {promoted}",
-                 time.perf_counter() - t0, run.cached(reg))  # fmt: skip
-    if decision.get("promotion"):
-        run.logger.info("promotion: %s", decision["promotion"])
-
-
-def _log_quantize_quality(run: Run, mlflow_run_id: str, quantized: Manifest) -> None:
-    """The quantize manifest's quality metrics (``quantize_kl``, ``quantize_top1``, ``quantize_ppl_base``,
-    ``quantize_ppl_quant``, the weight errors) on the MLflow run the registration just created, at step
-    0: once, since a cached or reused registration logged them already."""
-    metrics = quality_metrics(quantized.extra.get("quality"))
-    if metrics:
-        tracking.connect(run.cfg.registry, run.work)
-        tracking.log_step_metrics(mlflow_run_id, 0, metrics)
-
-
-def _champion_evaluation(
-    run: Run, quantized: Manifest, engine: LazyEngine
-) -> tuple[str, Manifest] | str | None:
-    """(champion version, its evaluation under this run's protocol and validation items); a reason
-    when the champion cannot be evaluated here (another base or LoRA shape); None: no champion."""
-    try:
-        champ = warm_start_task(run.cfg, run.work, run.store, base_lineage_digest(quantized), None)
-    except RunPlanError as err:
-        return f"it cannot be evaluated under this run's protocol ({err})"
-    if champ is None:
-        return None
-    registered = champ.inputs.get("registered_adapter")
-    digest = registered if registered not in (None, "unknown") else champ.digest
-    t0 = time.perf_counter()
-    ev = evaluate_task(run.cfg, quantized, champ, run.store, engine, run.validation or None, digest)
-    version = str(champ.extra["version"])
-    run.ui.stage("evaluate", f"champion v{version} under this run's protocol", time.perf_counter() - t0,
-                 run.cached(ev))  # fmt: skip
-    return version, ev

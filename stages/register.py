@@ -6,9 +6,11 @@ the train config as params, the adapter, its manifest and the evaluation table. 
 a version of ``cfg.model_name`` with lineage tags; a complete run's version becomes ``challenger``
 (unless a newer one already is) and ``champion`` when it beats the current champion (see
 ``qerl.pipeline.registry.promotion`` for the rule and its lock). The comparison is paired: the flow
-passes the champion's evaluation under this run's protocol (``champion_eval``), and the per-item rates
-of both on the run's validation split (the main benchmark when the run has none) give the mean
-difference and its standard error (``PairedEvidence``). The test benchmark's accuracy is logged and
+passes the champion's evaluation under this run's protocol (``champion_eval``; without a champion,
+the base model's, as version ``base``), and the per-item rates of both on the run's validation split
+(the main benchmark when the run has none) give the mean difference and its standard error
+(``PairedEvidence``), judged by the registered model's promotion policy
+(``qerl.pipeline.registry.policy``). The test benchmark's accuracy is logged and
 tagged (``eval_accuracy``), never decisive; the decision's split and accuracy are tagged
 ``promotion_benchmark``/``promotion_accuracy``. A failed or partial run is still
 registered (its lineage is worth keeping, tagged ``complete=false``) but gets no alias. The adapter
@@ -264,8 +266,9 @@ def _aliases(
     client.set_model_version_tag(cfg.model_name, version, "promotion_accuracy", str(decided.get("accuracy")))
     challenger = promotion.set_challenger(cfg, version) if complete else False
     promoted = promotion.maybe_promote(
-        cfg, version, str(decided["benchmark"]), decided.get("accuracy"), complete, _evidence(c, summary)
-    )
+        cfg, version, str(decided["benchmark"]), decided.get("accuracy"), complete, _evidence(c, summary),
+        lineage=c.lineage if c.champion_eval is not None else None,
+    )  # fmt: skip
     return challenger, promoted
 
 

@@ -66,6 +66,7 @@ def test_a_run_past_its_deadline_is_stopped_recorded_and_resumed(tiny_model_fact
 
     resumed = _qerl(["resume", record["run_id"], "--set", "loop.deadline_h=1"], work)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resume {record['run_id']}: kept: everything built so far" in resumed.stderr, resumed.stderr
     record = json.loads(record_path.read_text())
     assert record["status"] == "completed" and record["config"]["loop"]["deadline_h"] == 1
     assert _left_behind(work) == []
@@ -86,7 +87,8 @@ def test_the_stop_records_first_and_parks_the_flows_thread(tmp_path, monkeypatch
     from types import SimpleNamespace
 
     from qerl.flows import deadline
-    from qerl.flows.rl_phases import Run, register_final
+    from qerl.flows.rl_phases import Run
+    from qerl.flows.rl_register import register_final
 
     calls: list[str] = []
     monkeypatch.setattr(deadline, "_kill_children", lambda: calls.append("kill") or 2)

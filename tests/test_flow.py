@@ -61,10 +61,13 @@ def tiny_run_config(model_dir: Path, engine: str = "hf") -> dict:
     }
 
 
-def _qerl(args: list[str], work: Path, fault: str | None = None) -> subprocess.CompletedProcess:
+def _qerl(
+    args: list[str], work: Path, fault: str | None = None, source: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run the CLI in its own session; output goes to files, not pipes, because a SIGKILLed run
     leaves children (Prefect's temporary server, verifier workers) that would hold pipes open.
-    The whole process group is killed afterwards, as a supervisor would after a crash."""
+    The whole process group is killed afterwards, as a supervisor would after a crash. ``source``:
+    a folder holding another ``qerl`` package to run instead of the installed one (an upgrade)."""
     from prefect_home import seeded_env
 
     env = seeded_env({**os.environ, "QERL_WORK_DIR": str(work)}, work)
@@ -74,11 +77,14 @@ def _qerl(args: list[str], work: Path, fault: str | None = None) -> subprocess.C
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by in-process engines of earlier tests
     if fault:
         env["QERL_FAULT"] = fault
+    if source is not None:
+        env["PYTHONPATH"] = str(source)
     work.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "qerl.flows.cli", *args]
     out_path, err_path = work / f"cli-{os.getpid()}.out", work / f"cli-{os.getpid()}.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
+        # -m puts the working dir first on sys.path: the checkout's own qerl/ unless ``source``'s
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True, cwd=source)
         try:
             code = proc.wait(timeout=900)
         finally:

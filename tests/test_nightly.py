@@ -83,31 +83,43 @@ def _night(base: dict, lr: float, warm_start: str = "champion", **store: object)
 @pytest.mark.slow
 def test_nights_advance_data_warm_start_and_promote_on_merit_only(learner_model_dir, tmp_path):
     """Four nights on a model that learns: night 1 trains at a learning rate that ruins the policy and
-    is promoted (no champion yet); night 2, a fresh LoRA at a sane rate, beats that champion on the
-    validation items by the rule; night 3 warm-starts from night 2's champion at a ruinous rate and
-    loses; night 4 keeps one version."""
+    is not promoted (it does not beat the base model; it sets the registered model's policy); an
+    operator makes it champion by hand; night 2, a fresh LoRA at a sane rate, beats that champion on
+    the validation items by the rule; night 3 warm-starts from night 2's champion at a ruinous rate
+    and loses; night 4 keeps one version."""
     from learning import assert_trained
     from mlflow.tracking import MlflowClient
     from qerl.flows import runner
     from qerl.pipeline.planning.run_config import RunConfig
     from qerl.pipeline.registry import promotion
+    from qerl.pipeline.registry.policy import read_policy
     from qerl.pipeline.registry.protocol import PROTOCOL_FILE, SECTIONS, read_protocol
 
     base = _night_config(learner_model_dir, _dataset(tmp_path / "data.jsonl"))
     work = tmp_path / "work"
     nights = [(4e-2, "champion"), (1e-3, "base"), (3e-1, "champion")]
     configs = [RunConfig.model_validate(_night(base, lr, warm)) for lr, warm in nights]
-    records = [runner.run(cfg, work, dt.date(2026, 1, 1 + i)) for i, cfg in enumerate(configs)]
+    records = [runner.run(configs[0], work, dt.date(2026, 1, 1))]
+    ruined = records[0]["registration"]
+    assert not ruined["promoted"] and ruined["promotion"].startswith("does not beat the base model"), ruined
+    assert (
+        "vs the base model (no adapter)" in ruined["promotion"] and "margin max(2.0 se" in ruined["promotion"]
+    )
+    rule = read_policy("qerl-adapter")
+    assert rule.margin_se == 2.0 and rule.benchmark == ruined["decided_on"] and "run nightly" in rule.set_by
+    promotion.promote(configs[0].registry, "qerl-adapter", "1")  # an operator's hand
+    records += [runner.run(cfg, work, dt.date(2026, 1, 2 + i)) for i, cfg in enumerate(configs[1:])]
 
     # each night is its own run, id carrying the date, and each trained on mixed rewards
     assert [r["run_id"].rsplit("-", 1)[1] for r in records] == ["20260101", "20260102", "20260103"]
     assert len({r["run_id"] for r in records}) == 3 and all(r["status"] == "completed" for r in records)
     for record in records:
         assert_trained(work, record)
-    # three versions; the champion moves on night 1 (none yet) and on night 2, which beats it on the
-    # validation items (the champion re-evaluated beside it under the same protocol), not on night 3
+    # three versions; the champion moves by hand to v1 and on night 2, which beats it on the validation
+    # items (the champion re-evaluated beside it under the same protocol), not on night 3
     assert [str(r["registration"]["version"]) for r in records] == ["1", "2", "3"]
-    assert [bool(r["registration"]["promoted"]) for r in records] == [True, True, False]
+    assert [bool(r["registration"]["promoted"]) for r in records] == [False, True, False]
+    assert read_policy("qerl-adapter") == rule  # the nights' own configs changed nothing of it
     won, lost = records[1]["registration"]["promotion"], records[2]["registration"]["promotion"]
     assert won.startswith("beats the champion") and "vs champion v1" in won, won
     assert lost.startswith("does not beat the champion") and "vs champion v2" in lost, lost

@@ -82,8 +82,8 @@ def _evidence(diff: float, se: float, champion: str = "1") -> promotion.PairedEv
 
 
 def test_paired_decision_needs_the_margin_in_standard_errors():
-    cfg = reg.RegistryConfig()
-    assert cfg.promote_margin_se == 1.0
+    cfg = reg.RegistryConfig(promote_margin_se=1.0)
+    assert reg.RegistryConfig().promote_margin_se == 2.0  # the default: a tie night is promoted 1 in 44
     champ = _V("1")
     assert not promotion.promotion_decision(cfg, champ, "2", "v@x~p", 0.52, True, _evidence(0.02, 0.03))[0]
     ok, reason = promotion.promotion_decision(cfg, champ, "2", "v@x~p", 0.6, True, _evidence(0.1, 0.03))
@@ -198,3 +198,82 @@ def test_a_protocol_change_never_crowns_a_challenger(tiny_model_dir, tmp_path):
     tags = promotion.version_info(regcfg, str(m3.metrics["version"]))["tags"]
     assert tags["eval_benchmark"] == sb["benchmark"] and float(tags["eval_accuracy"]) == 1.0  # test: reported
     assert tags["promotion_benchmark"] == sb["validation"]["benchmark"]
+
+
+@pytest.mark.slow
+def test_the_registered_model_owns_its_promotion_policy(tiny_model_dir, tmp_path):
+    """The first candidate must beat the base model and sets the policy from its config; a later
+    candidate's own margin, its validation items or protocol, and its base change nothing of it; only
+    ``change_policy`` does, and the change is recorded."""
+    from qerl.pipeline.registry import policy
+    from qerl.stages import evaluate, register
+    from test_register import HISTORY, LINEAGE, fake_train
+
+    store, base, tok, validation = _setup(tmp_path, tiny_model_dir)
+    cfg = apply_overrides(EvalConfig(), ["benchmark.limit=12", "k=2"])
+    questions = load_problems(cfg.benchmark) + validation[1]
+    answers = {p["question"]: p["answer"] for p in questions}
+    plain, perfect = _Engine(answers, tok), _Engine(answers, tok, perfect=True)
+
+    def evaluated(adapter, engine, eval_cfg=cfg):
+        return evaluate.run(
+            eval_cfg,
+            base,
+            Path("adapter") if adapter else None,
+            adapter,
+            store,
+            engine,
+            RewardConfig(workers=1),
+            validation,
+        )
+
+    def registered(regcfg, tag, engine, champion, lineage=LINEAGE):
+        train = fake_train(store, tag)
+        m = register.run(regcfg, train, evaluated(train.digest, engine), lineage, HISTORY, tmp_path / "w",
+                         True, store, champion_eval=champion)  # fmt: skip
+        return json.loads(m.file("registration.json").read_text())
+
+    name = "policy-probe"
+    regcfg = reg.RegistryConfig(model_name=name, promote_margin_se=2.0)
+    base_ev = evaluated(None, plain)
+    # night 1 is no better than the base model (the same answers): not promoted, no champion
+    tie = registered(regcfg, "tie", plain, (promotion.BASE, base_ev))
+    assert not tie["promoted"] and tie["promotion"].startswith("does not beat the base model"), tie[
+        "promotion"
+    ]
+    assert promotion.alias_version(regcfg, "champion") is None
+    set_by_night_1 = policy.read_policy(name)
+    assert set_by_night_1.margin_se == 2.0 and "/validation@" in set_by_night_1.benchmark
+    # a clearly better adapter beats the base model and becomes the first champion
+    won = registered(regcfg, "good", perfect, (promotion.BASE, base_ev))
+    assert won["promoted"] and won["promotion"].startswith("beats the base model"), won["promotion"]
+
+    # a challenger that asks for no margin is judged by the policy's two standard errors all the same
+    lax = regcfg.model_copy(update={"promote_margin_se": 0.0})
+    champ_ev = evaluated(fake_train(store, "good").digest, perfect)
+    better_than_nothing = promotion.PairedEvidence(set_by_night_1.benchmark, str(won["version"]), 0.05, 0.04,
+                                                   12, 1.0, 0.95)  # fmt: skip
+    assert not promotion.maybe_promote(lax, "1", set_by_night_1.benchmark, 1.0, True, better_than_nothing,
+                                       lineage=LINEAGE)  # fmt: skip
+    assert "margin max(2.0 se" in promotion.version_info(regcfg, "1")["tags"]["promotion"]
+    # another protocol (a longer budget) or another base is not compared at all
+    longer = apply_overrides(cfg, ["max_new_tokens=1024"])
+    train = fake_train(store, "longer")
+    champion_longer = (str(won["version"]), evaluated(fake_train(store, "good").digest, perfect, longer))
+    m = register.run(regcfg, train, evaluated(train.digest, perfect, longer), LINEAGE, HISTORY, tmp_path / "w",
+                     True, store, champion_eval=champion_longer)  # fmt: skip
+    other = json.loads(m.file("registration.json").read_text())
+    assert not other["promoted"] and "the registered model's policy decides on" in other["promotion"]
+    rtn = registered(
+        regcfg, "rtn", perfect, (str(won["version"]), champ_ev), {**LINEAGE, "quant_recipe": "rtn"}
+    )
+    assert not rtn["promoted"] and "compared only on its own base" in rtn["promotion"], rtn["promotion"]
+    assert policy.read_policy(name) == set_by_night_1
+
+    # only an explicit change moves the policy, and it is recorded
+    before, after = policy.change_policy(name, {"margin_se": 3.0}, "qerl policy (test)")
+    assert before.margin_se == 2.0 and after.margin_se == 3.0 and after.set_by == "qerl policy (test)"
+    (change,) = policy.policy_changes(name)
+    assert change["from"] == {"margin_se": 2.0} and change["to"] == {"margin_se": 3.0}
+    with pytest.raises(policy.RegistryError, match="valid fields: margin_se"):
+        policy.change_policy(name, {"margin_sd": 1.0}, "typo")

@@ -326,7 +326,7 @@ def test_cli_prints_the_line_and_the_report(tiny_model_dir, tmp_path, capsys):
 def test_quality_metrics_reach_the_mlflow_run(tmp_path):
     from types import SimpleNamespace
 
-    from qerl.flows import rl_phases
+    from qerl.flows import rl_register
     from qerl.pipeline.nvfp4.quality_report import quality_metrics
     from qerl.pipeline.registry import tracking
 
@@ -342,7 +342,7 @@ def test_quality_metrics_reach_the_mlflow_run(tmp_path):
     cfg = tracking.RegistryConfig()
     run_id = tracking.start_run(tracking.connect(cfg, tmp_path), run_name="quality")
     run = SimpleNamespace(cfg=SimpleNamespace(registry=cfg), work=tmp_path)
-    rl_phases._log_quantize_quality(run, run_id, SimpleNamespace(extra={"quality": SECTION}))
+    rl_register._log_quantize_quality(run, run_id, SimpleNamespace(extra={"quality": SECTION}))
     logged = tracking.MlflowClient().get_run(run_id).data.metrics
     assert {k: logged[k] for k in quality_metrics(SECTION)} == quality_metrics(SECTION)
     # the run console's quantize line and `qerl eval`'s base line carry the short form

@@ -6,7 +6,6 @@ it starts."""
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import os
 import socket
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl.flows.ray.rules import FanoutError
+from qerl.pipeline.store.code_version import installed_versions
 
 VERSIONS = ("qerl", "prefect", "prefect-ray", "ray", "torch", "mlflow")  # must match on every node
 PROBE_TIMEOUT_S = 600.0  # the first task on a node also sets up the runtime env (py_modules download)
@@ -22,13 +22,7 @@ PROBE_TIMEOUT_S = 600.0  # the first task on a node also sets up the runtime env
 
 def package_versions() -> dict[str, str | None]:
     """The installed versions of ``VERSIONS`` (None: not installed)."""
-    out: dict[str, str | None] = {}
-    for name in VERSIONS:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    return installed_versions(VERSIONS)
 
 
 def alive_nodes(ray: Any) -> list[dict[str, Any]]:

@@ -9,12 +9,16 @@ digest, and by run and weights: a version already carrying the digest, or regist
 returned as is (a rebuilt step whose other files differ is still the same adapter).
 
 Promotion rule: a version becomes champion only when its run is complete and it beats the current
-champion in a *paired* comparison (``PairedEvidence``): both adapters evaluated on the same items
-under the same protocol (the benchmark id carries the items and the protocol), the mean per-item
-difference (challenger minus champion) above ``promote_margin_se`` standard errors of that difference
-and above ``promote_margin`` (absolute). The register stage builds the evidence: the champion is
-evaluated under the challenger's protocol (a store hit when it already was), on the run's validation
-split, never on the reported test set. Evidence that could not be built (the champion cannot be
+champion, or the base model without an adapter when there is no champion yet, in a *paired*
+comparison (``PairedEvidence``): both evaluated on the same items under the same protocol (the
+benchmark id carries the items and the protocol), the mean per-item difference (challenger minus
+champion) above ``margin_se`` standard errors of that difference and above ``margin`` (absolute).
+The margins, the decision split and the base are the registered model's promotion policy
+(``qerl.pipeline.registry.policy``), which the first candidate sets and only ``qerl policy``
+changes; a candidate it does not fit is not compared. The register stage builds the evidence: the
+champion (or the base) is evaluated under the challenger's protocol (a store hit when it already
+was), on the run's validation split, never on the reported test set; a run without a validation
+split is never promoted automatically. Evidence that could not be built (the champion cannot be
 evaluated here) is a reason, and the candidate is not promoted (``qerl promote`` is the way to change
 protocols by hand). Without evidence (a direct call) the rule compares the recorded accuracies on the
 same benchmark id. The decision and its reason are written as a version tag.
@@ -51,6 +55,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from qerl.pipeline.registry.adapters import registered_version
 from qerl.pipeline.registry.lock import RegistryError, registry_lock
+from qerl.pipeline.registry.policy import PromotionPolicy, first_policy, mismatch
 from qerl.pipeline.registry.tracking import RegistryConfig, tag_value
 from qerl.pipeline.store.files import sha256_file
 
@@ -187,22 +192,38 @@ class PairedEvidence:
     champion_accuracy: float
 
 
-def _paired_decision(cfg: RegistryConfig, champion: ModelVersion, ev: PairedEvidence) -> tuple[bool, str]:
-    """The paired rule: promote when the difference exceeds both margins (strictly)."""
-    if ev.champion_version != str(champion.version):
+BASE = "base"  # PairedEvidence.champion_version of a comparison with the base model, no adapter
+
+
+def _margins(cfg: RegistryConfig, policy: PromotionPolicy | None) -> tuple[float, float]:
+    """(margin_se, margin): the registered model's policy's, else (a direct call) the config's."""
+    return (policy.margin_se, policy.margin) if policy else (cfg.promote_margin_se, cfg.promote_margin)
+
+
+def _paired_decision(
+    cfg: RegistryConfig, champion: ModelVersion | None, ev: PairedEvidence, policy: PromotionPolicy | None
+) -> tuple[bool, str]:
+    """The paired rule: promote when the difference exceeds both margins (strictly). Without a
+    champion the comparison is with the base model (``BASE``)."""
+    expected = BASE if champion is None else str(champion.version)
+    if ev.champion_version != expected:
+        now = "there is none" if champion is None else f"it is now v{champion.version}"
         return False, (
-            f"the comparison was with v{ev.champion_version} but the champion is now v{champion.version}: "
-            "not promoted (register again to compare with the new champion)"
+            f"the comparison was with {ev.champion_version} but the champion {now}: "
+            "not promoted (register again to compare with the current champion)"
         )
-    need = max(cfg.promote_margin, cfg.promote_margin_se * ev.se)
+    margin_se, margin = _margins(cfg, policy)
+    need = max(margin, margin_se * ev.se)
+    against = "the base model" if champion is None else "the champion"
+    who = "the base model (no adapter)" if champion is None else f"champion v{champion.version}"
     text = (
-        f"on {ev.benchmark} ({ev.n_items} items, paired): {ev.challenger_accuracy:.4f} vs champion "
-        f"v{champion.version} {ev.champion_accuracy:.4f}, difference {ev.diff:+.4f} (se {ev.se:.4f}); "
-        f"margin max({cfg.promote_margin_se} se, {cfg.promote_margin}) = {need:.4f}"
+        f"on {ev.benchmark} ({ev.n_items} items, paired): {ev.challenger_accuracy:.4f} vs {who} "
+        f"{ev.champion_accuracy:.4f}, difference {ev.diff:+.4f} (se {ev.se:.4f}); "
+        f"margin max({margin_se} se, {margin}) = {need:.4f}"
     )
     if math.isfinite(ev.diff) and ev.diff > need:
-        return True, f"beats the champion {text}"
-    return False, f"does not beat the champion {text}"
+        return True, f"beats {against} {text}"
+    return False, f"does not beat {against} {text}"
 
 
 def promotion_decision(
@@ -213,21 +234,24 @@ def promotion_decision(
     accuracy: float | None,
     complete: bool,
     evidence: PairedEvidence | str | None = None,
+    policy: PromotionPolicy | None = None,
 ) -> tuple[bool, str]:
-    """(promote?, reason) — the pure rule, given the current champion (None if there is none) and
-    the paired evidence against it (a string: why there is none, so no promotion)."""
+    """(promote?, reason) — the pure rule, given the current champion (None if there is none), the
+    paired evidence against it or, without one, against the base model (a string: why there is none,
+    so no promotion) and the registered model's policy (its margins; None: the config's)."""
     if not complete:
         return False, "run incomplete or failed: never promoted"
     if accuracy is None or not math.isfinite(accuracy):
         return False, f"no finite accuracy on {benchmark}"
-    if champion is None:
-        return True, f"no champion yet; accuracy {accuracy:.4f} on {benchmark}"
-    if str(champion.version) == str(version):
+    if champion is not None and str(champion.version) == str(version):
         return True, "already champion"
+    against = "the base model" if champion is None else f"champion v{champion.version}"
     if isinstance(evidence, str):
-        return False, f"not compared with champion v{champion.version}: {evidence}"
+        return False, f"not compared with {against}: {evidence}"
     if evidence is not None:
-        return _paired_decision(cfg, champion, evidence)
+        return _paired_decision(cfg, champion, evidence, policy)
+    if champion is None:  # a direct call with no evidence: nothing to compare with
+        return True, f"no champion yet; accuracy {accuracy:.4f} on {benchmark}"
     champ_bench = champion.tags.get("eval_benchmark")
     champ_acc = _accuracy(champion)
     if champ_bench != benchmark:
@@ -255,19 +279,36 @@ def maybe_promote(
     accuracy: float | None,
     complete: bool,
     evidence: PairedEvidence | str | None = None,
+    lineage: Mapping[str, Any] | None = None,
 ) -> bool:
-    """Make ``version`` champion if the rule says so (see the module docstring); race-safe."""
+    """Make ``version`` champion if the rule says so (see the module docstring); race-safe. With
+    ``lineage`` (the register stage's calls) the registered model's policy applies
+    (``qerl.pipeline.registry.policy``): a complete candidate with paired evidence sets it when the
+    model has none, and a candidate it does not fit is not compared."""
     client = MlflowClient()
     with registry_lock(_uri(), cfg.model_name, cfg.lock_timeout_s):
         champion = alias_version(cfg, cfg.champion_alias)
+        policy = None
+        if lineage is not None and complete and isinstance(evidence, PairedEvidence):
+            policy = first_policy(cfg.model_name, _proposed_policy(cfg, evidence.benchmark, lineage))
+            evidence = mismatch(policy, evidence.benchmark, lineage) or evidence
         promote_it, reason = promotion_decision(
-            cfg, champion, version, benchmark, accuracy, complete, evidence
+            cfg, champion, version, benchmark, accuracy, complete, evidence, policy
         )
         if promote_it and (champion is None or str(champion.version) != str(version)):
             _set_alias(cfg, cfg.champion_alias, version)
         client.set_model_version_tag(cfg.model_name, str(version), "promotion", reason[:5000])
     log.info("%s v%s: %s (%s)", cfg.model_name, version, "promoted" if promote_it else "not promoted", reason)
     return promote_it
+
+
+def _proposed_policy(cfg: RegistryConfig, benchmark: str, lineage: Mapping[str, Any]) -> PromotionPolicy:
+    """The policy a new registered model takes from its first candidate (``policy.first_policy``)."""
+    return PromotionPolicy(
+        margin_se=cfg.promote_margin_se, margin=cfg.promote_margin, benchmark=benchmark,
+        base_digest=str(lineage.get("base_digest")), quant_recipe=str(lineage.get("quant_recipe")),
+        set_by="the first candidate" + (f", run {lineage['run_id']}" if lineage.get("run_id") else ""),
+    )  # fmt: skip
 
 
 def promote(cfg: RegistryConfig, name: str, version: str) -> None:

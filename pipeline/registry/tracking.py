@@ -59,12 +59,14 @@ class RegistryConfig(StrictModel):
     experiment: str = "qerl"
     model_name: str = "qerl-adapter"
     promote_margin: float = Field(
-        default=0.0, ge=0.0, description="absolute accuracy the champion must be beaten by"
+        default=0.0,
+        ge=0.0,
+        description="absolute accuracy the champion must be beaten by: a new registered model's policy (qerl policy changes it)",
     )
     promote_margin_se: float = Field(
-        default=1.0,
+        default=2.0,
         ge=0.0,
-        description="standard errors of the paired per-item difference the champion must be beaten by",
+        description="standard errors of the paired per-item difference the champion must be beaten by: a new registered model's policy (qerl policy changes it)",
     )
     champion_alias: str = "champion"
     challenger_alias: str = "challenger"

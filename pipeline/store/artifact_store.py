@@ -38,6 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel
 from qerl.pipeline.config import config_hash, config_record
+from qerl.pipeline.store.code_version import dependency_versions, modules_of
 from qerl.pipeline.store.faults import fault_point
 from qerl.pipeline.store.files import (
     atomic_write_json,
@@ -229,6 +230,8 @@ class ArtifactStore:
                     config=config_dump,
                     inputs=inputs,
                     code_version=code,
+                    code_modules=list(modules_of(code)),
+                    versions=dependency_versions(),
                     files=files,
                     created_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                     mode=result.mode,

@@ -4,26 +4,42 @@ A stage's code version covers its import closure within its top-level package (`
 stage's module, every project module it imports (module-level and function-level ``import`` /
 ``from ... import`` statements, found statically from the source), transitively, and the packages
 above each (their ``__init__`` runs on import). Imports under ``if TYPE_CHECKING:`` are skipped (they
-compute nothing), and so is ``qerl.flows`` (orchestration: stages never import it). A string
-constant that is a whole dotted project name (vLLM's worker extension, ``"qerl.pipeline.rollout.
-aqn_vllm.AQNWorkerExtension"``, loaded by name in the engine's worker) counts as an import. So editing
-any module a stage runs, its prompts, rewards or kernels, invalidates that stage's caches, and nothing
-has to keep a list of them; downstream stages follow through their input digests. A module chosen at
-run time from a value (the engine implementation of the configured engine) is passed by the stage as
-another root.
+compute nothing). A string constant that is a whole dotted project name (vLLM's worker extension,
+``"qerl.pipeline.rollout.aqn_vllm.AQNWorkerExtension"``, loaded by name in the engine's worker)
+counts as an import. So editing the code a stage runs, its prompts, rewards or kernels, invalidates
+that stage's caches, and nothing has to keep a list of them; downstream stages follow through their
+input digests. A module chosen at run time from a value (the engine implementation of the configured
+engine) is passed by the stage as another root.
 
-Each file enters the hash as its path relative to the package root plus its bytes, in sorted order;
-the installed package version is hashed too, so a release invalidates everything. The walk parses
-each file once per process and re-parses it only when its size or mtime changes; a stage call then
-costs a stat and a read per file of its closure (``closure_cost`` measures it).
+The key changes when what a stage computes changes, and only then:
+
+- Each module enters the hash as its *normalised source*: its syntax tree with docstrings removed,
+  written back as source (``ast.unparse``). Comments, docstrings, blank lines and formatting change
+  nothing; any change to a statement, a constant or a name does.
+- Packages that compute no stage output are left out below the roots (``SKIP_PACKAGES``): the
+  orchestration (``qerl.flows``), the artifact store (where outputs are kept, not what they are),
+  the registry (MLflow bookkeeping) and the config machinery (``qerl.pipeline.config``: the values it
+  validates are in the key already, as the stage's config). A stage that is itself in one of them
+  (the warm-start copy in ``qerl.pipeline.registry.adapters``) is still hashed, its own module only.
+- The installed qerl version is not hashed: a release whose computing code is unchanged keeps every
+  cache. Neither are the dependencies' versions: a patch release of transformers would otherwise
+  re-run GPTQ. Both are recorded in every manifest instead (``dependency_versions``), and ``qerl
+  resume`` says what changed since a run's last attempt before it starts.
+
+The walk parses each file once per process and again only when its size or mtime changes; a stage
+call then costs a stat per file of its closure (``closure_cost`` measures it). ``modules_of`` gives
+back the roots a version was computed from, which the manifest records so that a later qerl can tell
+whether its code for that artifact changed.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import platform
 import re
 import time
 from pathlib import Path
@@ -32,13 +48,20 @@ from types import ModuleType
 from qerl.pipeline.store.manifest import ArtifactError
 
 ROOT_PACKAGE = "qerl"
-SKIP_PACKAGES = ("qerl.flows",)
+SKIP_PACKAGES = ("qerl.flows", "qerl.pipeline.store", "qerl.pipeline.registry", "qerl.pipeline.config")
+# what moves a stage's numbers or formats when it is upgraded: recorded beside every artifact
+DEPENDENCIES = (
+    "torch", "transformers", "tokenizers", "safetensors", "compressed-tensors", "vllm", "numpy", "numba",
+    "triton", "math-verify", "peft", "bitsandbytes",
+)  # fmt: skip
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
-# (root, module, path) -> (size, mtime_ns, the root's modules its import statements name)
-_IMPORTS: dict[tuple[str, str, str], tuple[int, int, tuple[str, ...]]] = {}
+# (root, module, path) -> (size, mtime_ns, the root's modules its imports name, normalised digest)
+_PARSED: dict[tuple[str, str, str], tuple[int, int, tuple[str, ...], str]] = {}
 # module name -> (source file, is a package)
 _FILES: dict[str, tuple[str, bool] | None] = {}
+# code version -> the roots it was computed from (``modules_of``)
+_ROOTS: dict[str, tuple[str, ...]] = {}
 
 
 def package_version() -> str:
@@ -46,6 +69,24 @@ def package_version() -> str:
         return importlib.metadata.version("qerl")
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
+
+
+def installed_versions(names: tuple[str, ...]) -> dict[str, str | None]:
+    """Each distribution's installed version (None: not installed)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+@functools.cache
+def dependency_versions() -> dict[str, str]:
+    """qerl's, Python's and the installed ``DEPENDENCIES``' versions (those not installed left out)."""
+    found = {k: v for k, v in installed_versions(DEPENDENCIES).items() if v is not None}
+    return {"qerl": package_version(), "python": platform.python_version(), **found}
 
 
 def _module_file(name: str) -> tuple[str, bool] | None:
@@ -102,27 +143,41 @@ def _import_names(tree: ast.AST, module: str, is_package: bool, root: str) -> se
     return {n for n in names if n == root or n.startswith(root + ".")}
 
 
-def _imports(name: str, path: str, is_package: bool, root: str) -> tuple[str, ...]:
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def _parsed(name: str, path: str, is_package: bool, root: str) -> tuple[tuple[str, ...], str]:
+    """(the root's modules the file's imports name, the digest of its normalised source)."""
     stat = Path(path).stat()
-    hit = _IMPORTS.get((root, name, path))
+    hit = _PARSED.get((root, name, path))
     if hit is not None and hit[:2] == (stat.st_size, stat.st_mtime_ns):
-        return hit[2]
+        return hit[2], hit[3]
     tree = ast.parse(Path(path).read_bytes(), filename=path)
     found = tuple(sorted(_import_names(tree, name, is_package, root)))
-    _IMPORTS[(root, name, path)] = (stat.st_size, stat.st_mtime_ns, found)
-    return found
+    normalised = ast.unparse(_without_docstrings(tree))
+    digest = hashlib.sha256(normalised.encode()).hexdigest()
+    _PARSED[(root, name, path)] = (stat.st_size, stat.st_mtime_ns, found, digest)
+    return found, digest
 
 
 def module_closure(
     *roots: str, root: str = ROOT_PACKAGE, skip: tuple[str, ...] = SKIP_PACKAGES
 ) -> dict[str, tuple[str, bool]]:
     """Module name -> (source file, is a package) for the modules ``roots`` import within ``root``,
-    transitively, with the packages above each; ``skip``'s packages (and below) are left out."""
+    transitively, with the packages above each; ``skip``'s packages (and below) are left out, except
+    a root itself (which is then hashed alone: what it imports from its own package is skipped too)."""
     out: dict[str, tuple[str, bool]] = {}
     todo = list(roots)
     while todo:
         name = todo.pop()
-        if name in out or any(name == s or name.startswith(s + ".") for s in skip):
+        if name in out or (name not in roots and any(name == s or name.startswith(s + ".") for s in skip)):
             continue
         found = _module_file(name)
         if found is None:
@@ -130,7 +185,7 @@ def module_closure(
         out[name] = found
         parts = name.split(".")
         todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
-        todo.extend(_imports(name, found[0], found[1], root))
+        todo.extend(_parsed(name, found[0], found[1], root)[0])
     return out
 
 
@@ -149,23 +204,29 @@ def _module_name(module: ModuleType | str) -> str:
 
 
 def code_version(*modules: ModuleType | str | Path, root: str = ROOT_PACKAGE) -> str:
-    """Hash of the import closure of ``modules`` (modules or dotted names; see the module docstring)
-    plus the package version. A ``Path`` is a single file, hashed alone."""
-    digest = hashlib.sha256(package_version().encode())
+    """Hash of the normalised source of the import closure of ``modules`` (modules or dotted names;
+    see the module docstring). A ``Path`` is a single file, hashed alone as its bytes."""
+    digest = hashlib.sha256()
     names = [_module_name(m) for m in modules if not isinstance(m, Path)]
-    files = {_relative_path(n, pkg): path for n, (path, pkg) in module_closure(*names, root=root).items()}
-    files.update({m.name: str(m) for m in modules if isinstance(m, Path)})
-    for rel in sorted(files):
-        data = Path(files[rel]).read_bytes()
-        digest.update(f"{rel}\0{len(data)}\0".encode())
-        digest.update(data)
-    return digest.hexdigest()[:16]
+    closure = module_closure(*names, root=root)
+    parts = {_relative_path(n, pkg): _parsed(n, path, pkg, root)[1] for n, (path, pkg) in closure.items()}
+    parts.update({m.name: hashlib.sha256(m.read_bytes()).hexdigest() for m in modules if isinstance(m, Path)})
+    for rel in sorted(parts):
+        digest.update(f"{rel}\0{parts[rel]}\0".encode())
+    version = digest.hexdigest()[:16]
+    _ROOTS[version] = tuple(names)
+    return version
+
+
+def modules_of(version: str) -> tuple[str, ...]:
+    """The module roots ``code_version`` hashed into ``version`` in this process (empty if none did)."""
+    return _ROOTS.get(version, ())
 
 
 def closure_cost(module: ModuleType | str, repeat: int = 5) -> dict[str, float]:
     """How long ``code_version(module)`` takes: the first call in this process (parsing) and the
     mean of ``repeat`` later calls (stat + read + hash), in seconds, and the closure's size."""
-    _IMPORTS.clear()
+    _PARSED.clear()
     _FILES.clear()
     t0 = time.perf_counter()
     code_version(module)

@@ -37,6 +37,12 @@ class Manifest(BaseModel):
         description="input name -> digest (an upstream manifest digest or a file sha256)"
     )
     code_version: str
+    code_modules: list[str] = Field(
+        default_factory=list, description="the module roots code_version hashed (empty: an older qerl)"
+    )
+    versions: dict[str, str] = Field(
+        default_factory=dict, description="qerl, Python and the numerical dependencies that built it"
+    )
     files: dict[str, FileRecord]
     created_at: str
     mode: str | None = None

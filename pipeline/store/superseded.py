@@ -1,8 +1,8 @@
 """Superseded copies of the base model's artifacts, which ``qerl gc`` removes.
 
 Every cache key holds its stage's code version (``qerl.pipeline.store.code_version``). After an
-upgrade that edits a base stage's import closure (the kernels, the checkpoint format, the store
-itself), the next run builds the fetched model, the quantized checkpoint and the dequantized twin
+upgrade that changes the code of a base stage's import closure (the kernels, the checkpoint
+format), the next run builds the fetched model, the quantized checkpoint and the dequantized twin
 again under new keys. Where the change did not touch the numbers, the new artifacts hold the old
 ones' bytes. A quantized checkpoint of a 7B model is gigabytes, and the run-based retention
 (``qerl.pipeline.store.retention``) never frees it, since no run record drops it.
