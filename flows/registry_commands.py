@@ -14,20 +14,30 @@ a mistyped ``--work-dir`` or name cannot leave an empty database or an empty reg
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from qerl.flows.tool_commands import work_dir
 
+if TYPE_CHECKING:
+    from qerl.pipeline.registry.tracking import RegistryConfig
+
+
+def registry_config(args: argparse.Namespace) -> RegistryConfig:
+    """The commands' registry settings: ``--config``, then ``--set KEY=VALUE``, where a run config's
+    spelling (``registry.tracking_uri=...``, as ``qerl run`` and ``qerl eval`` take it) means the same."""
+    from qerl.pipeline.config import load_config
+    from qerl.pipeline.registry.tracking import RegistryConfig
+
+    sets = [s.removeprefix("registry.") for s in args.set]
+    return load_config(RegistryConfig, args.config, sets, prefix="registry" if sets != args.set else "")
+
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from qerl.pipeline.config import load_config
     from qerl.pipeline.registry import adapters, promotion
-    from qerl.pipeline.registry import tracking as registry
     from qerl.pipeline.registry.lock import RegistryError
     from qerl.pipeline.registry.release import RELEASED_TAG, check_not_released
 
-    cfg = load_config(registry.RegistryConfig, args.config, args.set).model_copy(
-        update={"model_name": args.name}
-    )
+    cfg = registry_config(args).model_copy(update={"model_name": args.name})
     uri = adapters.open_registry(cfg, work_dir(args))  # promoting creates nothing: a typo is an error
     adapters.require_registered_model(args.name, uri)
     version = adapters.registered_version(args.name, args.version)
@@ -53,12 +63,10 @@ def _accuracy(tags: dict[str, str], key: str) -> str:
 
 def cmd_versions(args: argparse.Namespace) -> int:
     from mlflow.tracking import MlflowClient
-    from qerl.pipeline.config import load_config
     from qerl.pipeline.registry import adapters, health
-    from qerl.pipeline.registry import tracking as registry
     from qerl.pipeline.registry.release import RELEASED_TAG
 
-    cfg = load_config(registry.RegistryConfig, args.config, args.set)
+    cfg = registry_config(args)
     name = args.name or cfg.model_name
     uri = adapters.open_registry(cfg, work_dir(args))
     adapters.require_registered_model(name, uri)
@@ -89,12 +97,10 @@ def cmd_policy(args: argparse.Namespace) -> int:
     import json
 
     import yaml
-    from qerl.pipeline.config import load_config
     from qerl.pipeline.registry import adapters, policy
-    from qerl.pipeline.registry import tracking as registry
     from qerl.pipeline.registry.lock import RegistryError, registry_lock
 
-    cfg = load_config(registry.RegistryConfig, args.config, args.set)
+    cfg = registry_config(args)
     name = args.name or cfg.model_name
     uri = adapters.open_registry(cfg, work_dir(args))
     adapters.require_registered_model(name, uri)

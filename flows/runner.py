@@ -61,8 +61,6 @@ def prepare_environment(work: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     # else the temporary server writes its memo under ~/.prefect, which need not exist (a warning each run)
     os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(work / "prefect" / "memo_store.toml"))
-    # vLLM's CPU backend reads this at import; small keeps two cores' worth of RAM free.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

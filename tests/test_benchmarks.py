@@ -176,7 +176,7 @@ def test_bench_vllm_code_version_follows_the_modules_its_arms_run(tmp_path, monk
 
     before = bench_code()
     edited = tmp_path / "vllm_engine.py"
-    edited.write_text(Path(engine.__file__).read_text() + "\n# a fix\n")
+    edited.write_text(Path(engine.__file__).read_text() + "\nFIXED = True\n")
     real = code_version._module_file
     monkeypatch.setattr(
         code_version,

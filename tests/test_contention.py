@@ -169,10 +169,12 @@ def test_train_step_next_to_a_live_engine_starts_no_thread_per_gemm(tmp_path, mo
             child.stdin.write(arm + "\n")
             child.stdin.flush()
             steps.setdefault(arm, []).append(bench_contention._answer(child)["tasks"])
+            if steps["bare"][0] < 1000:  # nothing to show here: skip before the stage's steps
+                break
     finally:
         child.stdin.write("quit\n")
         child.stdin.close()
         child.wait(timeout=120)
-    assert max(steps["stage"]) < 200, steps
     if steps["bare"][0] < 1000:
         pytest.skip(f"MKL on this machine did not nest without the fix either: {steps}")
+    assert max(steps["stage"]) < 200, steps

@@ -268,3 +268,19 @@ def test_group_reuses_its_prompt_prefill(vllm_engine, hf_engine, prompts):
     single = vllm_engine.generate(long_prompts, 1, GREEDY, seed=0)
     assert vllm_engine.last_prefix_stats["cached_prompt_tokens"] == 0  # nothing to share, nothing primed
     assert_agree(single, [row[:1] for row in result])
+
+
+def test_the_cpu_kv_cache_is_the_configured_size(tmp_path, monkeypatch):
+    """``rollout.kv_cache_gib`` sizes the CPU engine's cache: ``qerl run``'s environment no longer pins
+    vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` (which overrides it) to 1 GiB."""
+    import os
+
+    from qerl.flows import runner
+    from qerl.pipeline.rollout.config import RolloutConfig
+    from qerl.pipeline.rollout.vllm_engine import _memory_kwargs
+
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    monkeypatch.setattr(os, "environ", environ)  # what prepare_environment sets stays in this test
+    runner.prepare_environment(tmp_path)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in environ and "PREFECT_CLIENT_MAX_RETRIES" in environ
+    assert _memory_kwargs(RolloutConfig(kv_cache_gib=2.5), cuda=False)["kv_cache_memory_bytes"] == 5 << 29

@@ -435,6 +435,13 @@ def test_cli_eval_refuses_an_adapter_of_another_base(tiny_model_dir, tiny_model_
     assert "model.layers.0.self_attn.q_proj.lora_A: 64 inputs, the base's linear has 128" in problems
     with pytest.raises(EngineError, match="was not trained for the base"):
         check_adapter_fits(wrong, tiny_model_dir)
+    # an adapter of a shallower model of the same width fits every shape it has, and misses layers
+    shallow = make_adapter(tiny_model_factory(num_layers=1), tmp_path / "shallow", rank=8)
+    missing = adapter_mismatches(shallow, ckpt)
+    assert missing and all("has no LoRA pair" in p and ".layers.0." not in p for p in missing), missing
+    assert any(
+        p.startswith("model.layers.1.self_attn.q_proj: the base's linear has no LoRA pair") for p in missing
+    )
     capsys.readouterr()
     argv = ["eval", "--base", str(ckpt), "--adapter", str(wrong), "--benchmark", "arithmetic", "--engine", "hf",
             "--work-dir", str(work), "--set", "benchmark.limit=2"]  # fmt: skip

@@ -154,7 +154,9 @@ def test_vllm_run_end_to_end(flow_model, tmp_path):
     proc = _qerl(["run", "--config", str(cfg_path)], tmp_path / "work")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vllm-nvfp4-emulated" in proc.stdout and "MLflow UI" in proc.stdout
-    assert re.search(r"registered \S+ v1, promoted to champion\n", proc.stdout), proc.stdout  # the first run
+    # the first run of a registered model is compared with the base model, which this untrained one ties
+    assert re.search(r"registered \S+ v1, not promoted\n", proc.stdout), proc.stdout
+    assert "promotion: does not beat the base model on arithmetic/validation@" in proc.stdout, proc.stdout
     _assert_console(proc, tmp_path / "work", ("vLLM engine up", "Initializing a V1 LLM engine"))
     (record_path,) = (tmp_path / "work" / "runs").glob("*/run.json")
     record = json.loads(record_path.read_text())
@@ -175,8 +177,11 @@ def test_vllm_run_end_to_end(flow_model, tmp_path):
 def test_killed_runs_resume_to_the_identical_adapter(learner_model_dir, tmp_path):
     """Crash-and-resume on the transformers engine (the resume logic does not depend on the engine;
     vLLM's start-up, five times over, would cost minutes on two cores), on a model that learns: the
-    clean run is shown to train before the crashed one is required to match it."""
+    clean run is shown to train before the crashed one is required to match it. The last resume is
+    an upgrade night's: a newer qerl that computes the same keeps every step, and says what changed."""
     from learning import assert_trained, learning_run_config, run_record
+    from qerl.pipeline.store.code_version import dependency_versions
+    from test_code_version import upgraded_qerl
 
     cfg = learning_run_config(learner_model_dir)
     cfg_path = tmp_path / "run.yaml"
@@ -196,8 +201,18 @@ def test_killed_runs_resume_to_the_identical_adapter(learner_model_dir, tmp_path
         # the steps done so far are in the run's MLflow run already, each once
         record, logged, status = _mlflow_steps(crashed)
         assert logged == [e["step"] for e in record["steps"]] and status == "RUNNING", (fault, logged)
-    done = _qerl(args, crashed)
+    # resumed by `qerl resume` after an upgrade: a newer qerl whose edits compute the same (comments,
+    # docstrings, the store, the registry and the config machinery), and a torch said to be newer
+    # than the one the killed attempt recorded
+    (record_path,) = (crashed / "runs").glob("*/run.json")
+    record = json.loads(record_path.read_text())
+    record["versions"]["torch"] = "2.0.0"
+    record_path.write_text(json.dumps(record))
+    done = _qerl(["resume", record["run_id"]], crashed, source=upgraded_qerl(tmp_path / "upgraded"))
     assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stderr
+    assert f"torch 2.0.0 -> {dependency_versions()['torch']}" in said, said[-3000:]
+    assert f"resume {record['run_id']}: kept: the base and all {len(record['steps'])} built steps" in said
     assert _final_adapter(crashed) == reference
     # one MLflow run from the first step to the registered version, each step once across attempts
     record, logged, status = _mlflow_steps(crashed)

@@ -174,6 +174,15 @@ def test_unsupported_models_fail_before_writing(edit, match, tiny_model_dir, tmp
     assert not any((store.root / "objects").iterdir()) and not any((store.root / "tmp").iterdir())
 
 
+def test_a_truncated_shard_fails_naming_the_file(tiny_model_dir, tmp_path):
+    """A shard cut inside its JSON header (an interrupted copy) is named, not a bare JSON error."""
+    src = _rewrite(tiny_model_dir, tmp_path / "cut")
+    shard = next(src.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:40])
+    with pytest.raises(UnsupportedModelError, match=rf"{shard}.*not a readable safetensors file \(32 of \d+"):
+        stage.run(QuantizeConfig(), src, ArtifactStore(tmp_path / "store"))
+
+
 def test_unknown_linear_in_a_layer_fails_naming_it(tiny_model_dir, tmp_path):
     def add(t):
         t["model.layers.0.mlp.shared_proj.weight"] = torch.zeros(8, 128, dtype=torch.bfloat16)

@@ -411,6 +411,12 @@ def test_cli_promote_and_versions_create_nothing_on_a_typo(cfg, sqlite_work, tmp
     assert cfg.model_name in names and typo not in names
     assert main(["versions", cfg.model_name, "--work-dir", str(sqlite_work)]) == 0
     assert "1 version " in capsys.readouterr().out
+    # a run config's spelling of the registry's settings, as `qerl run` and `qerl eval` take it
+    uri = f"registry.tracking_uri=sqlite:///{sqlite_work}/mlflow.db"
+    assert main(["versions", cfg.model_name, "--set", uri, "--work-dir", str(elsewhere)]) == 0
+    assert "1 version " in capsys.readouterr().out
+    assert main(["policy", cfg.model_name, "--set", uri, "--work-dir", str(elsewhere)]) == 0
+    assert "no promotion policy yet" in capsys.readouterr().out
 
 
 # ---- MLflow tracking server: a real `mlflow server` on loopback, started for the test ------------

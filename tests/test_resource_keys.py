@@ -114,6 +114,10 @@ def test_the_retention_policy_and_the_minibatch_split_keep_the_keys():
     assert _keys(split) == keys  # the same update, cut into smaller minibatches (qerl plan's advice)
     bigger = apply_overrides(cfg, {"train": {"grad_accum": acc * 2}})  # twice the update: a result
     assert _keys(bigger)["train"] != keys["train"] and _keys(bigger)["run_id"] != keys["run_id"]
+    # bnpo normalises each minibatch by its own tokens: there the split is a result
+    bnpo = apply_overrides(cfg, {"train": {"grpo": {"loss_type": "bnpo"}}})
+    bnpo_split = apply_overrides(bnpo, {"train": {"minibatch_size": mb // 2, "grad_accum": acc * 2}})
+    assert _keys(bnpo_split)["train"] != _keys(bnpo)["train"]
 
 
 @pytest.mark.parametrize("dotted", list(RESULT_SETTINGS))

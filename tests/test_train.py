@@ -613,3 +613,24 @@ def test_cpu_policy_uses_the_cpu_settings(nvfp4_base, monkeypatch):
     monkeypatch.setattr(logprobs, "logprob_chunk_elements", chunk)
     logprobs.completion_logprobs(state.model, mb, 1.0)
     assert asked == ["cpu"]
+
+
+def test_the_no_grad_passes_measure_without_dropout(nvfp4_base):
+    """Old logprobs and the reference pass run in eval mode: with LoRA dropout on they are the same
+    on every call (a dropout mask would make each differ), leave the global RNG alone, and the model
+    is back in train mode after them."""
+    from qerl.pipeline.rl.step import _old_logprobs
+
+    cfg = TrainConfig(**{**TINY, "lora_dropout": 0.5})
+    state = init_state(nvfp4_base, cfg)
+    with torch.no_grad():
+        for n, p in state.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)  # the adapter path (where dropout acts) changes the logits
+    batch = sample_batch(state.model, PROMPTS, 2, 4, 0, lambda c: 1.0)
+    rows, mask = list(range(len(batch))), torch.ones(len(batch))
+    rng = torch.get_rng_state()
+    first = _old_logprobs(state.model, batch, rows, cfg, 0, mask)
+    again = _old_logprobs(state.model, batch, rows, cfg, 0, mask)
+    assert torch.equal(torch.get_rng_state(), rng) and state.model.training
+    assert all(torch.equal(first[r], again[r]) for r in rows)

@@ -102,7 +102,14 @@ def _read_header(path: Path) -> tuple[dict, int]:
         (n,) = struct.unpack("<Q", head)
         if n > 100 << 20:
             raise UnsupportedModelError(f"{path} has an implausible safetensors header length {n}")
-        header = json.loads(fh.read(n))
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as err:  # cut short (an interrupted copy) or not JSON
+        got = f"{len(raw)} of {n} header bytes" if len(raw) < n else f"a {n}-byte header"
+        raise UnsupportedModelError(f"{path} is not a readable safetensors file ({got}: {err})") from err
+    if not isinstance(header, dict):
+        raise UnsupportedModelError(f"{path} is not a safetensors file (its header is not a JSON object)")
     return header, 8 + n
 
 

@@ -24,9 +24,11 @@ How (shapes: B sequences, T completion positions, ``mask`` 1 on real completion 
   ``pi_old / pi_s = (pi_old / pi_old^z) * (pi_old^z / pi_s)``: a noise factor and an engine factor.
 
   - ``clean_is`` (the default): ``rho = pi / pi_old``, weight ``min(pi_old / pi_s, tis_cap)``: both
-    factors, so in expectation (up to the cap) the gradient is the clean policy's, as if the noise
-    had not been there. The noise still changes which tokens are sampled, but the weight
-    down-weights exactly the tokens the noise made likelier.
+    factors, each token reweighted toward the clean policy. It is not unbiased: the weight is
+    per token, while each token's prefix was drawn from the noisy policy (a sequence-level correction
+    would need the product of the weights, whose variance explodes with length), and the cap, where
+    it binds, clips exactly the tokens the noise made much likelier. It down-weights those tokens;
+    it does not remove the noise's effect on which prefixes were sampled.
   - ``on_policy``: ``rho = pi / pi_old`` (clean; the gradient flows through the clean policy), weight
     ``min(pi_old^z / pi_s, tis_cap)`` with ``pi_old^z`` a no-grad pass of the trainer with the step's
     noise: the engine factor only. The noise factor is dropped, i.e. the noisy samples count as
@@ -44,7 +46,8 @@ How (shapes: B sequences, T completion positions, ``mask`` 1 on real completion 
 
   With sigma = 0 (stage 0 of the schedule, or AQN off) the three are the same objective, bit for bit.
   Which one the paper is: ``on_policy`` (its code never corrects for the noise). Why ``clean_is`` is
-  the default anyway: it is the unbiased estimate of the clean policy's gradient, and the SmolLM2-135M
+  the default anyway: of the three it is the closest estimate of the clean policy's gradient (the
+  token-level correction, biased as above but toward the policy being trained), and the SmolLM2-135M
   ablation (docs/results/ablation-smollm2-fidelity.md) cannot tell the three apart, nor any of them
   from no AQN, so no measurement favours a change.
 * ``aggregate``: ``grpo`` (mean over each sequence's tokens, then over the sequences that have any),

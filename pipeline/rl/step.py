@@ -150,12 +150,26 @@ class _StepContext:
     noisy_old: dict[int, torch.Tensor] | None = None
 
 
+@contextmanager
+def _measuring(model: Any) -> Iterator[None]:
+    """No grad and eval mode (no LoRA dropout) for a pass that measures the policy rather than
+    trains it: old logprobs and the reference. Dropout there would add noise of its own to the ratio
+    and the KL, and draw from torch's global generator."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def _old_logprobs(
     model: Any, batch: RolloutBatch, rows: list[int], cfg: TrainConfig, pad_id: int, row_mask: torch.Tensor
 ) -> dict[int, torch.Tensor]:
     """No-grad logprobs of ``rows`` (in this order, ``minibatch_size`` at a time), each unpadded."""
     out: dict[int, torch.Tensor] = {}
-    with torch.no_grad():
+    with _measuring(model):
         for i in range(0, len(rows), cfg.minibatch_size):
             chunk = rows[i : i + cfg.minibatch_size]
             mb = collate(batch, chunk, row_mask, pad_id)
@@ -252,7 +266,7 @@ def accumulate_gradients(
         mb = collate(ctx.batch, rows, ctx.row_mask, ctx.pad_id)
         ref = None
         if g.beta > 0.0:  # the clean base, before the (possibly noisy) forward: see the module notes
-            with torch.no_grad(), model.disable_adapter():
+            with _measuring(model), model.disable_adapter():
                 ref, _ = completion_logprobs(model, mb, cfg.temperature, lora_autocast=cfg.lora_autocast)
         with _noised(model, ctx.noise):  # the noise stays on from the forward through its backward
             logp, entropy = completion_logprobs(

@@ -9,7 +9,9 @@ Results and resources (``qerl.pipeline.config``): ``gradient_checkpointing`` onl
 memory, and how an update is cut into minibatches only sets the memory of a forward/backward (the
 loss normalisers are the update's, ``qerl.pipeline.rl.step``): ``minibatch_size`` and ``grad_accum``
 are resource fields, and the key holds their product, the update size (``key_extra``). So ``qerl
-plan``'s advice (lower the minibatch, raise grad_accum) keeps every cached step.
+plan``'s advice (lower the minibatch, raise grad_accum) keeps every cached step. The exception is
+``grpo.loss_type: bnpo``, whose loss is a mean over each minibatch's tokens: there the minibatch size
+changes the result and is in the key too.
 """
 
 from __future__ import annotations
@@ -71,8 +73,12 @@ class TrainConfig(StrictModel):
     grpo: GRPOConfig = GRPOConfig()
 
     def key_extra(self) -> dict[str, int]:
-        """The update size: what the minibatch split (two resource fields) changes in the result."""
-        return {"update_size": self.minibatch_size * self.grad_accum}
+        """The update size: what the minibatch split (two resource fields) changes in the result; with
+        ``bnpo``, which normalises each minibatch by its own token count, the split itself."""
+        extra = {"update_size": self.minibatch_size * self.grad_accum}
+        if self.grpo.loss_type == "bnpo":
+            extra["bnpo_minibatch_size"] = self.minibatch_size
+        return extra
 
     @field_validator("target_modules")
     @classmethod

@@ -1,7 +1,9 @@
 """Whether a LoRA adapter was trained for this base: every LoRA pair must sit on a linear the base has,
-with the base's input and output sizes. Read from the safetensors headers of both (no weights
+with the base's input and output sizes, and every linear of the base of a kind the adapter targets
+(``q_proj`` in any layer, say) must carry one. Read from the safetensors headers of both (no weights
 loaded), so an adapter of another model is refused before an engine starts, naming what differs;
-without it a smaller adapter loads into a larger model and gives a meaningless accuracy."""
+without it a smaller adapter loads into a larger model and gives a meaningless accuracy (a 2-layer
+model's adapter on a 4-layer base of the same width fits every shape, and covers half the layers)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,16 @@ __all__ = ["adapter_mismatches", "check_adapter_fits"]
 
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
 _SHOWN = 5  # mismatches named in the error; the count says how many more
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+_BASE_LINEAR = re.compile(r"^(?P<module>.+)\.(?:weight|weight_packed)$")
 
 
 def adapter_mismatches(adapter_dir: str | Path, base_dir: str | Path) -> list[str]:
     """What does not fit, one line per LoRA tensor (empty when the adapter fits the base)."""
     base = safetensors_index(base_dir)
     problems = []
-    for name, spec in sorted(safetensors_index(adapter_dir).items()):
+    adapter = safetensors_index(adapter_dir)
+    for name, spec in sorted(adapter.items()):
         match = _LORA_KEY.match(name)
         if match is None:
             continue
@@ -38,6 +43,13 @@ def adapter_mismatches(adapter_dir: str | Path, base_dir: str | Path) -> list[st
             problems.append(f"{module}.lora_A: {spec.shape[1]} inputs, the base's linear has {in_features}")
         if ab == "B" and spec.shape[0] != out_features:
             problems.append(f"{module}.lora_B: {spec.shape[0]} outputs, the base's linear has {out_features}")
+    covered = {m["module"] for name in adapter if (m := _LORA_KEY.match(name))}
+    kinds = {_LAYER_INDEX.sub(".N.", module) for module in covered}
+    for name in sorted(base):
+        linear = _BASE_LINEAR.match(name)
+        module = linear and linear["module"]
+        if module and module not in covered and _LAYER_INDEX.sub(".N.", module) in kinds:
+            problems.append(f"{module}: the base's linear has no LoRA pair, as the adapter's other layers do")
     return problems
 
 

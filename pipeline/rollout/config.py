@@ -37,7 +37,11 @@ class RolloutConfig(StrictModel):
     seed: int = 0
     enable_lora: bool = True
     max_lora_rank: int = resource_field(32, ge=1, description="vLLM's LoRA slot size (>= train.lora_r)")
-    kv_cache_gib: float = resource_field(1.0, gt=0.0, description="vLLM KV cache size on CPU")
+    kv_cache_gib: float = resource_field(
+        1.0,
+        gt=0.0,
+        description="vLLM KV cache size on CPU (the environment's VLLM_CPU_KVCACHE_SPACE, if set, wins)",
+    )
     gpu_memory_utilization: float = resource_field(0.5, gt=0.0, le=1.0)
     max_num_seqs: int = resource_field(64, ge=1)
     max_num_batched_tokens: int | None = resource_field(
