@@ -117,8 +117,10 @@ def _base_evaluation(run: Run, quantized: Manifest, engine: LazyEngine) -> tuple
     a registered model's first candidate must beat."""
     t0 = time.perf_counter()
     ev = evaluate_task(run.cfg, quantized, None, run.store, engine, run.validation)
-    run.ui.stage("evaluate", "base, no adapter, on the validation items (no champion yet)",
-                 time.perf_counter() - t0, run.cached(ev))  # fmt: skip
+    if not any(e.get("adapter") is None and "validation" in e for e in run.record["evaluations"]):
+        # else loop.eval_base's evaluation was this one, and its line is on the console already
+        run.ui.stage("evaluate", "base, no adapter, on the validation items (no champion yet)",
+                     time.perf_counter() - t0, run.cached(ev))  # fmt: skip
     return promotion.BASE, ev
 
 
