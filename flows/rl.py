@@ -105,6 +105,7 @@ def _attempt(run: Run) -> dict[str, Any]:
         problems = load_data(run, quantized, twin, rows)
         warm = plan_data(run, quantized, problems)
         open_live(run)  # the MLflow run gets each step as it ends
+        run.save()  # its id on disk now: an attempt killed before its first step resumes in that run
         final = train_loop(run, quantized, engine, problems, warm)
         final_eval = evaluate_adapter(run, quantized, final, engine, cfg.loop.steps, run.validation)
         baseline = (

@@ -195,7 +195,7 @@ def test_killed_runs_resume_to_the_identical_adapter(learner_model_dir, tmp_path
     reference = _final_adapter(tmp_path / "clean")
 
     crashed = tmp_path / "crashed"
-    for fault in ("rollout:2", "score:2", "train:1"):
+    for fault in ("rollout:1", "score:2", "train:1"):  # the first before any step finished
         proc = _qerl(args, crashed, fault)
         assert proc.returncode == -signal.SIGKILL, (fault, proc.returncode, proc.stderr[-3000:])
         # the steps done so far are in the run's MLflow run already, each once
