@@ -64,8 +64,10 @@ def base_task(cfg: RunConfig, store: ArtifactStore) -> str:
 def quantize_task(
     cfg: RunConfig, src: str, store: ArtifactStore, progress: Callable[[int, int], None] | None = None
 ) -> Manifest:
-    """gptq calibrates on the run's data config; ``progress(done, total)``: tensors written."""
-    return quantize.run(cfg.quantize, src, store, cfg.data, progress)
+    """gptq calibrates on the run's data config, its prompts rendered with the template the rollouts
+    use (``rollout.template``, as the validation items are); ``progress(done, total)``: tensors written."""
+    data = cfg.data.model_copy(update={"template": cfg.rollout.template})
+    return quantize.run(cfg.quantize, src, store, data, progress)
 
 
 @task(name="dequantize-twin", **RETRY_OPTS)

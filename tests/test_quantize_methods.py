@@ -383,3 +383,39 @@ def test_samples_calibrate_on_generated_text_and_a_cache_hit_generates_nothing(
     monkeypatch.setattr(cal_tokens, "greedy_completions", no_generation)
     again, cached = stage.run_with_status(cfg, llama_dir, store, DataConfig())
     assert cached and again.dir == manifest.dir
+
+
+def test_calibration_renders_prompts_with_the_rollouts_template(monkeypatch):
+    """GPTQ's calibration prompts are rendered as the rollouts render them (``rollout.template``),
+    not with ``data.template``, which may differ."""
+    from qerl.flows import rl_tasks
+    from qerl.pipeline.planning.run_config import RunConfig
+
+    seen = {}
+    monkeypatch.setattr(
+        rl_tasks.quantize, "run", lambda cfg, src, store, data, progress: seen.update(data=data)
+    )
+    cfg = RunConfig.model_validate({"data": {"template": "terse"}, "rollout": {"template": "boxed"}})
+    rl_tasks.quantize_task.fn(cfg, "src", None)
+    assert seen["data"].template == "boxed" and seen["data"].dataset == cfg.data.dataset
+
+
+def test_gsm8k_stored_as_parquet_is_read_by_calibration_and_the_quality_texts(tmp_path):
+    """A data directory holding GSM8K as parquet (as the hub's export ships it) is the calibration's
+    and the quality report's GSM8K too, not a silent switch to another source."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from qerl.pipeline.data.calibration_text import calibration_pairs, resolve_source
+    from qerl.pipeline.data.datasets import DataConfig
+    from qerl.pipeline.data.heldout import held_out_texts
+
+    rows = [{"question": f"What is {i} + 1?", "answer": f"{i} plus one.\n#### {i + 1}"} for i in range(6)]
+    (tmp_path / "gsm8k").mkdir()
+    for split in ("train", "test"):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "gsm8k" / f"{split}.parquet")
+    data = DataConfig(dataset="gsm8k", root=str(tmp_path))
+    assert resolve_source("auto", data) == "gsm8k"
+    pairs, label = calibration_pairs("auto", 4, 0, data)
+    assert label == "gsm8k/train" and len(pairs) == 4 and all("####" in c for _, c in pairs)
+    label, items, _ = held_out_texts("auto", 3, str(tmp_path))
+    assert label == "gsm8k/test" and [i["completion"] for i in items] == [r["answer"] for r in rows[:3]]

@@ -7,8 +7,8 @@ turn, truncated to ``max_tokens``. ``token_digest`` is the content digest of the
 quantize stage puts in its cache key. Sources:
 
 * ``gsm8k``: GSM8K train problems with their worked reference solutions, read from the data directory
-  (``data.root`` or ``$QERL_DATA_DIR``: ``<root>/gsm8k/train.jsonl``, as ``datasets.load_problems``
-  finds it); a seeded shuffle picks ``count`` of them.
+  (``data.root`` or ``$QERL_DATA_DIR``: ``<root>/gsm8k/train.jsonl`` or ``.parquet``, as
+  ``datasets.load_problems`` finds it); a seeded shuffle picks ``count`` of them.
 * ``train``: the run's own training problems with a completion built from their answers: the
   procedural arithmetic set (the answer in the template's answer format), or GSM8K files (worked
   solutions). Other datasets have no reference completion here: an error names the alternative.
@@ -36,10 +36,10 @@ from qerl.pipeline.data.arithmetic import arithmetic_problems
 from qerl.pipeline.data.datasets import (
     DATA_DIR_ENV,
     DataConfig,
-    _read_local,
     data_root,
     load_problems,
     local_copy,
+    read_rows,
 )
 from qerl.pipeline.data.prompts import TEMPLATES, render_prompt
 from qerl.pipeline.store.files import sha256_json
@@ -67,11 +67,14 @@ class CalibrationDataError(ValueError):
 
 
 def _gsm8k_file(data: DataConfig) -> Path | None:
+    """``<root>/gsm8k/train.jsonl`` or ``.parquet`` (as ``load_problems`` reads them), else None."""
     root = data_root(data)
     if root is None:
         return None
-    path = root / "gsm8k" / "train.jsonl"
-    return path if path.is_file() else None
+    try:
+        return local_copy(root, "gsm8k", "train")
+    except FileNotFoundError:
+        return None
 
 
 def resolve_source(source: str, data: DataConfig) -> str:
@@ -91,7 +94,7 @@ def _solution_rows(data: DataConfig) -> list[dict[str, Any]]:
         path = _gsm8k_file(data)
     elif data.dataset.endswith((".jsonl", ".parquet")):
         path = Path(data.dataset).expanduser()
-    rows = _read_local(path) if path is not None and path.is_file() else []
+    rows = read_rows(path) if path is not None and path.is_file() else []
     ok = rows and all(isinstance(r.get("answer"), str) and "####" in r["answer"] for r in rows[:8])
     return rows if ok else []
 
@@ -128,7 +131,7 @@ def calibration_pairs(
                 f"${DATA_DIR_ENV}) to a directory holding gsm8k/train.jsonl, or use "
                 "quantize.calibration.source=train (the run's own problems)"
             )
-        return _gsm8k_pairs(_sample(_read_local(path), count, seed), str(path)), "gsm8k/train"
+        return _gsm8k_pairs(_sample(read_rows(path), count, seed), str(path)), "gsm8k/train"
     if source != "train":
         raise CalibrationDataError(
             f"quantize.calibration.source '{source}' has no reference pairs; valid here: auto, gsm8k, train "

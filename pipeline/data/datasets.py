@@ -134,7 +134,8 @@ class DataConfig(StrictModel):
 # named benchmarks, hub datasets and local files
 
 
-def _read_local(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """A dataset file's rows: JSON lines, or a parquet table (by its suffix)."""
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
     if path.suffix == ".parquet":
@@ -292,7 +293,7 @@ def _file_rows(
 ) -> tuple[list[dict[str, Any]], str, str]:
     """A file's rows, its source name and layout: ``local_format``, else ``layout`` (a named
     benchmark's own), else detected from the columns."""
-    rows, source = _read_local(path), str(path)
+    rows, source = read_rows(path), str(path)
     if cfg.local_format != "auto":
         layout = cfg.local_format
     layout = layout or _detect_layout(rows, source)

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl.pipeline.data.arithmetic import ARITHMETIC_LEVELS, arithmetic_problems
-from qerl.pipeline.data.datasets import DATA_DIR_ENV
-from qerl.pipeline.data.jsonl import read_jsonl
+from qerl.pipeline.data.datasets import DATA_DIR_ENV, local_copy, read_rows
 from qerl.pipeline.store.files import sha256_json
 
 __all__ = ["HELD_OUT_SOURCES", "held_out_texts"]
@@ -35,16 +34,19 @@ HELD_OUT_SOURCES = ("auto", "gsm8k", "arithmetic")
 
 
 def _gsm8k_file(root: str | None) -> Path | None:
+    """``<root>/gsm8k/test.jsonl`` or ``.parquet`` (as ``load_problems`` reads them), else None."""
     base = root or os.environ.get(DATA_DIR_ENV) or None
     if base is None:
         return None
-    path = Path(base).expanduser() / "gsm8k" / "test.jsonl"
-    return path if path.is_file() else None
+    try:
+        return local_copy(Path(base).expanduser(), "gsm8k", "test")
+    except FileNotFoundError:
+        return None
 
 
 def _gsm8k_items(path: Path, count: int) -> list[dict[str, Any]]:
     items = []
-    for i, row in read_jsonl(path):
+    for i, row in enumerate(read_rows(path)):
         question, answer = row.get("question"), row.get("answer")
         if not (isinstance(question, str) and isinstance(answer, str) and "####" in answer):
             raise ValueError(f"{path}: row {i} has no question or no worked answer ending in '#### N'")
