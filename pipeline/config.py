@@ -192,6 +192,17 @@ def _blame(loc: tuple, overrides: list[str]) -> str | None:
     return None
 
 
+def _cross_field_source(message: str, source: str, overrides: list[str] | None, lead: str) -> str:
+    """Where a cross-field error's values came from: the ``--set`` overrides whose keys its message
+    names; else the file (or defaults) and every override together."""
+    keys = [o.partition("=")[0].strip() for o in overrides or []]
+    named = [o for o, k in zip(overrides or [], keys, strict=True) if k and (lead + k) in message]
+    if named:
+        return f" (from --set {', --set '.join(lead + o for o in named)})"
+    sets = f" with --set {', '.join(lead + o for o in overrides)}" if overrides else ""
+    return f" (a check across settings: {source}{sets})"
+
+
 def _validate(
     model: type[M], data: dict[str, Any], source: str, overrides: list[str] | None = None, prefix: str = ""
 ) -> M:
@@ -205,8 +216,14 @@ def _validate(
     except ValidationError as err:
         problems = []
         for e in err.errors():
+            if not e["loc"]:  # a check across settings: blame the overrides it names, else all sources
+                problems.append(
+                    f"{prefix or 'config'}: {e['msg']}"
+                    + _cross_field_source(e["msg"], source, overrides, lead)
+                )
+                continue
             where = _blame(e["loc"], overrides or [])
-            key = lead + ".".join(str(p) for p in e["loc"]) if e["loc"] else prefix or "<root>"
+            key = lead + ".".join(str(p) for p in e["loc"])
             problems.append(
                 f"{key}: {e['msg']}" + (f" (from --set {lead}{where})" if where else f" (from {source})")
             )

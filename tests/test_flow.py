@@ -258,6 +258,13 @@ def test_run_config_rejects_bad_keys_and_mismatches(tmp_path):
         load_run_config(None, ["rollout.n_sample=3"])
     with pytest.raises(ConfigError, match="temperature"):
         load_run_config(None, ["train.temperature=0.7"])
+    # a check across settings names the override that broke it, not the preset file
+    with pytest.raises(ConfigError, match=r"n_samples must be >= 2.*\(from --set rollout\.n_samples=1\)$"):
+        load_run_config(PRESET_DIR / "demo.yaml", ["rollout.n_samples=1", "loop.steps=3"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  n_samples: 1\n")
+    with pytest.raises(ConfigError, match=rf"\(a check across settings: {bad} with --set loop.steps=3\)$"):
+        load_run_config(bad, ["loop.steps=3"])
 
 
 def test_step_prompts_cover_the_dataset_in_turn():
