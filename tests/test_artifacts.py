@@ -221,7 +221,7 @@ def test_disk_full_build_is_one_clear_error_and_leaves_nothing(tmp_path, monkeyp
         except OSError as cause:
             raise RuntimeError("[enforce fail] file write failed") from cause
 
-    with pytest.raises(DiskFullError):
+    with pytest.raises(DiskFullError, match="it needs more than the disk had left"):  # nothing written yet
         store.produce("train", {"a": 2}, {}, "v1", wrapped)
 
     # the CLI prints it in one line (exit 2), no traceback

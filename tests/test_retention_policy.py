@@ -96,6 +96,15 @@ def test_the_run_is_refused_when_its_estimate_does_not_fit(tmp_path, monkeypatch
     monkeypatch.setattr(disk_plan, "free_bytes", lambda path: 10**12)
     parts = disk_plan.check_disk(cfg, tmp_path / "work")
     assert parts["adapters"] == 4 * disk_plan.adapter_bytes(cfg, disk_plan.model_shape(cfg))
+    assert parts["databases"] == disk_plan.DATABASES_BYTES and "base model" not in parts  # a hub model's
+    # the demo: its base is built in the store, and counted until the store holds it
+    demo = load_run_config("demo", [])
+    built = disk_plan.check_disk(demo, tmp_path / "work")["base model"]
+    assert built == 2 * sum(disk_plan.base_bytes(disk_plan.model_shape(demo), "bf16").values())
+    (tmp_path / "work" / "store" / "objects" / "demo-base" / "k").mkdir(parents=True)
+    (tmp_path / "work" / "mlflow.db").write_bytes(b"")
+    later = disk_plan.check_disk(demo, tmp_path / "work")
+    assert "base model" not in later and "databases" not in later
 
 
 def test_the_7b_presets_nights_hold_the_store_under_30_gb_however_many(tmp_path, monkeypatch):

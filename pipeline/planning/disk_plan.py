@@ -15,7 +15,9 @@ counts them), with the run's own retention applied as the flow applies it after 
   completion token);
 - ``quantized checkpoint`` and ``twin`` (the dequantized bf16 copy, where the engine serves one):
   only while the store holds no quantized checkpoint (a later run on the same base finds it);
-- ``registry copies``: the registered adapter, which MLflow copies into its local artifact folder.
+- ``registry copies``: the registered adapter, which MLflow copies into its local artifact folder;
+- ``base model``: the demo's base (fp32), which the store builds, until it holds one;
+- ``databases``: Prefect's database and ``mlflow.db``, an allowance for a work dir that has none yet.
 
 Evaluation tables (text only, a few MB) and the base model's own download (the Hugging Face cache)
 are not counted. ``check_disk`` compares the total with the free space of the work dir's file
@@ -42,6 +44,8 @@ from qerl.pipeline.store.layout import OBJECTS_DIR, STORE_DIR
 ADAPTER_BYTES = 4  # fp32 LoRA weights
 MOMENTS_BYTES = 8  # two fp32 AdamW moments
 TOKEN_BYTES, LOGPROB_BYTES = 8, 4  # a token's id and text; a completion token's logprob
+# Prefect's database and mlflow.db, new: their schemas (about 2 MB and 1.5 MB) and a first run's rows
+DATABASES_BYTES = 16 << 20
 TABLES_PER_STEP = 2  # rollouts.parquet and scored.parquet (every rollout column again)
 
 
@@ -106,6 +110,10 @@ def estimate_run(cfg: RunConfig, store_root: Path | None = None) -> tuple[dict[s
     one = adapter_bytes(cfg, shape)
     parts["adapters"] = kept_adapters(cfg, finished=False) * one
     parts["optimizer states"] = (cfg.store.keep_optimizer_last + 1) * one // ADAPTER_BYTES * MOMENTS_BYTES
+    if cfg.model.source == "demo" and not (
+        store_root and any((store_root / OBJECTS_DIR / "demo-base").glob("*"))
+    ):
+        parts["base model"] = 2 * sum(base_bytes(shape, "bf16").values())  # the store builds it, in fp32
     have_base = store_root is not None and any((store_root / OBJECTS_DIR / "quantize").glob("*"))
     if not have_base:
         quantized = base_bytes(shape, "nvfp4" if cfg.quantize.scheme != "none" else "bf16")
@@ -114,6 +122,8 @@ def estimate_run(cfg: RunConfig, store_root: Path | None = None) -> tuple[dict[s
             parts["twin"] = sum(base_bytes(shape, "bf16").values())
     if cfg.registry.tracking_uri is None or not str(cfg.registry.tracking_uri).startswith("http"):
         parts["registry copies"] = one
+    if store_root is None or not (store_root.parent / "mlflow.db").is_file():
+        parts["databases"] = DATABASES_BYTES
     return parts, notes
 
 

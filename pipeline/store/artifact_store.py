@@ -249,7 +249,8 @@ class ArtifactStore:
                 if not is_disk_full(err):
                     raise
                 written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
-                raise disk_full(tmp, f"the {stage} artifact", f"more than {human_bytes(written)}") from err
+                needed = f"more than {human_bytes(written)}" if written else "more than the disk had left"
+                raise disk_full(tmp, f"the {stage} artifact", needed) from err
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
