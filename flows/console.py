@@ -11,7 +11,9 @@ line at each further quarter, with its own ETA.
 
 The run's ETA counts what is left at the rate of the steps and evaluations built so far, each with
 its one-time start-up taken out (``startup``: the rollout engine's start, the trainer's first load
-of the policy), so the estimate after the first step is not the start-up spread over every step.
+of the policy), and leaves out the first built step of the process, whose time also holds the
+first calls' compilation: so no estimate spreads one-time costs over every step. After the first
+built step it shows ``?``.
 
 Where the rest goes: ``<work>/runs/<run-id>/run.log``. ``session`` points file descriptors 1 and 2
 at that file, so vLLM's engine-core and worker processes (which inherit them), C extensions, tqdm bars
@@ -148,11 +150,14 @@ class RunConsole:
 
     # -- estimates ------------------------------------------------------------------------------
     def eta(self) -> float | None:
-        """Seconds left in the run: steps at their mean built time, evaluations at theirs (or a step's),
-        start-up left out of both."""
-        if not self._step_times:
+        """Seconds left in the run: steps at the mean time of those built after the process's first,
+        evaluations at theirs (or a step's), start-up left out of both. None (shown as ``?``) until a
+        second step is built: the first also compiles (vLLM's graphs, numba's and torch's kernels on
+        their first call), which no later step repeats."""
+        warm = self._step_times[1:]
+        if not warm:
             return None
-        per_step = sum(self._step_times) / len(self._step_times)
+        per_step = sum(warm) / len(warm)
         per_eval = sum(self._eval_times) / len(self._eval_times) if self._eval_times else per_step
         return (self.steps_total - self.steps_done) * per_step + self.evals_left * per_eval
 

@@ -84,7 +84,7 @@ def _print_run(record: dict, work: str) -> None:
     """The run's result for people: the last thing ``qerl run``/``qerl resume`` prints."""
     from pathlib import Path
 
-    from qerl.flows.run_record import earlier_registration, eval_text, registered_line
+    from qerl.flows.run_record import earlier_registration, eval_text, lift_line, registered_line
     from qerl.pipeline.store.layout import MLFLOW_DB, RUN_RECORD, RUNS_DIR
 
     def say(text: str) -> None:
@@ -102,6 +102,8 @@ def _print_run(record: dict, work: str) -> None:
     for e in record.get("evaluations", []):
         who = "base (no adapter)" if e["adapter"] is None else f"adapter after step {e['step']}"
         say(f"  {eval_text(e)}  {who}")
+    if record.get("lift"):
+        say(f"  {lift_line(record['lift'])}")
     if reg:
         by = earlier_registration(record)
         say(f"  {registered_line(reg, by)}")

@@ -53,7 +53,7 @@ from qerl.flows.rl_phases import (
     train_loop,
 )
 from qerl.flows.rl_register import register_final
-from qerl.flows.run_record import publish, run_dir
+from qerl.flows.run_record import lift_entry, publish, run_dir
 from qerl.pipeline.planning.disk_plan import check_disk
 from qerl.pipeline.planning.errors import RunPlanError
 from qerl.pipeline.planning.prompt_stream import DataCursor, parse_night
@@ -114,6 +114,7 @@ def _attempt(run: Run) -> dict[str, Any]:
         register_final(run, quantized, final, final_eval, engine)
         rec["final_adapter"] = str(final.dir / "adapter")
         rec["baseline_accuracy"] = baseline.metrics.get("accuracy") if baseline else None
+        rec["lift"] = lift_entry(final_eval, baseline) if baseline else None
         rec["final_accuracy"] = final_eval.metrics.get("accuracy")
         rec["status"] = "completed"
         run.park_if_stopped()

@@ -65,9 +65,8 @@ def test_session_routes_chatter_to_run_log_and_keeps_lines_for_people(tmp_path):
     assert "ERROR prefect.task_runs: Task run failed: boom" in proc.stderr  # errors of anyone
     assert "WARNING qerl.runplan: 3 prompts dropped" in proc.stderr  # our own warnings
     assert "quantize" in proc.stderr and "step 2/2  reward 0.750  acc 0.500" in proc.stderr
-    assert (
-        "step 1/2  reward 0.500  acc 0.250  100 tok/s  2.0 s  ETA 4s" in proc.stderr
-    )  # 1 step + 1 eval left, 2 s each
+    assert "step 1/2  reward 0.500  acc 0.250  100 tok/s  2.0 s  ETA ?" in proc.stderr  # compiled too
+    assert "step 2/2  reward 0.750  acc 0.500  2.0 s  ETA 2s" in proc.stderr  # 1 eval left, at a step's 2 s
     assert proc.stdout.splitlines()[-1] == "RESULT LINE"
 
 
@@ -102,15 +101,17 @@ def test_eta_counts_built_steps_and_pending_evaluations_without_start_up():
     assert ui.eta() is None  # nothing measured yet
     ui.step(0, {}, 0.01, cached=True)  # cached steps do not count towards the rate
     ui.step(1, {}, 40.0, cached=False, startup=36.0)  # the first built step started the engine
-    assert ui.eta() == 8 * 4.0 + 2 * 4.0  # right after the first step: its 4 s of work, not 40 s
-    assert "  40.0 s (start-up 36.0 s)  ETA" in ui._step_line(1, {}, 40.0, False, 36.0)
+    assert ui.eta() is None  # its 4 s of work also compiled: no rate yet
+    assert "  40.0 s (start-up 36.0 s)  ETA ?" in ui._step_line(1, {}, 40.0, False, 36.0)
     assert "(start-up" not in ui._step_line(2, {}, 6.0, False, 0.2)  # a warm engine says nothing
     ui.step(2, {}, 6.0, cached=False)
-    assert ui.eta() == 7 * 5.0 + 2 * 5.0
+    assert ui.eta() == 7 * 6.0 + 2 * 6.0  # the second built step's rate, the first left out
+    ui.step(3, {}, 4.0, cached=False)
+    assert ui.eta() == 6 * 5.0 + 2 * 5.0
     lines: list[str] = []
     ui.line = lines.append  # type: ignore[method-assign]
     ui.stage("evaluate", "adapter", 12.0, startup=2.0)
-    assert ui.eta() == 7 * 5.0 + 1 * 10.0
+    assert ui.eta() == 6 * 5.0 + 1 * 10.0
     assert lines == ["evaluate    adapter  (12s, start-up 2s)"]
     assert console.fmt_duration(3725) == "1h02m" and console.fmt_duration(75) == "1m15s"
 

@@ -162,6 +162,11 @@ def test_vllm_run_end_to_end(flow_model, tmp_path):
     record = json.loads(record_path.read_text())
     assert record["engine_mode"] == "vllm-nvfp4-emulated"
     assert [e["adapter"] is None for e in record["evaluations"]] == [False, True]
+    lift = record["lift"]  # the final adapter against the base, paired over the test items
+    assert (
+        lift["n_items"] == record["evaluations"][0]["n_items"] and lift["base"] == record["baseline_accuracy"]
+    )
+    assert re.search(r"  lift: base \d\.\d{3} -> \d\.\d{3}, [+-]\d\.\d{3} \(", proc.stdout), proc.stdout
     assert str(record["registration"]["version"]) == "1"
     rollouts = [e for e in _journal(tmp_path / "work") if e["stage"] == "rollout"]
     assert len(rollouts) == 2
