@@ -27,6 +27,7 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from qerl.pipeline.config import ConfigError, apply_overrides, config_hash
 from qerl.pipeline.evaluation import statistics
+from qerl.pipeline.evaluation.items import ITEMS_FILE, item_rates
 from qerl.pipeline.planning.prompt_stream import night_label
 from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.store.files import atomic_write_json, read_json
@@ -204,18 +205,10 @@ def summary_markdown(record: dict[str, Any]) -> str:
 def lift_entry(final: Manifest, base: Manifest) -> dict[str, Any] | None:
     """The final adapter against the base model on the test benchmark's items, paired (the mean
     per-item difference and its standard error); None when the two are not the same items."""
-    import pyarrow.parquet as pq
-
-    def rates(ev: Manifest) -> dict[str, float]:
-        table = pq.read_table(ev.file("items.parquet"), columns=["id", "rate"])
-        return dict(
-            zip(table.column("id").to_pylist(), map(float, table.column("rate").to_pylist()), strict=True)
-        )
-
-    if "items.parquet" not in final.files or "items.parquet" not in base.files:
+    if ITEMS_FILE not in final.files or ITEMS_FILE not in base.files:
         return None
     try:
-        paired = statistics.paired_difference(rates(final), rates(base))
+        paired = statistics.paired_difference(item_rates(final), item_rates(base))
     except ValueError:
         return None
     return {"base": float(base.metrics.get("accuracy", float("nan"))),
@@ -224,7 +217,7 @@ def lift_entry(final: Manifest, base: Manifest) -> dict[str, Any] | None:
 
 
 def lift_line(lift: dict[str, Any]) -> str:
-    """``lift: base 0.171 -> 0.204, +0.033 (1.3 se, paired over 200 items)``."""
+    """``lift: base 0.171 -> 0.204, +0.033 (1.6 se, paired over 200 items)``."""
     ratio = f"{lift['diff'] / lift['se']:.1f} se" if lift["se"] > 0 else "se 0"
     return (f"lift: base {lift['base']:.3f} -> {lift['final']:.3f}, {lift['diff']:+.3f} "
             f"({ratio}, paired over {lift['n_items']} items)")  # fmt: skip

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qerl.pipeline.evaluation.items import item_rates
 from qerl.pipeline.evaluation.statistics import paired_difference
 from qerl.pipeline.registry import live, promotion, tracking
 from qerl.pipeline.registry.lock import backend_kind
@@ -202,15 +203,6 @@ def _cache_key(
     return key_cfg, inputs
 
 
-def _item_rates(evaluation: Manifest, validation: bool) -> dict[str, float]:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(evaluation.file("validation/items.parquet" if validation else "items.parquet"))
-    return dict(
-        zip(table.column("id").to_pylist(), map(float, table.column("rate").to_pylist()), strict=True)
-    )
-
-
 def decision_summary(summary: Mapping[str, Any]) -> Mapping[str, Any]:
     """The part of an evaluation summary promotion decides on: the validation split, when the run
     held one out, else the main benchmark."""
@@ -227,7 +219,7 @@ def _evidence(c: _Candidate, summary: Mapping[str, Any]) -> promotion.PairedEvid
     if theirs.get("benchmark") != mine["benchmark"]:
         return f"its evaluation is on {theirs.get('benchmark')}, this run's on {mine['benchmark']}"
     use_val = "validation" in summary
-    paired = paired_difference(_item_rates(c.evaluation, use_val), _item_rates(champ, use_val))
+    paired = paired_difference(item_rates(c.evaluation, use_val), item_rates(champ, use_val))
     return promotion.PairedEvidence(
         benchmark=str(mine["benchmark"]), champion_version=str(version), diff=paired.diff, se=paired.se,
         n_items=paired.n_items, challenger_accuracy=float(mine["accuracy"]),
