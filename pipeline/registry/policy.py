@@ -1,9 +1,9 @@
 """The promotion policy: owned by the registered model, not by the run that hopes to be promoted.
 
-A candidate's own config used to set the bar it was judged by: ``--set
-registry.promote_margin_se=0`` passed anything, and the challenger chose the protocol (template, k,
-decoding, scorer) and the validation items under which the champion was re-scored. The policy now
-lives on the registered model as the tag ``promotion_policy`` (JSON):
+A candidate never sets the bar it is judged by: were the margin its own config's, ``--set
+registry.promote_margin_se=0`` would pass anything, and it would choose the protocol (template, k,
+decoding, scorer) and the validation items under which the champion is re-scored. The policy lives
+on the registered model as the tag ``promotion_policy`` (JSON):
 
 - ``margin_se`` and ``margin``: how far the paired per-item difference must exceed zero, in its
   standard errors and in absolute accuracy;
@@ -15,7 +15,7 @@ lives on the registered model as the tag ``promotion_policy`` (JSON):
   so a champion is only ever evaluated on its own base.
 
 The first complete candidate with a validation split sets it from its config and evaluation
-(``set_by``). From then on only ``qerl policy NAME --set key=value`` changes it; each change is kept
+(``set_by``). From then on only ``qerl policy NAME --change key=value`` changes it; each change is kept
 as a tag ``promotion_policy_change_N`` (when, what it was, what it became), so a promotion can always
 be traced to the rule in force. A run's ``registry.promote_margin*`` settings seed a new model's
 policy and change nothing after that.
@@ -43,7 +43,6 @@ from qerl.pipeline.registry.lock import RegistryError
 
 POLICY_TAG = "promotion_policy"
 CHANGE_TAG = "promotion_policy_change_"
-DEFAULT_MARGIN_SE = 2.0
 
 
 class PromotionPolicy(BaseModel):
