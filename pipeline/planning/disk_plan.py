@@ -39,7 +39,7 @@ from qerl.pipeline.planning.memory import base_bytes, lora_params
 from qerl.pipeline.planning.model_shape import KNOWN_SHAPES, ModelShape, _shape_key, resolve_model
 from qerl.pipeline.planning.run_config import RunConfig
 from qerl.pipeline.store.files import free_bytes, human_bytes
-from qerl.pipeline.store.layout import OBJECTS_DIR, STORE_DIR
+from qerl.pipeline.store.layout import MLFLOW_DB, OBJECTS_DIR, STORE_DIR
 
 ADAPTER_BYTES = 4  # fp32 LoRA weights
 MOMENTS_BYTES = 8  # two fp32 AdamW moments
@@ -122,7 +122,7 @@ def estimate_run(cfg: RunConfig, store_root: Path | None = None) -> tuple[dict[s
             parts["twin"] = sum(base_bytes(shape, "bf16").values())
     if cfg.registry.tracking_uri is None or not str(cfg.registry.tracking_uri).startswith("http"):
         parts["registry copies"] = one
-    if store_root is None or not (store_root.parent / "mlflow.db").is_file():
+    if store_root is None or not (store_root.parent / MLFLOW_DB).is_file():
         parts["databases"] = DATABASES_BYTES
     return parts, notes
 
