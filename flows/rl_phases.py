@@ -5,10 +5,11 @@ registration (``qerl.flows.rl_register``). From the plan on, each step's metrics
 evaluation) go to the run's MLflow run as the step ends (``qerl.pipeline.registry.live``), the run
 registration completes.
 
-The training data loses its validation slice first (``eval.validation``, held out after the prompt
-fit, so the data cursor's stream never holds it); the final evaluation scores it beside the test
-benchmark, and registration compares it item by item with the champion (or the base model) evaluated
-under the same protocol.
+The training data loses its validation slice first (``eval.validation``, chosen from the data as read,
+before the base is quantized: GPTQ's calibration text leaves its questions out; the prompt fit then
+filters both, so the data cursor's stream never holds it); the final evaluation scores it beside the
+test benchmark, and registration compares it item by item with the champion (or the base model)
+evaluated under the same protocol.
 
 ``Run`` carries one run's state through them: config, store, record, console and the stage timing.
 A stage found in the store is shown as cached (built before this process started). A step or an
@@ -92,6 +93,7 @@ class Run:
         path = run_dir(work, self.run_id) / RUN_RECORD
         self.previous: dict[str, Any] = load_run_record(work, self.run_id) if path.is_file() else {}
         self.validation: list[Any] = []  # the held-out training problems promotion decides on
+        self.held_out: list[Any] = []  # the validation split as read, before the prompt fit
         self.live: live.LiveRun | None = None  # its MLflow run, from the plan on (``open_live``)
         self.stopped = False  # set when the attempt passed loop.deadline_h (``park_if_stopped``)
         self.record: dict[str, Any] = {
@@ -160,7 +162,8 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
         check_model(cfg.rollout, read_json(Path(src) / "config.json"))
     t0 = time.perf_counter()
     measures = cfg.quantize.scheme == "nvfp4" and cfg.quantize.quality.enabled
-    quantized = quantize_task(cfg, src, store, progress=console.quantize_progress(ui, measures))
+    held_out = frozenset(p["question"] for p in run.held_out)
+    quantized = quantize_task(cfg, src, store, console.quantize_progress(ui, measures), held_out)
     what = "unquantized base" if cfg.quantize.scheme == "none" else "NVFP4 checkpoint"
     detail = f"{what} ({quantized.mode}){quality_brief(quantized.extra.get('quality'))}"
     ui.stage("quantize", detail, time.perf_counter() - t0, run.cached(quantized))
@@ -181,9 +184,14 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
 
 
 def read_data(run: Run) -> list[Any]:
-    """The training problems as the data gives them, read before anything is built: a malformed file
-    fails the run before the base model is fetched or quantized."""
-    return load_problems(run.cfg.data, "train")
+    """The training problems as the data gives them, read before anything is built: a malformed file,
+    or a benchmark that cannot be read (too few arithmetic problems, a broken file), fails the run
+    before the base model is fetched or quantized, not at its first evaluation."""
+    rows = load_problems(run.cfg.data, "train")
+    for bench in (run.cfg.eval.benchmark, *run.cfg.eval.also):
+        load_problems(bench)
+    run.held_out = validation_split(rows, run.cfg.eval.validation)[1]
+    return rows
 
 
 def load_data(run: Run, quantized: Manifest, twin: Manifest | None, problems: list[Any]) -> list[Any]:
@@ -193,7 +201,9 @@ def load_data(run: Run, quantized: Manifest, twin: Manifest | None, problems: li
     tokenizer = load_tokenizer((twin or quantized).dir)
     limit = prompt_token_limit(cfg.rollout)
     fit = fit_prompts(problems, tokenizer, cfg.rollout.template, limit)
-    kept, run.validation = validation_split(fit.kept, cfg.eval.validation)
+    held = {p["id"] for p in run.held_out}  # chosen before the fit, which may drop some of them
+    kept = [p for p in fit.kept if p["id"] not in held]
+    run.validation = [p for p in fit.kept if p["id"] in held]
     run.record["data"] = {**fit.report(), "dataset_digest": problems_digest(kept)}
     run.record["data"]["validation"] = {
         "n_items": len(run.validation), "digest": problems_digest(run.validation)

@@ -51,6 +51,7 @@ def register_final(
         )
     if run.ablation is not None:
         lineage.update(ablation_id=run.ablation["id"], arm=run.ablation["arm"])
+    lineage.update(_heldout(run))
     history = [{k: v for k, v in h.items() if k != "manifests"} for h in rec["steps"]]
     t0 = time.perf_counter()
     # a run that registered before (a re-run) finds its registration in the store: the champion, maybe
@@ -94,6 +95,18 @@ def register_final(
                  time.perf_counter() - t0, run.cached(reg))  # fmt: skip
     if decision.get("promotion"):
         run.logger.info("promotion: %s", decision["promotion"])
+
+
+def _heldout(run: Run) -> dict[str, str]:
+    """The lineage's validation items: this run's (``validation_digest``) and those no run of its
+    lineage trained on (``promotion.HELDOUT_TAG``, read through the warm start's version tags)."""
+    items = run.record["data"]["validation"]["digest"] if run.validation else promotion.NO_HELDOUT
+    warm = (run.record["plan"].get("warm_start") or {}).get("version")
+    tags = None
+    if warm is not None:
+        tracking.connect(run.cfg.registry, run.work)
+        tags = promotion.version_info(run.cfg.registry, str(warm))["tags"]
+    return {"validation_digest": items, promotion.HELDOUT_TAG: promotion.heldout_lineage(items, tags)}
 
 
 def _log_quantize_quality(run: Run, mlflow_run_id: str, quantized: Manifest) -> None:

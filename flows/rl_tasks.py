@@ -62,12 +62,17 @@ def base_task(cfg: RunConfig, store: ArtifactStore) -> str:
 
 @task(name="quantize", **RETRY_OPTS)
 def quantize_task(
-    cfg: RunConfig, src: str, store: ArtifactStore, progress: Callable[[int, int], None] | None = None
+    cfg: RunConfig,
+    src: str,
+    store: ArtifactStore,
+    progress: Callable[[int, int], None] | None = None,
+    held_out: frozenset[str] = frozenset(),
 ) -> Manifest:
     """gptq calibrates on the run's data config, its prompts rendered with the template the rollouts
-    use (``rollout.template``, as the validation items are); ``progress(done, total)``: tensors written."""
+    use (``rollout.template``, as the validation items are), never on a question of ``held_out`` (the
+    run's validation split); ``progress(done, total)``: tensors written."""
     data = cfg.data.model_copy(update={"template": cfg.rollout.template})
-    return quantize.run(cfg.quantize, src, store, data, progress)
+    return quantize.run(cfg.quantize, src, store, data, progress, held_out)
 
 
 @task(name="dequantize-twin", **RETRY_OPTS)

@@ -203,12 +203,14 @@ def run(
     store: ArtifactStore,
     data: DataConfig | None = None,
     progress: Progress | None = None,
+    held_out: frozenset[str] = frozenset(),
 ) -> Manifest:
     """Quantize SRC to an NVFP4A16 checkpoint artifact (cached by base digest + recipe + code).
 
-    ``data`` (the run's data config) is where ``method: gptq`` finds its calibration text;
-    ``progress(done, total)`` counts the tensors written (a build only: a cache hit calls nothing)."""
-    return run_with_status(cfg, src, store, data, progress)[0]
+    ``data`` (the run's data config) is where ``method: gptq`` finds its calibration text, none of
+    whose questions is in ``held_out`` (the run's validation questions); ``progress(done, total)``
+    counts the tensors written (a build only: a cache hit calls nothing)."""
+    return run_with_status(cfg, src, store, data, progress, held_out)[0]
 
 
 def run_with_status(
@@ -217,6 +219,7 @@ def run_with_status(
     store: ArtifactStore,
     data: DataConfig | None = None,
     progress: Progress | None = None,
+    held_out: frozenset[str] = frozenset(),
 ) -> tuple[Manifest, bool]:
     """``run`` that also says whether the artifact came from the cache."""
     src_dir = resolve_source(src)
@@ -231,7 +234,7 @@ def run_with_status(
     code = code_version(sys.modules[__name__])  # the import closure: format, grouping, the kernels
     # gptq: the token ids come as a function (source samples generates them in the build, not on a cache hit)
     calib_ids, calib = (
-        calibration_tokens(cfg.calibration, src_dir, data) if cfg.method == "gptq" else (None, None)
+        calibration_tokens(cfg.calibration, src_dir, data, held_out) if cfg.method == "gptq" else (None, None)
     )
     device, backend = _device_and_backend(cfg)
     # the quality section's held-out texts are read before the build: their digest keys the artifact

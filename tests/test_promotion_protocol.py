@@ -44,16 +44,19 @@ def test_benchmark_id_carries_the_evaluation_protocol():
 
 
 def test_validation_split_is_disjoint_from_the_stream_and_the_test_set(tiny_model_dir):
-    from qerl.flows.rl_phases import load_data
+    from qerl.flows.rl_phases import load_data, read_data
     from qerl.pipeline.planning.run_config import RunConfig
 
     cfg = RunConfig.model_validate({"eval": {"validation": {"size": 40}}, "loop": {"prompts_per_step": 8}})
     stages: list[str] = []
     run = types.SimpleNamespace(
-        cfg=cfg, record={}, validation=[], ui=types.SimpleNamespace(stage=lambda *a, **k: stages.append(a[1]))
-    )
+        cfg=cfg, record={}, validation=[], held_out=[],
+        ui=types.SimpleNamespace(stage=lambda *a, **k: stages.append(a[1])),
+    )  # fmt: skip
     base = types.SimpleNamespace(dir=tiny_model_dir)
-    stream = load_data(run, base, None, load_problems(cfg.data, "train"))
+    stream = load_data(run, base, None, read_data(run))
+    # chosen before the base is quantized (GPTQ's calibration leaves these questions out)
+    assert [p["id"] for p in run.held_out] == [p["id"] for p in run.validation]
     held = {p["id"] for p in run.validation}
     assert len(held) == 40 and run.record["data"]["validation"]["n_items"] == 40
     assert "40 held out for validation" in stages[0]
@@ -95,6 +98,22 @@ def test_paired_decision_needs_the_margin_in_standard_errors():
     # no comparison possible: never promoted over a champion, whatever the accuracy
     no, why = promotion.promotion_decision(cfg, champ, "2", "v@x~p", 0.99, True, "another base")
     assert not no and "another base" in why
+
+
+def test_a_lineage_holds_out_its_validation_items_only_while_every_run_of_it_did():
+    held = "a" * 64
+    assert promotion.heldout_lineage(held, None) == held  # from the bare base
+    assert promotion.heldout_lineage(held, {promotion.HELDOUT_TAG: held}) == held
+    # warm-started from a version whose lineage held out other items, none, or recorded nothing
+    for tags in ({promotion.HELDOUT_TAG: "b" * 64}, {promotion.HELDOUT_TAG: promotion.NO_HELDOUT}, {}):
+        assert promotion.heldout_lineage(held, tags) == promotion.NO_HELDOUT
+    lineage = {"validation_digest": held, promotion.HELDOUT_TAG: held}
+    assert promotion.heldout_conflict(None, lineage) is None
+    champ = _V("1")
+    champ.tags[promotion.HELDOUT_TAG] = held
+    assert promotion.heldout_conflict(champ, lineage) is None
+    champ.tags.pop(promotion.HELDOUT_TAG)
+    assert "records no held-out items" in promotion.heldout_conflict(champ, lineage)
 
 
 class _Engine:
@@ -269,6 +288,20 @@ def test_the_registered_model_owns_its_promotion_policy(tiny_model_dir, tmp_path
     )
     assert not rtn["promoted"] and "compared only on its own base" in rtn["promotion"], rtn["promotion"]
     assert policy.read_policy(name) == set_by_night_1
+    # evidence on items a lineage may have trained on is no evidence: the candidate warm-started from
+    # a version that held out other items, or the champion's lineage held out other items
+    leaky = registered(regcfg, "leaky", perfect, (str(won["version"]), champ_ev),
+                       {**LINEAGE, "heldout_lineage": promotion.NO_HELDOUT})  # fmt: skip
+    assert not leaky["promoted"] and "may have trained on its own validation items" in leaky["promotion"]
+    client = promotion.MlflowClient()
+    client.set_model_version_tag(name, str(won["version"]), promotion.HELDOUT_TAG, "o" * 64)
+    unfair = registered(regcfg, "unfair", perfect, (str(won["version"]), champ_ev))
+    assert not unfair["promoted"] and "lineage held out oooooooooooo" in unfair["promotion"], unfair[
+        "promotion"
+    ]
+    client.set_model_version_tag(
+        name, str(won["version"]), promotion.HELDOUT_TAG, LINEAGE["validation_digest"]
+    )
 
     # only an explicit change moves the policy, and it is recorded
     before, after = policy.change_policy(name, {"margin_se": 3.0}, "qerl policy (test)")

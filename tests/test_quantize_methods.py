@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from qerl.kernels.nvfp4_reference import dequantize_nvfp4, global_scale, quantize_nvfp4
-from qerl.pipeline.data.calibration_text import CalibrationDataError, calibration_pairs
+from qerl.pipeline.data.calibration_text import CalibrationDataError, calibration_pairs, calibration_questions
 from qerl.pipeline.data.calibration_tokens import calibration_tokens
 from qerl.pipeline.data.datasets import DataConfig
 from qerl.pipeline.nvfp4.gptq import gptq_nvfp4
@@ -319,6 +319,19 @@ def test_gsm8k_calibration_pairs_hold_the_worked_solutions():
     assert label == "gsm8k/train" and len(pairs) == 5
     assert all("####" in a and len(a) > 20 for _, a in pairs)
     assert pairs != calibration_pairs("gsm8k", 5, 1, DataConfig(root=str(GSM8K)))[0]
+    held = frozenset(q for q, _ in pairs[:2])
+    assert not {q for q, _ in calibration_pairs("auto", 5, 0, DataConfig(root=str(GSM8K)), held)[0]} & held
+
+
+def test_calibration_leaves_the_runs_validation_questions_out():
+    """Promotion decides on the validation questions: GPTQ's calibration text never holds one."""
+    data = DataConfig(arithmetic_size=40)
+    pairs, _ = calibration_pairs("train", 40, 0, data)  # the whole pool
+    held = frozenset(q for q, _ in pairs[:10])
+    kept, _ = calibration_pairs("train", 40, 0, data, held)
+    assert len(kept) == 30 and not {q for q, _ in kept} & held
+    questions, _ = calibration_questions(40, 0, data, held)
+    assert len(questions) == 30 and not set(questions) & held
 
 
 def test_the_searchs_fp4_rounding_has_the_reference_error_ties_included():
@@ -393,11 +406,14 @@ def test_calibration_renders_prompts_with_the_rollouts_template(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(
-        rl_tasks.quantize, "run", lambda cfg, src, store, data, progress: seen.update(data=data)
+        rl_tasks.quantize,
+        "run",
+        lambda cfg, src, store, data, progress, held: seen.update(data=data, held=held),
     )
     cfg = RunConfig.model_validate({"data": {"template": "terse"}, "rollout": {"template": "boxed"}})
-    rl_tasks.quantize_task.fn(cfg, "src", None)
+    rl_tasks.quantize_task.fn(cfg, "src", None, None, frozenset({"What is 1 + 1?"}))
     assert seen["data"].template == "boxed" and seen["data"].dataset == cfg.data.dataset
+    assert seen["held"] == {"What is 1 + 1?"}  # the run's validation questions reach the calibration
 
 
 def test_gsm8k_stored_as_parquet_is_read_by_calibration_and_the_quality_texts(tmp_path):

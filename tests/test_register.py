@@ -57,6 +57,8 @@ LINEAGE = {
     "dataset_digest": "d" * 16,
     "code_version": "c" * 16,
     "flow_run_id": "flow-1",
+    "validation_digest": "v" * 64,
+    "heldout_lineage": "v" * 64,  # a run from the bare base: its lineage held out its validation items
 }
 
 

@@ -113,6 +113,20 @@ def test_malformed_data_fails_the_flow_before_anything_is_built(tiny_model_dir, 
     assert _built_stages(work) == []
 
 
+def test_an_unreadable_benchmark_fails_the_flow_before_anything_is_built(tiny_model_dir, tmp_path):
+    from qerl.flows import runner
+    from qerl.pipeline.config import apply_overrides
+
+    # level 1 has 112 test problems
+    cfg = apply_overrides(
+        _config(tiny_model_dir), ["eval.benchmark.levels=[1]", "eval.benchmark.arithmetic_size=500"]
+    )
+    work = tmp_path / "work"
+    with pytest.raises(ValueError, match=r"only 112 distinct test problems found at levels \[1\]"):
+        runner.run(cfg, work)
+    assert _built_stages(work) == []
+
+
 def test_qerl_run_reports_malformed_data_in_one_line(tiny_model_dir, tmp_path):
     data = _malformed(tmp_path / "data.jsonl")
     cfg = tiny_run_config(tiny_model_dir)

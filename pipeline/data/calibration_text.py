@@ -115,10 +115,20 @@ def _gsm8k_pairs(rows: list[dict[str, Any]], source: str) -> list[tuple[str, str
     return pairs
 
 
+def _without(rows: list[Any], held_out: frozenset[str]) -> list[Any]:
+    """``rows`` less those whose question is one of ``held_out`` (a run's validation questions)."""
+    if not held_out:
+        return list(rows)
+    return [r for r in rows if not (isinstance(r.get("question"), str) and r["question"].strip() in held_out)]
+
+
 def calibration_pairs(
-    source: str, count: int, seed: int, data: DataConfig
+    source: str, count: int, seed: int, data: DataConfig, held_out: frozenset[str] = frozenset()
 ) -> tuple[list[tuple[str, str]], str]:
-    """``count`` (question, completion) pairs from ``source`` and a label saying where they came from."""
+    """``count`` (question, completion) pairs from ``source`` and a label saying where they came from;
+    no pair's question is one of ``held_out`` (the run's validation questions: promotion decides on
+    them, so nothing the model is built from may have seen them)."""
+    held_out = frozenset(q.strip() for q in held_out)
     source = resolve_source(source, data)
     if source == "gsm8k":
         path = _gsm8k_file(data)
@@ -131,7 +141,9 @@ def calibration_pairs(
                 f"${DATA_DIR_ENV}) to a directory holding gsm8k/train.jsonl, or use "
                 "quantize.calibration.source=train (the run's own problems)"
             )
-        return _gsm8k_pairs(_sample(read_rows(path), count, seed), str(path)), "gsm8k/train"
+        return _gsm8k_pairs(
+            _sample(_without(read_rows(path), held_out), count, seed), str(path)
+        ), "gsm8k/train"
     if source != "train":
         raise CalibrationDataError(
             f"quantize.calibration.source '{source}' has no reference pairs; valid here: auto, gsm8k, train "
@@ -139,13 +151,14 @@ def calibration_pairs(
         )
     if data.dataset == "arithmetic":
         size = max(count, data.arithmetic_size)
-        problems = _sample(arithmetic_problems(size, data.seed, "train", data.levels), count, seed)
+        pool = _without(arithmetic_problems(size, data.seed, "train", data.levels), held_out)
+        problems = _sample(pool, count, seed)
         form = _ANSWER_FORMS[TEMPLATES[data.template]["answer_format"]]
         return [(p["question"], form.format(a=p["answer"])) for p in problems], "arithmetic/train"
     rows = _solution_rows(data)
     if rows:
         label = "gsm8k/train" if data.dataset == "gsm8k" else data.dataset
-        return _gsm8k_pairs(_sample(rows, count, seed), label), label
+        return _gsm8k_pairs(_sample(_without(rows, held_out), count, seed), label), label
     raise CalibrationDataError(
         f"quantize.calibration.source=train: the training data '{data.dataset}' has no reference solutions "
         "readable here (GSM8K files and the arithmetic set do): set quantize.calibration.source=samples (the "
@@ -154,9 +167,12 @@ def calibration_pairs(
     )
 
 
-def calibration_questions(count: int, seed: int, data: DataConfig) -> tuple[list[str], str]:
-    """``count`` of the run's training questions (seeded shuffle) and their label, for ``samples``."""
-    problems = load_problems(data, "train")
+def calibration_questions(
+    count: int, seed: int, data: DataConfig, held_out: frozenset[str] = frozenset()
+) -> tuple[list[str], str]:
+    """``count`` of the run's training questions (seeded shuffle), none of ``held_out``, and their
+    label, for ``samples``."""
+    problems = _without(load_problems(data, "train"), frozenset(q.strip() for q in held_out))
     if not problems:
         raise CalibrationDataError(
             f"quantize.calibration.source=samples: '{data.dataset}' has no train problems"

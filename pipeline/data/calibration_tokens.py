@@ -53,26 +53,29 @@ class CalibrationSettings(Protocol):
 
 
 def calibration_tokens(
-    cal: CalibrationSettings, src_dir: Path, data: DataConfig | None
+    cal: CalibrationSettings, src_dir: Path, data: DataConfig | None, held_out: frozenset[str] = frozenset()
 ) -> tuple[Callable[[], TokenIds], dict[str, Any]]:
-    """The calibration token ids (as a function: ``samples`` generates them when called) and ``info``."""
+    """The calibration token ids (as a function: ``samples`` generates them when called) and ``info``;
+    none of the questions in ``held_out`` (the run's validation split) is among them."""
     from transformers import AutoTokenizer
 
     data = data or DataConfig()
     tokenizer = AutoTokenizer.from_pretrained(src_dir)
     if resolve_source(cal.source, data) != "samples":
-        pairs, label = calibration_pairs(cal.source, cal.count, cal.seed, data)
+        pairs, label = calibration_pairs(cal.source, cal.count, cal.seed, data, held_out)
         ids = calibration_token_ids(tokenizer, pairs, data.template, cal.max_tokens)
         info = {
             "source": label,
             "sequences": len(ids),
             "tokens": sum(map(len, ids)),
             "template": data.template,
+            "held_out_questions": len(held_out),
         }
         return (lambda: ids), {**info, "digest": token_digest(ids)}
-    questions, label = calibration_questions(cal.count, cal.seed, data)
+    questions, label = calibration_questions(cal.count, cal.seed, data, held_out)
     prompts = prompt_token_ids(tokenizer, questions, data.template)
-    info = {"source": label, "sequences": len(prompts), "template": data.template, "completions": "greedy"}
+    info = {"source": label, "sequences": len(prompts), "template": data.template, "completions": "greedy",
+            "held_out_questions": len(held_out)}  # fmt: skip
     info["digest"] = token_digest(prompts)
 
     def generate() -> TokenIds:

@@ -193,6 +193,37 @@ class PairedEvidence:
 
 
 BASE = "base"  # PairedEvidence.champion_version of a comparison with the base model, no adapter
+HELDOUT_TAG = "heldout_lineage"  # the validation items every run of a version's lineage held out
+NO_HELDOUT = "none"
+
+
+def heldout_lineage(validation_digest: str, warm_start_tags: Mapping[str, str] | None) -> str:
+    """The digest of the validation items that no run of a version's lineage trained on: its run's
+    ``validation_digest`` when the run started from the bare base (``warm_start_tags`` None) or from a
+    version whose lineage held out the same items; else ``NO_HELDOUT`` (some run of the lineage held
+    out other items, or none, and may have trained on these)."""
+    if validation_digest == NO_HELDOUT or warm_start_tags is None:
+        return validation_digest
+    return validation_digest if warm_start_tags.get(HELDOUT_TAG) == validation_digest else NO_HELDOUT
+
+
+def heldout_conflict(champion: ModelVersion | None, lineage: Mapping[str, Any]) -> str | None:
+    """Why paired evidence on the candidate's validation items would be unfair (None: it is not):
+    the candidate's lineage, or the champion's, may have trained on them."""
+    items = str(lineage.get("validation_digest", NO_HELDOUT))
+    if lineage.get(HELDOUT_TAG) != items:
+        return (
+            f"its lineage may have trained on its own validation items ({items[:12]}): it warm-started "
+            "from a version whose lineage held out other items (qerl promote decides by hand)"
+        )
+    held = None if champion is None else champion.tags.get(HELDOUT_TAG)
+    if champion is not None and held != items:
+        what = f"held out {held[:12]}" if held and held != NO_HELDOUT else "records no held-out items"
+        return (
+            f"champion v{champion.version}'s lineage {what}, not these validation items ({items[:12]}): "
+            "it may have trained on them, which would favour it (qerl promote decides by hand)"
+        )
+    return None
 
 
 def _margins(cfg: RegistryConfig, policy: PromotionPolicy | None) -> tuple[float, float]:
@@ -291,7 +322,11 @@ def maybe_promote(
         policy = None
         if lineage is not None and complete and isinstance(evidence, PairedEvidence):
             policy = first_policy(cfg.model_name, _proposed_policy(cfg, evidence.benchmark, lineage))
-            evidence = mismatch(policy, evidence.benchmark, lineage) or evidence
+            evidence = (
+                mismatch(policy, evidence.benchmark, lineage)
+                or heldout_conflict(champion, lineage)
+                or evidence
+            )
         promote_it, reason = promotion_decision(
             cfg, champion, version, benchmark, accuracy, complete, evidence, policy
         )
