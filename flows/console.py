@@ -247,17 +247,11 @@ class TerminalConsole(RunConsole):
         super().end_progress()
 
 
-def quantize_progress(ui: RunConsole, measures_quality: bool) -> Callable[[int, int], None]:
-    """The quantize stage's ``progress(done, total)`` on ``ui``: the tensors written, then, when the
-    quality section comes next (``quantize.quality``: both models over the held-out texts, with no
-    progress of its own), a line that says so."""
+def quantize_progress(ui: RunConsole) -> Callable[[int, int], None]:
+    """The quantize stage's ``progress(done, total)`` on ``ui``: the tensors written."""
 
     def progress(done: int, total: int) -> None:
         ui.progress("quantize", done, total, "tensors")
-        if done == total and measures_quality:
-            ui.line(
-                f"{'quantize':<11} {total} tensors written; measuring what quantization cost (quantize.quality)"
-            )
 
     return progress
 

@@ -46,6 +46,7 @@ from qerl.flows.rl_phases import (
     TimedEngine,
     evaluate_adapter,
     load_data,
+    measure_quality,
     open_live,
     plan_data,
     prepare_base,
@@ -103,6 +104,7 @@ def _attempt(run: Run) -> dict[str, Any]:
         rec["engine_mode"] = engine.mode
         run.logger.info("run %s: engine mode %s, work dir %s", run.run_id, engine.mode, run.work)
         problems = load_data(run, quantized, twin, rows)
+        measure_quality(run, quantized)  # on the validation texts, before the engine takes its memory
         warm = plan_data(run, quantized, problems)
         open_live(run)  # the MLflow run gets each step as it ends
         run.save()  # its id on disk now: an attempt killed before its first step resumes in that run

@@ -38,6 +38,7 @@ from qerl.flows.rl_tasks import (
     ablation_run_tags,
     base_task,
     evaluate_task,
+    quality_task,
     quantize_task,
     rollout_task,
     score_task,
@@ -94,6 +95,8 @@ class Run:
         self.previous: dict[str, Any] = load_run_record(work, self.run_id) if path.is_file() else {}
         self.validation: list[Any] = []  # the held-out training problems promotion decides on
         self.held_out: list[Any] = []  # the validation split as read, before the prompt fit
+        self.base_src = ""  # the base model the checkpoint was quantized from (``prepare_base``)
+        self.quality: Manifest | None = None  # what quantization cost (``measure_quality``)
         self.live: live.LiveRun | None = None  # its MLflow run, from the plan on (``open_live``)
         self.stopped = False  # set when the attempt passed loop.deadline_h (``park_if_stopped``)
         self.record: dict[str, Any] = {
@@ -160,20 +163,16 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     ui.stage("base", src, time.perf_counter() - t0)
     if (Path(src) / "config.json").is_file():  # the demo's and the catalogue's are known only now
         check_model(cfg.rollout, read_json(Path(src) / "config.json"))
+    run.base_src = src
     t0 = time.perf_counter()
-    measures = cfg.quantize.scheme == "nvfp4" and cfg.quantize.quality.enabled
     held_out = frozenset(p["question"] for p in run.held_out)
-    quantized = quantize_task(cfg, src, store, console.quantize_progress(ui, measures), held_out)
+    quantized = quantize_task(cfg, src, store, console.quantize_progress(ui), held_out)
     what = "unquantized base" if cfg.quantize.scheme == "none" else "NVFP4 checkpoint"
-    detail = f"{what} ({quantized.mode}){quality_brief(quantized.extra.get('quality'))}"
-    ui.stage("quantize", detail, time.perf_counter() - t0, run.cached(quantized))
-    if "quality" in quantized.extra:  # what quantization cost (quantize.quality), whole, in the run's log
-        run.logger.info(quality_line(quantized.extra["quality"]))
+    ui.stage("quantize", f"{what} ({quantized.mode})", time.perf_counter() - t0, run.cached(quantized))
     run.record["quantize"] = {  # what an ablation's report shows of each arm's starting point
         "manifest": str(quantized.dir),
         "mode": quantized.mode,
         "method": cfg.quantize.method if cfg.quantize.scheme == "nvfp4" else None,
-        **quality_metrics(quantized.extra.get("quality")),
     }
     twin = None
     if needs_twin(cfg.rollout.engine, cfg.quantize.scheme):
@@ -181,6 +180,24 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
         twin = twin_task(cfg, quantized, store)
         ui.stage("twin", f"dequantized {cfg.quantize.twin_dtype}", time.perf_counter() - t0, run.cached(twin))
     return quantized, twin
+
+
+def measure_quality(run: Run, quantized: Manifest) -> None:
+    """What quantization cost (``quantize.quality``), the quality stage's, on the run's validation
+    texts where it has them: a line on the console, the whole in the run's log, the numbers in the
+    record; nothing for an unquantized base."""
+    cfg = run.cfg
+    if cfg.quantize.scheme != "nvfp4" or not cfg.quantize.quality.enabled:
+        return
+    t0 = time.perf_counter()
+    run.quality = quality_task(cfg, quantized, run.base_src, run.store, run.validation)
+    section = run.quality.extra.get("quality")
+    texts = (section or {}).get("texts")
+    on = f" on {texts['count']} {texts['source']} texts" if texts else ""
+    run.ui.stage("quality", quality_brief(section).removeprefix(", ") + on, time.perf_counter() - t0,
+                 run.cached(run.quality))  # fmt: skip
+    run.logger.info(quality_line(section))
+    run.record["quantize"].update(quality_metrics(section))
 
 
 def read_data(run: Run) -> list[Any]:

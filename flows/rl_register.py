@@ -78,7 +78,7 @@ def register_final(
         rec.get(live.RECORD_KEY),
     )  # fmt: skip
     if reg.metrics.get("created") and not run.cached(reg):
-        _log_quantize_quality(run, str(reg.extra["run_id"]), quantized)
+        _log_quantize_quality(run, str(reg.extra["run_id"]))
     if reg.metrics.get("created"):
         # for `qerl eval` of this version where this run's record is not (another machine's work dir);
         # a re-run logs it again (the same file): it backfills one registered before it existed, or
@@ -109,11 +109,11 @@ def _heldout(run: Run) -> dict[str, str]:
     return {"validation_digest": items, promotion.HELDOUT_TAG: promotion.heldout_lineage(items, tags)}
 
 
-def _log_quantize_quality(run: Run, mlflow_run_id: str, quantized: Manifest) -> None:
-    """The quantize manifest's quality metrics (``quantize_kl``, ``quantize_top1``, ``quantize_ppl_base``,
+def _log_quantize_quality(run: Run, mlflow_run_id: str) -> None:
+    """The quality stage's metrics (``quantize_kl``, ``quantize_top1``, ``quantize_ppl_base``,
     ``quantize_ppl_quant``, the weight errors) on the MLflow run the registration just created, at step
     0: once, since a cached or reused registration logged them already."""
-    metrics = quality_metrics(quantized.extra.get("quality"))
+    metrics = quality_metrics(run.quality.extra.get("quality") if run.quality else None)
     if metrics:
         tracking.connect(run.cfg.registry, run.work)
         tracking.log_step_metrics(mlflow_run_id, 0, metrics)

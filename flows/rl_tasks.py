@@ -27,6 +27,7 @@ from qerl.stages import (
     dequantize,
     evaluate,
     fetch_model,
+    quality,
     quantize,
     register,
     rollout,
@@ -73,6 +74,19 @@ def quantize_task(
     run's validation split); ``progress(done, total)``: tensors written."""
     data = cfg.data.model_copy(update={"template": cfg.rollout.template})
     return quantize.run(cfg.quantize, src, store, data, progress, held_out)
+
+
+@task(name="quality", **TASK_OPTS)  # two whole models: an out-of-memory error is not transient
+def quality_task(
+    cfg: RunConfig, quantized: Manifest, src: str, store: ArtifactStore, validation: list[Any]
+) -> Manifest:
+    """What quantization cost, on the run's validation texts where it has them (``quantize.quality``)."""
+    from qerl.pipeline.data.heldout import quality_texts
+
+    q = cfg.quantize.quality
+    data = cfg.data.model_copy(update={"template": cfg.rollout.template})
+    texts = quality_texts(q.source, q.texts, q.data_root or cfg.data.root, data, validation)
+    return quality.run(q, quantized, quantize.resolve_source(src), store, texts)
 
 
 @task(name="dequantize-twin", **RETRY_OPTS)

@@ -73,14 +73,15 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     cfg = load_config(QuantizeConfig, args.config, sets, prefix="quantize" if prefixed else "")
     work = Path(work_dir(args))
     store = ArtifactStore(work / STORE_DIR)
-    manifest, cached = run_with_status(cfg, resolve_base(args.src, store), store)
+    src = resolve_base(args.src, store)
+    manifest, cached = run_with_status(cfg, src, store)
     dst = export(manifest, args.out)
     status = "cache hit" if cached else f"quantized ({manifest.mode})"
     print(
         f"{status}: {dst} ({manifest.extra.get('quantized_tensors')} linears) in {time.perf_counter() - t0:.2f}s"
     )
     if manifest.mode != UNQUANTIZED_MODE:  # what quantization cost (quantize.quality)
-        section = manifest.extra.get("quality")
+        section = measured_quality(cfg, manifest, src, store)
         print(quality_line(section))
         if "keep" in manifest.extra:  # what mixed precision costs
             keep, mib = manifest.extra["keep"], 2**20
@@ -91,6 +92,19 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         if args.report and section:
             print(quality_table(section), end="")
     return 0
+
+
+def measured_quality(cfg: Any, quantized: Any, src: str, store: Any) -> dict[str, Any] | None:
+    """The quality stage's section for ``quantized`` (``cfg``: its QuantizeConfig) on the held-out
+    texts ``quantize.quality.source`` names; None when it is off."""
+    from qerl.pipeline.data.heldout import quality_texts
+    from qerl.stages import quality, quantize
+
+    q = cfg.quality
+    if not q.enabled:
+        return None
+    texts = quality_texts(q.source, q.texts, q.data_root)
+    return quality.run(q, quantized, quantize.resolve_source(src), store, texts).extra.get("quality")
 
 
 def cmd_score(args: argparse.Namespace) -> int:
@@ -294,7 +308,7 @@ def _eval_base(
         recipe = run_recipe
     t0, written = time.perf_counter(), []  # a build reports its tensors; a cache hit reports nothing
     qcfg = recipe or QuantizeConfig()  # what a build of a plain base runs (evaluate.base_artifacts)
-    shown = quantize_progress(ui, qcfg.scheme == "nvfp4" and qcfg.quality.enabled)
+    shown = quantize_progress(ui)
 
     def progress(done: int, total: int) -> None:
         written.append(done)
@@ -302,7 +316,10 @@ def _eval_base(
 
     quantized, twin = evaluate.base_artifacts(base, store, need_twin, recipe, progress=progress)
     what = "unquantized base" if quantized.mode == UNQUANTIZED_MODE else "NVFP4 checkpoint"
-    detail = f"{what} {quantized.dir} ({quantized.mode}){quality_brief(quantized.extra.get('quality'))}"
+    section = None
+    if quantized.mode != UNQUANTIZED_MODE and not evaluate.is_checkpoint(base):  # quantized here
+        section = measured_quality(qcfg, quantized, str(base), store)
+    detail = f"{what} {quantized.dir} ({quantized.mode}){quality_brief(section)}"
     ui.stage("quantize", detail, time.perf_counter() - t0, cached=not written)
     return quantized, twin
 

@@ -75,7 +75,8 @@ class NVFP4Error(ValueError):
     """A weight cannot be quantized (shape, dtype, non-finite values); the message names the tensor."""
 
 
-def _boundaries(device: torch.device) -> torch.Tensor:
+def fp4_boundaries(device: torch.device) -> torch.Tensor:
+    """The E2M1 rounding boundaries ``fp4_codes`` bucketizes by (ties to even), on ``device``."""
     b = torch.tensor(_BOUNDARIES, dtype=torch.float32, device=device)
     down = torch.tensor([v in _TIE_UP for v in _BOUNDARIES], device=device)
     return torch.where(down, torch.nextafter(b, torch.zeros_like(b)), b)
@@ -125,7 +126,7 @@ def check_global_scale(gs: torch.Tensor, name: str = "weight") -> None:
 
 def fp4_codes(y: torch.Tensor, boundaries: torch.Tensor | None = None) -> torch.Tensor:
     """E2M1 codes (uint8 0..15, bit 3 = sign) of float32 ``y``, clamped to +-6, ties to even."""
-    bounds = _boundaries(y.device) if boundaries is None else boundaries
+    bounds = fp4_boundaries(y.device) if boundaries is None else boundaries
     mag = torch.bucketize(y.abs(), bounds, right=False, out_int32=True).to(torch.uint8)
     return mag | ((y < 0).to(torch.uint8) << 3)
 
@@ -199,7 +200,7 @@ def quantize_nvfp4(
     out_f, in_f = w.shape
     packed = torch.empty(out_f, in_f // 2, dtype=torch.uint8, device=w.device)
     scale = torch.empty(out_f, in_f // GROUP_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
-    bounds = _boundaries(w.device)
+    bounds = fp4_boundaries(w.device)
     step = max(1, chunk_elements // max(1, in_f))
     for r0 in range(0, out_f, step):
         x = w[r0 : r0 + step].float().reshape(-1, in_f // GROUP_SIZE, GROUP_SIZE)

@@ -36,10 +36,8 @@ records ``method`` and, for gptq, the calibration source, sequence and token cou
 ``quantize.keep`` copies the linears it names (mixed precision; ``quantization_config`` ignores them)
 and the manifest's ``keep`` records them with their bytes and what NVFP4 would have taken.
 
-``quantize.quality`` (``qerl.pipeline.nvfp4.quality``): once the checkpoint is written, its cost is
-measured (per-linear weight error; KL, top-1 and perplexities on held-out texts, test splits only)
-into ``extra["quality"]``, its time into ``metrics["quality_seconds"]``. The settings and the texts'
-digest join the cache key as the ``quality`` input (the files do not depend on them, the manifest does).
+What quantization cost (``quantize.quality``) is the next stage's (``qerl.stages.quality``), keyed on
+this artifact's digest: its settings are not in this key, and a report that fails keeps the checkpoint.
 """
 
 from __future__ import annotations
@@ -61,11 +59,9 @@ import torch
 from qerl.pipeline.config import key_payload
 from qerl.pipeline.data.calibration_tokens import calibration_tokens
 from qerl.pipeline.data.datasets import DataConfig
-from qerl.pipeline.data.heldout import held_out_texts
 from qerl.pipeline.nvfp4.calibration import gptq_layers, layer_index
 from qerl.pipeline.nvfp4.grouping import Group, kept_linears, kept_memory, plan_quantization
 from qerl.pipeline.nvfp4.marlin import marlin_zeroed_blocks
-from qerl.pipeline.nvfp4.quality import check_texts, quality_key, quality_section
 from qerl.pipeline.nvfp4.recipe import (
     UNQUANTIZED_MODE,
     QuantizeConfig,
@@ -84,7 +80,7 @@ from qerl.pipeline.nvfp4.safetensors_io import (
     write_sharded,
 )
 from qerl.pipeline.nvfp4.scale_search import quantize_mse
-from qerl.pipeline.runtime.device import default_device
+from qerl.pipeline.runtime.device import default_device, free_device_cache
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
 from qerl.pipeline.store.files import atomic_write_json
@@ -237,17 +233,8 @@ def run_with_status(
         calibration_tokens(cfg.calibration, src_dir, data, held_out) if cfg.method == "gptq" else (None, None)
     )
     device, backend = _device_and_backend(cfg)
-    # the quality section's held-out texts are read before the build: their digest keys the artifact
-    q_cfg = cfg.quality
-    held_out = (
-        held_out_texts(q_cfg.source, q_cfg.texts, q_cfg.data_root or (data.root if data else None))
-        if q_cfg.enabled and q_cfg.texts
-        else None
-    )  # a run's data.root is where GSM8K is found when quantize.quality.data_root is unset
-    quality_inputs = quality_key(q_cfg, held_out)
 
     def build(tmp: Path) -> BuildResult:
-        check_texts(q_cfg, src_dir, held_out)  # before the build's hours, not after them
         t0 = time.perf_counter()
         aux = copy_aux_files(src_dir, tmp)
         config = dict(model_config)
@@ -270,12 +257,10 @@ def run_with_status(
             *(n_quant, src_dir, cfg.method, backend, seconds),
         )
         marlin = marlin_zeroed_blocks(tmp, [[o.name for o in g.outputs] for g in plan if g.quantize])
-        tq = time.perf_counter()  # the quality section, measured on the checkpoint just written
-        quality = {"quality": quality_section(q_cfg, src_dir, tmp, held_out)} if q_cfg.enabled else {}
-        quality_s = {"quality_seconds": time.perf_counter() - tq} if quality else {}
+        free_device_cache()  # GPTQ's Hessians and layer copies: the next stage gets the device whole
         return BuildResult(
             mode=f"nvfp4/{backend}",
-            metrics={"seconds": seconds, "bytes_in": bytes_in, "bytes_out": bytes_out, **quality_s},
+            metrics={"seconds": seconds, "bytes_in": bytes_in, "bytes_out": bytes_out},
             extra={
                 "base_digest": base_digest,
                 "source": str(src),
@@ -291,12 +276,10 @@ def run_with_status(
                 "marlin": marlin,
                 **({"keep": kept_memory(specs, kept)} if kept else {}),
                 **({"calibration": calib} if calib else {}),
-                **quality,
             },
         )
 
-    inputs = {"base": base_digest, **quality_inputs}
-    return store.produce(STAGE, _recipe_key(cfg, calib), inputs, code, build)
+    return store.produce(STAGE, _recipe_key(cfg, calib), {"base": base_digest}, code, build)
 
 
 @contextmanager
@@ -334,7 +317,7 @@ def _recipe_key(cfg: QuantizeConfig, calibration: dict | None = None) -> dict:
     ``method: rtn`` keys exactly as before the method existed (its caches stay valid); ``mse`` adds the
     method and its sweep; ``gptq`` also the calibration settings and the calibration text's digest."""
     key = {k: v for k, v in key_payload(cfg).items() if k not in ("twin_dtype", "scheme")}
-    key.pop("quality", None)  # keyed through the inputs, with the held-out texts' digest
+    key.pop("quality", None)  # the quality stage's (qerl.stages.quality), not this checkpoint's
     if not key["keep"]:
         del key["keep"]  # no mixed precision: the key it always had
     calib_settings = key.pop("calibration")

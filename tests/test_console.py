@@ -153,12 +153,6 @@ def test_evaluation_progress_is_a_line_per_quarter_or_a_bar_on_a_terminal():
     assert "/211 tensors" in term.stream.getvalue()  # tqdm draws the count when it next refreshes
     ui.progress("quantize", 110, 211, "tensors")
     assert ui.lines[-1].startswith("quantize    110/211 tensors")
-    # the quantize's last tensor: what comes next (the quality section) is said, if it is measured
-    for measures in (False, True):
-        ui.lines.clear()
-        console.quantize_progress(ui, measures)(211, 211)
-        assert ui.lines == (["quantize    211 tensors written; measuring what quantization cost (quantize.quality)"]
-                            if measures else [])  # fmt: skip
 
 
 def test_a_run_without_a_session_logs_to_its_run_log(tmp_path):

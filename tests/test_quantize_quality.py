@@ -1,5 +1,6 @@
-"""The quantize manifest's quality section: metrics against hand-derived values and a plain reference,
-the held-out texts, determinism, the one line, the table and the CLI report."""
+"""The quality stage (what quantization cost): metrics against hand-derived values and a plain
+reference, the held-out and validation texts, determinism, its key (never the checkpoint's), the disk
+check of its spill, the one line, the table and the CLI report."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from qerl.pipeline.nvfp4.quality import QualityConfig, logit_metrics, relative_e
 from qerl.pipeline.nvfp4.quality_report import quality_brief, quality_line, quality_table
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.stages import quality as quality_stage
 from qerl.stages import quantize as stage
 
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -121,31 +123,62 @@ def _without_tokenizer(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_a_source_without_a_tokenizer_is_named_before_the_build_writes(tiny_model_dir, tmp_path, monkeypatch):
-    """transformers builds an empty tokenizer from a config.json alone: the stage names the folder, and
-    does so before the build's work (the quality section runs after it), with nothing left in the store."""
+def _measured(cfg: QualityConfig, quantized, src: Path, store: ArtifactStore):
+    texts = held_out_texts(cfg.source, cfg.texts) if cfg.texts else None
+    return quality_stage.run(cfg, quantized, src, store, texts)
+
+
+def test_a_source_without_a_tokenizer_is_named_before_a_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """transformers builds an empty tokenizer from a config.json alone: the quality stage names the
+    folder before it loads a model, with no quality artifact left in the store; the checkpoint,
+    written first, is kept."""
     src = _without_tokenizer(tiny_model_dir, tmp_path / "weights-only")
     store = ArtifactStore(tmp_path / "store")
-    monkeypatch.setattr(stage, "write_sharded", lambda *a, **k: pytest.fail("the build ran"))
-    cfg = QuantizeConfig(quality=QualityConfig(source="arithmetic", texts=4))
+    quantized = stage.run(QuantizeConfig(), src, store)
+    monkeypatch.setattr(quality, "_load_base", lambda *a: pytest.fail("a model loaded"))
     with pytest.raises(ValueError, match=r"weights-only: no tokenizer .*quantize.quality.texts: 0"):
-        stage.run(cfg, src, store)
-    assert not list(store.root.rglob("manifest.json"))
+        _measured(QualityConfig(source="arithmetic", texts=4), quantized, src, store)
+    assert [m.parent.parent.name for m in store.root.rglob("manifest.json")] == ["quantize"]
     # without texts the quality section needs no tokenizer (weight errors only)
-    monkeypatch.undo()
-    manifest = stage.run(QuantizeConfig(quality=QualityConfig(texts=0)), src, store)
-    assert "kl" not in manifest.extra["quality"] and manifest.extra["quality"]["weight_error"]["linears"] > 0
+    section = _measured(QualityConfig(texts=0), quantized, src, store).extra["quality"]
+    assert "kl" not in section and section["weight_error"]["linears"] > 0
 
 
-def test_a_chat_prompt_without_a_template_is_refused_before_the_build(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_chat_prompt_without_a_template_is_refused_before_a_model_loads(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     import shutil
 
     src = shutil.copytree(tiny_model_dir, tmp_path / "no-template")
     (src / "chat_template.jinja").unlink()
-    monkeypatch.setattr(stage, "write_sharded", lambda *a, **k: pytest.fail("the build ran"))
-    cfg = QuantizeConfig(quality=QualityConfig(source="arithmetic", texts=4, prompt="chat"))
+    store = ArtifactStore(tmp_path / "store")
+    quantized = stage.run(QuantizeConfig(), src, store)
+    monkeypatch.setattr(quality, "_load_base", lambda *a: pytest.fail("a model loaded"))
     with pytest.raises(ValueError, match="no chat template"):
-        stage.run(cfg, src, ArtifactStore(tmp_path / "store"))
+        _measured(QualityConfig(source="arithmetic", texts=4, prompt="chat"), quantized, src, store)
+
+
+def test_a_report_that_fails_keeps_the_checkpoint_and_says_what_the_spill_needs(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The report runs after the checkpoint is committed: a failure (here, no room for the spilled
+    logits, which go under the store, not $TMPDIR) costs the report only, and a rerun quantizes nothing."""
+    store = ArtifactStore(tmp_path / "store")
+    quantized, _ = stage.run_with_status(QuantizeConfig(), tiny_model_dir, store)
+    monkeypatch.setattr(quality, "free_bytes", lambda path: 1000)
+    with pytest.raises(
+        OSError, match=r"logits for [\d,]+ tokens take .* under .*store/tmp/quality-.*1.0 KB free"
+    ):
+        _measured(QualityConfig(source="arithmetic", texts=4), quantized, tiny_model_dir, store)
+    monkeypatch.undo()
+    again, cached = stage.run_with_status(QuantizeConfig(), tiny_model_dir, store)
+    assert cached and again.digest == quantized.digest
+    assert (
+        "kl"
+        in _measured(QualityConfig(source="arithmetic", texts=4), again, tiny_model_dir, store).extra[
+            "quality"
+        ]
+    )
 
 
 SECTION = {
@@ -224,15 +257,20 @@ def _plain_reference(src: Path, ckpt: Path, items: list[dict], prompt: str) -> d
 
 @pytest.fixture(scope="module")
 def built(tiny_model_dir, tmp_path_factory):
-    """The demo model quantized twice, into two stores (two independent builds)."""
-    cfg = QuantizeConfig(quality=QualityConfig(source="arithmetic", texts=6))
-    a = stage.run(cfg, tiny_model_dir, ArtifactStore(tmp_path_factory.mktemp("qa")))
-    b = stage.run(cfg, tiny_model_dir, ArtifactStore(tmp_path_factory.mktemp("qb")))
-    return cfg, a, b
+    """The demo model quantized and measured twice, into two stores (two independent builds):
+    (quality config, quality a, quality b, checkpoint a)."""
+    cfg = QualityConfig(source="arithmetic", texts=6)
+    out = []
+    for name in ("qa", "qb"):
+        store = ArtifactStore(tmp_path_factory.mktemp(name))
+        quantized = stage.run(QuantizeConfig(quality=cfg), tiny_model_dir, store)
+        out.append((_measured(cfg, quantized, tiny_model_dir, store), quantized))
+    (a, ckpt), (b, _) = out
+    return cfg, a, b, ckpt
 
 
 def test_section_in_the_manifest_and_deterministic(built):
-    _, a, b = built
+    _, a, b, ckpt = built
     section = a.extra["quality"]
     assert list(section) == [
         "texts",
@@ -245,10 +283,11 @@ def test_section_in_the_manifest_and_deterministic(built):
         "layers",
     ]
     assert section["texts"]["source"] == "arithmetic/test" and section["texts"]["count"] == 6
-    assert section["weight_error"]["linears"] == a.extra["quantized_tensors"] == len(section["layers"])
+    assert section["weight_error"]["linears"] == ckpt.extra["quantized_tensors"] == len(section["layers"])
     assert section["kl"] > 0 and 0 < section["top1"] <= 1 and section["tokens"] > 6
     assert json.dumps(section).encode() == json.dumps(b.extra["quality"]).encode()
-    assert a.metrics["quality_seconds"] > 0
+    assert json.loads(a.file("quality.json").read_text()) == section and a.metrics["seconds"] > 0
+    assert "quality" not in ckpt.extra  # the checkpoint's manifest is the checkpoint's
     assert quality_line(section).startswith("quality: KL ")
 
 
@@ -256,12 +295,12 @@ def test_section_in_the_manifest_and_deterministic(built):
     ("batch_tokens", "prompt"), [(1, "plain"), (4096, "plain"), (4096, "chat")]
 )  # one text per forward; all in one padded batch
 def test_model_metrics_match_a_plain_reference(built, tiny_model_dir, monkeypatch, batch_tokens, prompt):
-    _, a, _ = built
+    _, a, _, ckpt = built
     _, items, _ = held_out_texts("arithmetic", 6)
     monkeypatch.setattr(quality, "_LOGIT_BUDGET", 3 * 1000)  # a few rows per chunk: the chunk loop runs
     monkeypatch.setattr(quality, "_BATCH_TOKENS", batch_tokens)
-    m = quality.model_metrics(tiny_model_dir, a.dir, items, max_tokens=1024, prompt=prompt)
-    ref = _plain_reference(tiny_model_dir, a.dir, items, prompt)
+    m = quality.model_metrics(tiny_model_dir, ckpt.dir, items, max_tokens=1024, prompt=prompt)
+    ref = _plain_reference(tiny_model_dir, ckpt.dir, items, prompt)
     for key in ("kl", "top1", "ppl_base", "ppl_quant"):
         assert m[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), key
     assert m["kl"] > 1e-4  # the quantized model does differ: the comparison can fail
@@ -272,12 +311,12 @@ def test_model_metrics_match_a_plain_reference(built, tiny_model_dir, monkeypatc
 def test_weight_errors_match_an_independent_dequantization(built, tiny_model_dir):
     from safetensors.torch import load_file
 
-    _, a, _ = built
+    _, a, _, ckpt = built
     src = {}
     for f in sorted(tiny_model_dir.glob("*.safetensors")):
         src.update(load_file(f))
     out = {}
-    for f in sorted(a.dir.glob("*.safetensors")):
+    for f in sorted(ckpt.dir.glob("*.safetensors")):
         out.update(load_file(f))
     for name, err in a.extra["quality"]["layers"].items():
         w = src[f"{name}.weight"].double()
@@ -286,24 +325,42 @@ def test_weight_errors_match_an_independent_dequantization(built, tiny_model_dir
         assert err == pytest.approx(float((w - d).norm() / w.norm()), abs=1e-6), name
 
 
-def test_quality_settings_key_the_artifact_not_its_files(built, tiny_model_dir, tmp_path):
-    cfg, a, _ = built
+def test_quality_settings_and_texts_key_the_report_never_the_checkpoint(built, tiny_model_dir, tmp_path):
+    cfg, a, _, ckpt = built
     store = ArtifactStore(tmp_path)
-    first, _ = stage.run_with_status(cfg, tiny_model_dir, store)
-    fewer, cached = stage.run_with_status(
-        cfg.model_copy(update={"quality": QualityConfig(source="arithmetic", texts=3)}), tiny_model_dir, store
-    )
-    assert not cached and fewer.key != first.key
-    assert fewer.digest == first.digest == a.digest  # same files: downstream caches stay valid
-    assert fewer.extra["quality"]["texts"]["count"] == 3
-    off, _ = stage.run_with_status(
-        cfg.model_copy(update={"quality": QualityConfig(enabled=False)}), tiny_model_dir, store
-    )
-    assert "quality" not in off.extra and "quality_seconds" not in off.metrics
-    weights_only, _ = stage.run_with_status(
-        cfg.model_copy(update={"quality": QualityConfig(texts=0)}), tiny_model_dir, store
-    )
+    quantized = stage.run(QuantizeConfig(quality=cfg), tiny_model_dir, store)
+    first = _measured(cfg, quantized, tiny_model_dir, store)
+    assert first.key == a.key  # the same checkpoint, settings and texts: the same report
+    for other in (QualityConfig(enabled=False), QualityConfig(source="arithmetic", texts=3)):
+        again, cached = stage.run_with_status(QuantizeConfig(quality=other), tiny_model_dir, store)
+        assert cached and again.key == quantized.key  # a quality setting never re-quantizes
+    fewer = _measured(QualityConfig(source="arithmetic", texts=3), quantized, tiny_model_dir, store)
+    assert fewer.key != first.key and fewer.extra["quality"]["texts"]["count"] == 3
+    weights_only = _measured(QualityConfig(texts=0), quantized, tiny_model_dir, store)
     assert list(weights_only.extra["quality"]) == ["weight_error", "layers"]
+    # the key is the checkpoint's content: another recipe's checkpoint is measured again
+    mse = stage.run(QuantizeConfig(method="mse"), tiny_model_dir, store)
+    assert _measured(cfg, mse, tiny_model_dir, store).key != first.key
+    assert mse.digest != ckpt.digest
+
+
+def test_a_runs_validation_split_is_what_the_report_measures(tiny_model_dir):
+    """In a run the texts are its validation problems with reference completions, held out of
+    training and calibration; the test split is what the run reports, so it never selects a recipe."""
+    from qerl.pipeline.data.datasets import DataConfig, load_problems
+    from qerl.pipeline.data.heldout import quality_texts
+    from qerl.pipeline.evaluation.eval_config import ValidationConfig, validation_split
+
+    data = DataConfig(arithmetic_size=64)
+    _, validation = validation_split(load_problems(data, "train"), ValidationConfig(size=12))
+    label, items, digest = quality_texts("auto", 8, None, data, validation)
+    assert label == "validation:arithmetic" and len(items) == 8
+    assert [i["messages"][0]["content"] for i in items] == [p["question"] for p in validation[:8]]
+    assert items[0]["completion"] == f"<answer>{validation[0]['answer']}</answer>"  # the terse template's
+    assert quality_texts("auto", 8, None, data, [])[0] == "arithmetic/test"  # no split: the test texts
+    with pytest.raises(ValueError, match="no validation split"):
+        quality_texts("validation", 8, None, data, [])
+    assert quality_texts("auto", 0, None, data, validation) is None
 
 
 def test_cli_prints_the_line_and_the_report(tiny_model_dir, tmp_path, capsys):
@@ -315,7 +372,7 @@ def test_cli_prints_the_line_and_the_report(tiny_model_dir, tmp_path, capsys):
     assert main(args) == 0
     plain = capsys.readouterr().out
     assert "quality: KL " in plain and "rel. weight error" not in plain
-    assert main([*args, "--report"]) == 0  # a cache hit: the report comes from the manifest
+    assert main([*args, "--report"]) == 0  # cache hits: the report comes from the quality stage's manifest
     report = capsys.readouterr().out.splitlines()
     assert report[0].startswith("cache hit") and report[1].startswith("quality: KL ")
     table = report[report.index(next(r for r in report if "rel. weight error" in r)) + 2 :]
@@ -342,10 +399,11 @@ def test_quality_metrics_reach_the_mlflow_run(tmp_path):
     cfg = tracking.RegistryConfig()
     run_id = tracking.start_run(tracking.connect(cfg, tmp_path), run_name="quality")
     run = SimpleNamespace(cfg=SimpleNamespace(registry=cfg), work=tmp_path)
-    rl_register._log_quantize_quality(run, run_id, SimpleNamespace(extra={"quality": SECTION}))
+    run.quality = SimpleNamespace(extra={"quality": SECTION})
+    rl_register._log_quantize_quality(run, run_id)
     logged = tracking.MlflowClient().get_run(run_id).data.metrics
     assert {k: logged[k] for k in quality_metrics(SECTION)} == quality_metrics(SECTION)
-    # the run console's quantize line and `qerl eval`'s base line carry the short form
+    # the run console's quality line and `qerl eval`'s base line carry the short form
     assert quality_brief(SECTION) == ", KL 0.215 nats/token, top-1 0.808"
     weights_only = {"weight_error": SECTION["weight_error"]}
     assert quality_brief(weights_only) == ", weight error 5.0%"

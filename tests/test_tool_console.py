@@ -73,7 +73,7 @@ def test_cli_eval_console_is_its_stage_lines_and_the_result(tiny_model_dir, tmp_
     lines = [line for line in err.splitlines() if line.strip()]
     # the plain base is quantized: its progress is a line a quarter without a terminal
     progress = [line for line in lines if line.startswith("quantize") and " tensors" in line]
-    assert progress[-1].endswith("tensors written; measuring what quantization cost (quantize.quality)"), err
+    assert progress and all("/27 tensors" in line for line in progress), err
     names = [line.split()[0] for line in lines if line not in progress]
     expected = ["base", "quantize", "adapter", "WARNING", "evaluate", "log:"]  # WARNING: the engine's mode
     assert names == expected, err

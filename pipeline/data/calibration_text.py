@@ -49,6 +49,7 @@ __all__ = [
     "calibration_pairs",
     "calibration_questions",
     "calibration_token_ids",
+    "reference_pairs",
     "prompt_token_ids",
     "resolve_source",
     "token_digest",
@@ -165,6 +166,23 @@ def calibration_pairs(
         "base model's own completions) or gsm8k with data.root (or "
         f"${DATA_DIR_ENV}) holding gsm8k/train.jsonl"
     )
+
+
+def reference_pairs(problems: list[Any], data: DataConfig) -> list[tuple[str, str]] | None:
+    """(question, reference completion) for each of ``problems``, the run's own (its validation split):
+    the answer in the template's answer format for the arithmetic set, the worked solution of the
+    training file's row for GSM8K-style data; None where the data has no reference completions."""
+    if data.dataset == "arithmetic":
+        form = _ANSWER_FORMS[TEMPLATES[data.template]["answer_format"]]
+        return [(p["question"], form.format(a=p["answer"])) for p in problems]
+    rows = _solution_rows(data)
+    solutions = {
+        r["question"].strip(): r["answer"].strip() for r in rows if isinstance(r.get("question"), str)
+    }
+    pairs = [(p["question"], solutions.get(p["question"].strip())) for p in problems]
+    if not rows or any(c is None for _, c in pairs):
+        return None
+    return [(q, c) for q, c in pairs if c is not None]
 
 
 def calibration_questions(

@@ -13,9 +13,14 @@ items. Two sources:
 
 ``auto`` takes gsm8k when a data directory holds ``gsm8k/test.jsonl``, else arithmetic.
 
-Why test splits only: calibration (GPTQ) and training use train splits, so a quality number measured
-here is never flattered by the data the weights were fitted on. The items are in file order (no
-shuffle), so the same count always gives the same texts and digest.
+In a run, ``quality_texts`` prefers the run's validation split (``validation_texts``: its first
+``count`` problems with their reference completions, where the data has them): held out of training
+and of GPTQ's calibration, and not the test split, so choosing a quantization recipe by its quality
+report never selects on the test set the run reports.
+
+Why held-out splits only: calibration (GPTQ) and training use the training problems, so a quality
+number measured here is never flattered by the data the weights were fitted on. The items are in
+file order (no shuffle), so the same count always gives the same texts and digest.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from qerl.pipeline.data.arithmetic import ARITHMETIC_LEVELS, arithmetic_problems
-from qerl.pipeline.data.datasets import DATA_DIR_ENV, local_copy, read_rows
+from qerl.pipeline.data.calibration_text import reference_pairs
+from qerl.pipeline.data.datasets import DATA_DIR_ENV, DataConfig, dataset_name, local_copy, read_rows
 from qerl.pipeline.store.files import sha256_json
 
-__all__ = ["HELD_OUT_SOURCES", "held_out_texts"]
+__all__ = ["HELD_OUT_SOURCES", "held_out_texts", "quality_texts", "validation_texts"]
 
 HELD_OUT_SOURCES = ("auto", "gsm8k", "arithmetic")
+Texts = tuple[str, list[dict[str, Any]], str]  # (label, items, digest)
 
 
 def _gsm8k_file(root: str | None) -> Path | None:
@@ -92,3 +99,41 @@ def held_out_texts(source: str, count: int, root: str | None = None) -> tuple[st
     else:
         label, items = "arithmetic/test", _arithmetic_items(count)
     return label, items, sha256_json(items)
+
+
+def validation_texts(problems: list[Any], data: DataConfig, count: int) -> Texts | None:
+    """(label, items, digest) of the first ``count`` of a run's validation ``problems`` with their
+    reference completions (label ``validation:<dataset>``); None when the data has none."""
+    pairs = reference_pairs(list(problems[:count]), data)
+    if not pairs:
+        return None
+    items = [
+        {"id": p["id"], "messages": [{"role": "user", "content": q}], "completion": c}
+        for p, (q, c) in zip(problems, pairs, strict=False)
+    ]
+    return f"validation:{dataset_name(data)[0]}", items, sha256_json(items)
+
+
+def quality_texts(
+    source: str,
+    count: int,
+    root: str | None,
+    data: DataConfig | None = None,
+    validation: list[Any] | None = None,
+) -> Texts | None:
+    """The texts the quality stage measures on (``quantize.quality.source``): the run's validation
+    split (``validation``, with ``data`` its data config) for ``validation``, and for ``auto`` where it
+    has reference completions; else ``held_out_texts``. None when ``count`` is 0 (weight errors only)."""
+    if count == 0:
+        return None
+    if source in ("auto", "validation"):
+        texts = validation_texts(validation, data, count) if validation and data is not None else None
+        if texts is not None:
+            return texts
+        if source == "validation":
+            raise ValueError(
+                "quantize.quality.source validation: this run has no validation split with reference "
+                "completions (eval.validation.size 0, or data without worked answers); use auto, gsm8k "
+                "or arithmetic"
+            )
+    return held_out_texts(source, count, root)

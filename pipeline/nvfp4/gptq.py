@@ -25,10 +25,11 @@ How, and where it departs from the paper's integer-grid GPTQ:
 from __future__ import annotations
 
 import torch
-from qerl.kernels.nvfp4_reference import GROUP_SIZE, NVFP4Error
+from qerl.kernels.nvfp4_reference import GROUP_SIZE, NVFP4Error, fp4_boundaries
 from qerl.pipeline.nvfp4.scale_search import (
     absmax_scales,
     decode,
+    fp4_lut,
     quantize_with_scales,
     search_block_scales,
 )
@@ -111,6 +112,8 @@ def gptq_nvfp4(
     else:
         order = torch.arange(in_f, device=w.device)
     codes = torch.empty(out_f, in_f, dtype=torch.uint8, device=w.device)
+    # made once, not per column: on a GPU each would be a host copy, and order[col] a host sync
+    bounds, lut, order_host = fp4_boundaries(w.device), fp4_lut(w.device), order.tolist()
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)
         w1 = w[:, b0:b1].clone()
@@ -123,11 +126,11 @@ def gptq_nvfp4(
                 scales[:, g] = _block_scales(
                     w1[:, i : i + GROUP_SIZE], gs, scale_rule, cost[col : col + GROUP_SIZE], sweep
                 ).squeeze(-1)
-            orig = int(order[col])
+            orig = order_host[col]
             s = scales[:, orig // GROUP_SIZE]
             x = w1[:, i]
-            c = quantize_with_scales(x.reshape(-1, 1, 1), s.reshape(-1, 1), gs).reshape(-1)
-            q = decode(c.reshape(-1, 1, 1), s.reshape(-1, 1), gs).reshape(-1)
+            c = quantize_with_scales(x.reshape(-1, 1, 1), s.reshape(-1, 1), gs, bounds).reshape(-1)
+            q = decode(c.reshape(-1, 1, 1), s.reshape(-1, 1), gs, lut).reshape(-1)
             codes[:, orig] = c
             e = (x - q) / u1[i, i]
             w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)

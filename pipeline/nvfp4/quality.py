@@ -1,15 +1,15 @@
 """What quantization costs: per-linear weight error and whole-model KL / top-1 / perplexity.
 
 What: ``quality_section`` measures an NVFP4 checkpoint against the model it was quantized from and
-returns a small ordered dict (rounded floats, byte-deterministic) that the quantize stage puts in its
-manifest (``extra["quality"]``):
+returns a small ordered dict (rounded floats, byte-deterministic) that the quality stage
+(``qerl.stages.quality``) keeps as its artifact and in its manifest (``extra["quality"]``):
 
 * ``layers``: for every quantized linear, the relative weight error ``||W - deq(Q)||_F / ||W||_F``,
   streamed one linear at a time (the source tensor from the source safetensors, the packed one from
   the checkpoint, row-chunked float32 differences summed in float64), so memory stays one tensor.
 * ``kl``, ``top1``, ``ppl_base``, ``ppl_quant``: over the completion tokens of held-out prompt +
-  completion texts (``qerl.pipeline.data.heldout``: GSM8K test reference solutions, else the
-  arithmetic set's test answers), the mean of KL(base || quantized) per token in nats, the share of
+  completion texts (``qerl.pipeline.data.heldout``: in a run, its validation split with reference
+  completions; else GSM8K test reference solutions, else the arithmetic set's test answers), the mean of KL(base || quantized) per token in nats, the share of
   tokens where both models' most likely next token agree, and both perplexities of the completion
   (exp of the mean negative log-likelihood). Prompt tokens are context only.
 
@@ -39,6 +39,7 @@ the tokenizer's chat template instead (an error for a tokenizer without one).
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 from collections.abc import Iterator
@@ -48,17 +49,17 @@ from typing import Any, Literal
 import qerl.kernels.nvfp4_dispatch as nvfp4_dispatch
 import torch
 from pydantic import Field
-from qerl.pipeline.config import StrictModel, key_payload
+from qerl.pipeline.config import StrictModel
 from qerl.pipeline.runtime.device import default_device
-from qerl.pipeline.store.files import sha256_json
+from qerl.pipeline.store.files import free_bytes, human_bytes
 
 __all__ = [
     "QualityConfig",
     "check_texts",
+    "check_spill_space",
     "encode_items",
     "logit_metrics",
     "model_metrics",
-    "quality_key",
     "quality_section",
     "relative_error",
     "text_tokenizer",
@@ -71,18 +72,20 @@ _ROUND = 6
 
 
 class QualityConfig(StrictModel):
-    """The quality section of the quantize manifest (``quantize.quality``)."""
+    """What the quality stage measures (``quantize.quality``)."""
 
     enabled: bool = Field(
         default=True,
         description="measure what quantization costs (per-linear weight error, and with texts > 0 KL, "
-        "top-1 and perplexities) and record it in the quantize manifest; false: no quality section",
+        "top-1 and perplexities) as the quality stage, after the checkpoint is written; false: not measured",
     )
-    source: Literal["auto", "gsm8k", "arithmetic"] = Field(
+    source: Literal["auto", "validation", "gsm8k", "arithmetic"] = Field(
         default="auto",
-        description="held-out texts: gsm8k (GSM8K test problems with their reference solutions, from "
-        "data_root or $QERL_DATA_DIR), arithmetic (the procedural set's test split), auto: gsm8k when "
-        "its test file is there, else arithmetic",
+        description="held-out texts: validation (a run's validation split with reference completions: the "
+        "arithmetic set's answers, GSM8K's worked solutions), gsm8k (GSM8K test problems with their "
+        "reference solutions, from data_root or $QERL_DATA_DIR), arithmetic (the procedural set's test "
+        "split); auto: validation in a run that has one and whose data has reference completions, else "
+        "gsm8k when its test file is there, else arithmetic",
     )
     data_root: str | None = Field(
         default=None,
@@ -104,20 +107,6 @@ class QualityConfig(StrictModel):
         ge=8,
         description="tokens of one text (prompt + completion) at most; a longer completion is cut at its end",
     )
-
-
-def quality_key(cfg: QualityConfig, texts: tuple[str, list[dict[str, Any]], str] | None) -> dict[str, str]:
-    """What the quantize stage's cache key takes of the section: one input digest of the settings and
-    the held-out texts' digest, nothing when disabled.
-
-    Keyed although the checkpoint's bytes do not depend on it: the manifest is what a user reads the
-    quality from, and a cache hit must not show a section measured under other settings or on other
-    texts ($QERL_DATA_DIR appearing turns ``auto`` from arithmetic to GSM8K). Changing it costs one
-    re-quantize; downstream stages keep their caches, since an artifact's digest covers its files,
-    not its manifest."""
-    if not cfg.enabled:
-        return {}
-    return {"quality": sha256_json({"config": key_payload(cfg), "texts": texts[2] if texts else None})}
 
 
 # --- per-linear weight error ------------------------------------------------------------------
@@ -260,6 +249,22 @@ def _completion_logits(
             yield head(rows[r : r + step]).float().cpu()
 
 
+def check_spill_space(base_dir: str | Path, tokens: int, spill_dir: str | Path | None) -> int:
+    """The bytes the base's spilled logits take (``tokens`` rows of float32 over the vocabulary);
+    raises ``OSError`` naming both numbers when ``spill_dir`` has less free space, before a model loads."""
+    vocab = int(json.loads((Path(base_dir) / "config.json").read_text())["vocab_size"])
+    need = tokens * vocab * 4
+    where = Path(spill_dir) if spill_dir is not None else Path(tempfile.gettempdir())
+    free = free_bytes(where)
+    if free is not None and need > free:
+        raise OSError(
+            f"quality: the base model's logits for {tokens:,} tokens take {human_bytes(need)} under {where}, "
+            f"which has {human_bytes(free)} free: free space there, or set quantize.quality.texts lower "
+            "(0: weight errors only)"
+        )
+    return need
+
+
 def _load_base(model_dir: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -272,18 +277,21 @@ def model_metrics(
     items: list[dict[str, Any]],
     max_tokens: int,
     prompt: str = "plain",
+    spill_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """KL(base||quant) nats/token, top-1 agreement, both perplexities over the completion tokens of
-    ``items``; one model resident at a time (see the module docstring)."""
+    ``items``; one model resident at a time, the base's logits spilled under ``spill_dir`` (None: the
+    system's temporary folder; see the module docstring)."""
     from qerl.pipeline.nvfp4.loading import load_dequantized_reference
 
     device = default_device()  # a GPU where there is one: two fp32 passes of a 7B model are hours of CPU
     encoded, truncated = encode_items(text_tokenizer(base_dir), items, max_tokens, prompt)
     targets = torch.tensor([t for ids, n in encoded for t in ids[n:]])
+    check_spill_space(base_dir, len(targets), spill_dir)
     sums = dict.fromkeys(("kl", "agree", "nll_base", "nll_quant", "tokens"), 0.0)
     # both passes yield the same chunks in the same order, so the spill is written and read back
     # sequentially, with plain file I/O: mapped pages would count in the resident set (safetensors_io)
-    with tempfile.TemporaryFile(prefix="qerl-quality-") as spill:
+    with tempfile.TemporaryFile(prefix="qerl-quality-", dir=spill_dir) as spill:
         base = _load_base(Path(base_dir)).to(device)
         for chunk in _completion_logits(base, encoded):
             spill.write(chunk.numpy().tobytes())
@@ -351,11 +359,12 @@ def quality_section(
     src_dir: str | Path,
     ckpt_dir: str | Path,
     texts: tuple[str, list[dict[str, Any]], str] | None,
+    spill_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    """The manifest's quality section for checkpoint ``ckpt_dir`` quantized from ``src_dir``.
+    """The quality section for checkpoint ``ckpt_dir`` quantized from ``src_dir``.
 
-    ``texts``: (label, items, digest) of ``qerl.pipeline.data.heldout.held_out_texts``; None (with
-    ``cfg.texts == 0``) measures the weight errors only."""
+    ``texts``: (label, items, digest) of ``qerl.pipeline.data.heldout``; None (with ``cfg.texts ==
+    0``) measures the weight errors only. ``spill_dir``: where the base's logits are spilled."""
     errors = weight_errors(src_dir, ckpt_dir)
     if not errors:
         raise ValueError(f"{ckpt_dir}: no quantized linears to measure")
@@ -363,7 +372,7 @@ def quality_section(
     section: dict[str, Any] = {}
     if texts is not None and cfg.texts > 0:
         label, items, digest = texts
-        m = model_metrics(src_dir, ckpt_dir, items, cfg.max_tokens, cfg.prompt)
+        m = model_metrics(src_dir, ckpt_dir, items, cfg.max_tokens, cfg.prompt, spill_dir)
         section["texts"] = {"source": label, "count": len(items), "digest": digest, "prompt": m["prompt"],
                             "max_tokens": cfg.max_tokens, "truncated": m["truncated"]}  # fmt: skip
         section.update(tokens=m["tokens"], kl=_r(m["kl"]), top1=_r(m["top1"]),

@@ -1,4 +1,4 @@
-"""The quantize manifest's quality section, for people and trackers: one line, a table, flat metrics.
+"""The quality stage's section, for people and trackers: one line, a table, flat metrics.
 
 ``qerl.pipeline.nvfp4.quality`` measures the section; this module only reads it (a section is a plain
 dict in the manifest, so an artifact from an older version, or none at all, prints as "not measured").
@@ -28,6 +28,8 @@ def quality_line(section: dict[str, Any] | None) -> str:
         return f"quality: weight error mean {100 * w['mean']:.1f}% over {w['linears']} linears; {worst}"
     t = section["texts"]
     what = _SOURCE_WORDS.get(t["source"], t["source"])
+    if t["source"].startswith("validation:"):
+        what = f"{t['source'].removeprefix('validation:')} validation texts"
     return (
         f"quality: KL {section['kl']:.3f} nats/token, top-1 {section['top1']:.3f}, "
         f"ppl {section['ppl_base']:.2f} -> {section['ppl_quant']:.2f} "

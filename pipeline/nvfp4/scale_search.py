@@ -42,6 +42,7 @@ __all__ = [
     "decode",
     "quantize_mse",
     "quantize_with_scales",
+    "fp4_lut",
     "scale_candidates",
     "search_block_scales",
 ]
@@ -80,16 +81,28 @@ def scale_candidates(x: torch.Tensor, gs: torch.Tensor, sweep: int = 2) -> torch
     return torch.stack(cands, dim=-1)
 
 
-def quantize_with_scales(x: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+def quantize_with_scales(
+    x: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, boundaries: torch.Tensor | None = None
+) -> torch.Tensor:
     """FP4 codes (uint8, ``x``'s shape ``[..., blocks, 16]``) of ``x`` under the given block scales
-    (``[..., blocks]``), with the reference's operation order."""
-    return fp4_codes(x.float() / (scales / gs.to(scales.device)).unsqueeze(-1))
+    (``[..., blocks]``), with the reference's operation order. ``boundaries``: ``fp4_boundaries`` of
+    ``x``'s device, made once by a caller that calls this per column (GPTQ)."""
+    return fp4_codes(x.float() / (scales / gs.to(scales.device)).unsqueeze(-1), boundaries)
 
 
-def decode(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """``q * (s / gs)`` in float32: the values a checkpoint holding these codes dequantizes to."""
+def decode(
+    codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, lut: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``q * (s / gs)`` in float32: the values a checkpoint holding these codes dequantizes to.
+    ``lut``: ``fp4_lut`` of the codes' device, made once by a caller that calls this per column."""
     # gs may stay on the CPU while the codes are on the GPU (GPTQ keeps the checkpoint's copy there)
-    return _lut(codes.device)[codes.long()] * (scales / gs.to(scales.device)).unsqueeze(-1)
+    lut = _lut(codes.device) if lut is None else lut
+    return lut[codes.long()] * (scales / gs.to(scales.device)).unsqueeze(-1)
+
+
+def fp4_lut(device: torch.device) -> torch.Tensor:
+    """Code -> E2M1 value (codes 8..15 negative), on ``device``."""
+    return _lut(device)
 
 
 # E2M1 rounding as a sum of steps: |y| passes boundary b -> the value grows by the step there

@@ -7,7 +7,7 @@ cannot disagree.
 
 from __future__ import annotations
 
-__all__ = ["cuda_available", "default_device"]
+__all__ = ["cuda_available", "default_device", "free_device_cache"]
 
 
 def cuda_available() -> bool:
@@ -20,3 +20,15 @@ def cuda_available() -> bool:
 def default_device() -> str:
     """``"cuda"`` where a CUDA device is usable, else ``"cpu"``."""
     return "cuda" if cuda_available() else "cpu"
+
+
+def free_device_cache() -> None:
+    """Give the memory torch's CUDA allocator keeps cached back to the device (a no-op without CUDA):
+    after a stage that ran whole models on the GPU, so the next (vLLM's engine, the trainer) finds it."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

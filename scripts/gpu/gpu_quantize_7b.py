@@ -111,10 +111,13 @@ def gptq_layer(model_dir: Path, sequences: int, tokens: int, device: str) -> dic
 
 
 def quality_peak(model_dir: Path, store: Path, texts: int, device: str, shape: dict, layers: int) -> dict:
-    """The quantize stage (RTN, quality on) on ``model_dir``: its quality seconds and peak memory."""
+    """The quantize stage (RTN) then the quality stage on ``model_dir``: the quality's seconds and
+    the peak memory over both."""
     import torch
+    from qerl.pipeline.data.heldout import held_out_texts
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore
+    from qerl.stages import quality as quality_stage
     from qerl.stages import quantize
 
     cuda = device == "cuda"
@@ -123,7 +126,9 @@ def quality_peak(model_dir: Path, store: Path, texts: int, device: str, shape: d
         torch.cuda.reset_peak_memory_stats()
     cfg = QuantizeConfig(method="rtn", quality={"enabled": True, "source": "arithmetic", "texts": texts})
     t0 = time.perf_counter()
-    manifest = quantize.run(cfg, model_dir, ArtifactStore(store))
+    checkpoint = quantize.run(cfg, model_dir, ArtifactStore(store))
+    held_out = held_out_texts("arithmetic", texts)
+    manifest = quality_stage.run(cfg.quality, checkpoint, model_dir, ArtifactStore(store), held_out)
     seconds = time.perf_counter() - t0
     peak = _peak(cuda)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -131,7 +136,7 @@ def quality_peak(model_dir: Path, store: Path, texts: int, device: str, shape: d
     return {
         "device": device, "texts": texts, "tokens": quality.get("tokens"), "kl": quality.get("kl"),
         "stage_seconds": round(seconds, 3),
-        "quality_seconds": round(manifest.metrics.get("quality_seconds", 0.0), 3),
+        "quality_seconds": round(manifest.metrics.get("seconds", 0.0), 3),
         "peak_gib": round(peak / GIB, 3), "layers": layers, "vocab": vocab,
         "projected_peak_gib": round(projected_peak(peak, shape, layers, vocab) / GIB, 2) if cuda else None,
     }  # fmt: skip
