@@ -299,8 +299,12 @@ class _ConsoleFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == log.name:  # the console's own lines are printed directly
             return False
-        if record.name == "prefect.flow_runs" and record.getMessage().startswith("Encountered exception"):
-            return False  # the command's own last line names the error (a second copy is noise)
+        if record.name in ("prefect.flow_runs", "prefect.task_runs") and record.getMessage().startswith(
+            ("Encountered exception", "Finished in state Failed", "Task run failed with ")
+        ):
+            # a task's failure is healed or retried (the run goes on), or it ends the run, whose
+            # command names the error in its own last line: a copy per Prefect layer is noise
+            return False
         own = record.name.split(".", 1)[0] == "qerl"
         return record.levelno >= (logging.WARNING if own else logging.ERROR)
 

@@ -85,14 +85,27 @@ def test_verbose_session_brings_the_chatter_back(tmp_path):
 def test_console_filter_passes_own_warnings_and_anyones_errors():
     keep = console._ConsoleFilter()
 
-    def rec(name: str, level: int) -> logging.LogRecord:
-        return logging.LogRecord(name, level, __file__, 1, "m", None, None)
+    def rec(name: str, level: int, msg: str = "m") -> logging.LogRecord:
+        return logging.LogRecord(name, level, __file__, 1, msg, None, None)
 
     assert keep.filter(rec("qerl.engines", logging.WARNING))
     assert not keep.filter(rec("qerl.engines", logging.INFO))
     assert not keep.filter(rec("vllm.config", logging.WARNING))
     assert keep.filter(rec("vllm.engine", logging.ERROR))
     assert not keep.filter(rec("httpx", logging.INFO))
+    # Prefect's copies of an error a task or the flow ended with: healed, retried, or named by the
+    # command's own last line (a full disk was printed three times)
+    for name, msg in (
+        (
+            "prefect.task_runs",
+            "Finished in state Failed('Task run encountered an exception DiskFullError: x')",
+        ),
+        ("prefect.task_runs", "Task run failed with exception: DiskFullError('x') - Retries are exhausted"),
+        ("prefect.flow_runs", "Finished in state Failed('Flow run encountered an exception: x')"),
+        ("prefect.flow_runs", "Encountered exception during execution: x"),
+    ):
+        assert not keep.filter(rec(name, logging.ERROR, msg)), msg
+    assert keep.filter(rec("prefect.task_runs", logging.ERROR, "Crash detected! x"))
 
 
 def test_eta_counts_built_steps_and_pending_evaluations_without_start_up():
