@@ -74,5 +74,5 @@ def run(
         "texts": texts[2] if texts is not None and cfg.texts > 0 else "none",
     }
     # which texts is the texts' digest; how they are put to the models is the settings'
-    settings = {"prompt": cfg.prompt, "max_tokens": cfg.max_tokens}
+    settings = {"prompt": cfg.prompt, "max_tokens": cfg.max_tokens, "dtype": cfg.dtype}
     return store.produce(STAGE, settings, inputs, code_version(sys.modules[__name__]), build)[0]

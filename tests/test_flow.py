@@ -97,9 +97,11 @@ def _assert_console(proc: subprocess.CompletedProcess, work: Path, engine_lines:
     """The console has the stage and step lines and ends with the summary; the chatter of Prefect,
     httpx and the engine (``engine_lines``: substrings of its INFO lines) is in run.log only."""
     console = proc.stdout + proc.stderr
-    for line in ("quantize", "data ", "step 1/", "evaluate", "register"):
+    for line in ("quantize", "data ", "quality", "step 1/", "evaluate", "register"):
         assert line in proc.stderr, (line, proc.stderr[-2000:])
-    assert re.search(r"quantize .*NVFP4 checkpoint .*, KL \d\.\d{3} nats/token, top-1", proc.stderr), (
+    assert re.search(r"quantize .*NVFP4 checkpoint ", proc.stderr), proc.stderr
+    # what quantization cost, measured on the run's validation texts
+    assert re.search(r"quality +KL \d\.\d{3} nats/token, top-1 .* on \d+ validation:\S+ texts", proc.stderr), (
         proc.stderr
     )
     assert proc.stdout.strip().splitlines()[-1].startswith("  MLflow UI:"), proc.stdout[-1000:]

@@ -344,6 +344,22 @@ def test_quality_settings_and_texts_key_the_report_never_the_checkpoint(built, t
     assert mse.digest != ckpt.digest
 
 
+def test_bfloat16_halves_the_model_and_a_gpu_without_room_is_refused(built, tiny_model_dir, monkeypatch):
+    _, _, _, ckpt = built
+    fp32 = quality.check_device_room(tiny_model_dir, torch.float32, "cpu")
+    assert quality.check_device_room(tiny_model_dir, torch.bfloat16, "cpu") * 2 == fp32 > 0
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (fp32 - 1, 80 << 30))
+    with pytest.raises(
+        MemoryError, match=r"takes .* in float32, the GPU has .* free: set quantize.quality.dtype"
+    ):
+        quality.check_device_room(tiny_model_dir, torch.float32, "cuda")
+    quality.check_device_room(tiny_model_dir, torch.bfloat16, "cuda")  # half fits
+    _, items, _ = held_out_texts("arithmetic", 6)
+    half = quality.model_metrics(tiny_model_dir, ckpt.dir, items, max_tokens=1024, dtype="bfloat16")
+    full = quality.model_metrics(tiny_model_dir, ckpt.dir, items, max_tokens=1024)
+    assert half["kl"] == pytest.approx(full["kl"], rel=0.5) and half["tokens"] == full["tokens"]
+
+
 def test_a_runs_validation_split_is_what_the_report_measures(tiny_model_dir):
     """In a run the texts are its validation problems with reference completions, held out of
     training and calibration; the test split is what the run reports, so it never selects a recipe."""

@@ -13,7 +13,8 @@ returns a small ordered dict (rounded floats, byte-deterministic) that the quali
   tokens where both models' most likely next token agree, and both perplexities of the completion
   (exp of the mean negative log-likelihood). Prompt tokens are context only.
 
-How: fp32, on the GPU where there is one (two fp32 passes of a 7B model are hours of CPU), else
+How: fp32 (``dtype: bfloat16`` halves the memory where an fp32 copy does not fit the GPU; the device's
+free memory is checked first), on the GPU where there is one (two fp32 passes of a 7B model are hours of CPU), else
 on the CPU. The base model (its own weights, upcast) runs first; its completion-position logits
 are spilled to a float32 temporary file (written and read back in order), so only one model is ever
 resident (a 7B model's two fp32 copies would not fit beside each other). Then the quantized model (the
@@ -56,6 +57,7 @@ from qerl.pipeline.store.files import free_bytes, human_bytes
 __all__ = [
     "QualityConfig",
     "check_texts",
+    "check_device_room",
     "check_spill_space",
     "encode_items",
     "logit_metrics",
@@ -106,6 +108,12 @@ class QualityConfig(StrictModel):
         default=1024,
         ge=8,
         description="tokens of one text (prompt + completion) at most; a longer completion is cut at its end",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="what both models run in: float32 (the measure of record) or bfloat16 (half the memory, "
+        "for a model whose float32 copy does not fit the GPU: from about 14B on 80 GB; a GPU without room "
+        "for the model in this dtype is refused with the numbers before it loads)",
     )
 
 
@@ -265,10 +273,29 @@ def check_spill_space(base_dir: str | Path, tokens: int, spill_dir: str | Path |
     return need
 
 
-def _load_base(model_dir: Path) -> torch.nn.Module:
+def _load_base(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def check_device_room(base_dir: str | Path, dtype: torch.dtype, device: str) -> int:
+    """The bytes one model takes in ``dtype`` (every tensor of the source's safetensors); on a GPU,
+    raises ``MemoryError`` naming both numbers and ``quantize.quality.dtype`` when the device has
+    less free memory than that, before a model loads (the CPU's memory is not checked)."""
+    from qerl.pipeline.nvfp4.safetensors_io import safetensors_index
+
+    numel = sum(math.prod(spec.shape) for spec in safetensors_index(base_dir).values())
+    need = numel * torch.empty((), dtype=dtype).element_size()
+    if device == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+        if need > free:
+            raise MemoryError(
+                f"quality: the base model takes {human_bytes(need)} in {str(dtype).removeprefix('torch.')}, the "
+                f"GPU has {human_bytes(free)} free: set quantize.quality.dtype: bfloat16 (half), "
+                "quantize.quality.texts: 0 (weight errors only) or quantize.quality.enabled: false"
+            )
+    return need
 
 
 def model_metrics(
@@ -278,25 +305,28 @@ def model_metrics(
     max_tokens: int,
     prompt: str = "plain",
     spill_dir: str | Path | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """KL(base||quant) nats/token, top-1 agreement, both perplexities over the completion tokens of
-    ``items``; one model resident at a time, the base's logits spilled under ``spill_dir`` (None: the
-    system's temporary folder; see the module docstring)."""
+    ``items``; one model resident at a time, in ``dtype``, the base's logits spilled under ``spill_dir``
+    (None: the system's temporary folder; see the module docstring)."""
     from qerl.pipeline.nvfp4.loading import load_dequantized_reference
 
     device = default_device()  # a GPU where there is one: two fp32 passes of a 7B model are hours of CPU
     encoded, truncated = encode_items(text_tokenizer(base_dir), items, max_tokens, prompt)
     targets = torch.tensor([t for ids, n in encoded for t in ids[n:]])
     check_spill_space(base_dir, len(targets), spill_dir)
+    torch_dtype = getattr(torch, dtype)
+    check_device_room(base_dir, torch_dtype, device)
     sums = dict.fromkeys(("kl", "agree", "nll_base", "nll_quant", "tokens"), 0.0)
     # both passes yield the same chunks in the same order, so the spill is written and read back
     # sequentially, with plain file I/O: mapped pages would count in the resident set (safetensors_io)
     with tempfile.TemporaryFile(prefix="qerl-quality-", dir=spill_dir) as spill:
-        base = _load_base(Path(base_dir)).to(device)
+        base = _load_base(Path(base_dir), torch_dtype).to(device)
         for chunk in _completion_logits(base, encoded):
             spill.write(chunk.numpy().tobytes())
         del base
-        quant = load_dequantized_reference(quant_dir, dtype=torch.float32).eval().to(device)
+        quant = load_dequantized_reference(quant_dir, dtype=torch_dtype).eval().to(device)
         spill.seek(0)
         row = 0
         for chunk in _completion_logits(quant, encoded):
@@ -372,9 +402,11 @@ def quality_section(
     section: dict[str, Any] = {}
     if texts is not None and cfg.texts > 0:
         label, items, digest = texts
-        m = model_metrics(src_dir, ckpt_dir, items, cfg.max_tokens, cfg.prompt, spill_dir)
+        m = model_metrics(src_dir, ckpt_dir, items, cfg.max_tokens, cfg.prompt, spill_dir, cfg.dtype)
         section["texts"] = {"source": label, "count": len(items), "digest": digest, "prompt": m["prompt"],
                             "max_tokens": cfg.max_tokens, "truncated": m["truncated"]}  # fmt: skip
+        if cfg.dtype != "float32":  # the measure of record is float32's; another says so
+            section["texts"]["dtype"] = cfg.dtype
         section.update(tokens=m["tokens"], kl=_r(m["kl"]), top1=_r(m["top1"]),
                        ppl_base=_r(m["ppl_base"]), ppl_quant=_r(m["ppl_quant"]))  # fmt: skip
     section["weight_error"] = {
