@@ -102,7 +102,8 @@ class _RefusingRay:
 def test_a_ray_client_connection_refused_by_the_head_is_retried_and_then_named(monkeypatch, caplog):
     monkeypatch.setattr(connection, "CLIENT_RETRY_S", 0.0)
     ray = _RefusingRay(refusals=2)
-    with caplog.at_level("INFO"):
+    # the logger's own level too: a console session earlier in this worker may have left it higher
+    with caplog.at_level("INFO", logger="qerl.fanout"):
         connection.connect(ray, "ray://127.0.0.1:10001", {})
     assert ray.inits == 3 and ray.shutdowns == 2
     assert (
@@ -181,11 +182,13 @@ def ray_head(monkeypatch):
             time.sleep(0.5)
         yield f"127.0.0.1:{port}", f"ray://127.0.0.1:{client_port}", lambda: _client_server_logs(temp)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        # SIGTERM lets the head stop its processes; what is left after a few seconds is killed (the
+        # graceful stop of a blocked `ray start` took 15 s on two cores, every time)
+        for sig, grace in ((signal.SIGTERM, 4), (signal.SIGKILL, 15)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=15)
+                proc.wait(timeout=grace)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
 

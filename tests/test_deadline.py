@@ -14,11 +14,14 @@ import yaml
 from qerl.pipeline.store import run_lock
 
 
-def _qerl(args: list[str], work: Path) -> subprocess.CompletedProcess:
-    """The CLI in its own session, not killed afterwards: the deadline itself must leave no process."""
-    from prefect_home import seeded_env
+def _qerl(args: list[str], work: Path, shared_server: bool = False) -> subprocess.CompletedProcess:
+    """The CLI in its own session, not killed afterwards: the deadline itself must leave no process
+    (its own Prefect temporary server included, unless ``shared_server``: the test process's)."""
+    from prefect_home import seeded_env, shared_api_url
 
     env = seeded_env({**os.environ, "QERL_WORK_DIR": str(work)}, work)
+    if shared_server:
+        env["PREFECT_API_URL"] = shared_api_url()
     for name in ("QERL_FAULT", "TRITON_INTERPRET", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         env.pop(name, None)
     return subprocess.run(
@@ -64,7 +67,7 @@ def test_a_run_past_its_deadline_is_stopped_recorded_and_resumed(tiny_model_fact
     assert "registration" not in record and "cursor_after" not in record.get("plan", {})
     assert run_lock.holder(record_path.parent) is None
 
-    resumed = _qerl(["resume", record["run_id"], "--set", "loop.deadline_h=1"], work)
+    resumed = _qerl(["resume", record["run_id"], "--set", "loop.deadline_h=1"], work, shared_server=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resume {record['run_id']}: kept: everything built so far" in resumed.stderr, resumed.stderr
     record = json.loads(record_path.read_text())

@@ -62,15 +62,19 @@ def tiny_run_config(model_dir: Path, engine: str = "hf") -> dict:
 
 
 def _qerl(
-    args: list[str], work: Path, fault: str | None = None, source: Path | None = None
+    args: list[str], work: Path, fault: str | None = None, source: Path | None = None, own_server: bool = False
 ) -> subprocess.CompletedProcess:
     """Run the CLI in its own session; output goes to files, not pipes, because a SIGKILLed run
     leaves children (Prefect's temporary server, verifier workers) that would hold pipes open.
     The whole process group is killed afterwards, as a supervisor would after a crash. ``source``:
-    a folder holding another ``qerl`` package to run instead of the installed one (an upgrade)."""
-    from prefect_home import seeded_env
+    a folder holding another ``qerl`` package to run instead of the installed one (an upgrade).
+    The run talks to the test process's Prefect server (``prefect_home.shared_api_url``) unless the
+    environment names one or ``own_server`` asks for the temporary server a user's run starts."""
+    from prefect_home import seeded_env, shared_api_url
 
     env = seeded_env({**os.environ, "QERL_WORK_DIR": str(work)}, work)
+    if not own_server and "PREFECT_API_URL" not in env:
+        env["PREFECT_API_URL"] = shared_api_url()
     env.pop("QERL_FAULT", None)
     # the kernel tests' interpreter mode would leak into vLLM's in-process Triton kernel rebinding
     env.pop("TRITON_INTERPRET", None)
@@ -153,7 +157,7 @@ def test_vllm_run_end_to_end(flow_model, tmp_path):
     cfg = tiny_run_config(flow_model, engine="vllm")
     cfg["loop"].update(steps=2, eval_base=True)
     cfg_path.write_text(yaml.safe_dump(cfg))
-    proc = _qerl(["run", "--config", str(cfg_path)], tmp_path / "work")
+    proc = _qerl(["run", "--config", str(cfg_path)], tmp_path / "work", own_server=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vllm-nvfp4-emulated" in proc.stdout and "MLflow UI" in proc.stdout
     # the first run of a registered model is compared with the base model, which this untrained one ties
@@ -195,7 +199,7 @@ def test_killed_runs_resume_to_the_identical_adapter(learner_model_dir, tmp_path
     cfg_path.write_text(yaml.safe_dump(cfg))
     args = ["run", "--config", str(cfg_path)]
 
-    clean = _qerl(args, tmp_path / "clean")
+    clean = _qerl(args, tmp_path / "clean", own_server=True)  # its console, as a user's run prints it
     assert clean.returncode == 0, clean.stderr[-3000:]
     _assert_console(clean, tmp_path / "clean", ("qerl.stages.rollout: rollout step 0",))
     assert_trained(tmp_path / "clean", run_record(tmp_path / "clean"))
@@ -324,10 +328,10 @@ def test_a_mistyped_run_id_or_work_dir_is_named_and_nothing_is_made(tmp_path):
 
 def test_schedule_needs_a_server(tmp_path, monkeypatch):
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    proc = _qerl(["schedule", "--cron", "0 2 * * *"], tmp_path)
+    proc = _qerl(["schedule", "--cron", "0 2 * * *"], tmp_path, own_server=True)
     assert proc.returncode == 2 and "prefect server start" in proc.stderr
     assert "warning: loop.deadline_h is unset" in proc.stderr  # the demo config sets none
-    proc = _qerl(["schedule", "--cron", "0 2 * * *", "--set", "loop.deadline_h=20"], tmp_path)
+    proc = _qerl(["schedule", "--cron", "0 2 * * *", "--set", "loop.deadline_h=20"], tmp_path, own_server=True)
     assert proc.returncode == 2 and "warning" not in proc.stderr
 
 
