@@ -62,7 +62,11 @@ def tiny_run_config(model_dir: Path, engine: str = "hf") -> dict:
 
 
 def _qerl(
-    args: list[str], work: Path, fault: str | None = None, source: Path | None = None, own_server: bool = False
+    args: list[str],
+    work: Path,
+    fault: str | None = None,
+    source: Path | None = None,
+    own_server: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run the CLI in its own session; output goes to files, not pipes, because a SIGKILLed run
     leaves children (Prefect's temporary server, verifier workers) that would hold pipes open.
@@ -105,9 +109,9 @@ def _assert_console(proc: subprocess.CompletedProcess, work: Path, engine_lines:
         assert line in proc.stderr, (line, proc.stderr[-2000:])
     assert re.search(r"quantize .*NVFP4 checkpoint ", proc.stderr), proc.stderr
     # what quantization cost, measured on the run's validation texts
-    assert re.search(r"quality +KL \d\.\d{3} nats/token, top-1 .* on \d+ validation:\S+ texts", proc.stderr), (
-        proc.stderr
-    )
+    assert re.search(
+        r"quality +KL \d\.\d{3} nats/token, top-1 .* on \d+ validation:\S+ texts", proc.stderr
+    ), proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("  MLflow UI:"), proc.stdout[-1000:]
     (log_path,) = (work / "runs").glob("*/run.log")
     log_text = log_path.read_text()
@@ -331,7 +335,9 @@ def test_schedule_needs_a_server(tmp_path, monkeypatch):
     proc = _qerl(["schedule", "--cron", "0 2 * * *"], tmp_path, own_server=True)
     assert proc.returncode == 2 and "prefect server start" in proc.stderr
     assert "warning: loop.deadline_h is unset" in proc.stderr  # the demo config sets none
-    proc = _qerl(["schedule", "--cron", "0 2 * * *", "--set", "loop.deadline_h=20"], tmp_path, own_server=True)
+    proc = _qerl(
+        ["schedule", "--cron", "0 2 * * *", "--set", "loop.deadline_h=20"], tmp_path, own_server=True
+    )
     assert proc.returncode == 2 and "warning" not in proc.stderr
 
 
