@@ -120,6 +120,7 @@ STAGES = (
     "demo_base",
     "quantize",
     "dequantize",
+    "quality",
     "rollout",
     "score",
     "train",
