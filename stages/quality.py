@@ -9,8 +9,8 @@ run, its validation split with reference completions where the data has them (``
 else the source ``quantize.quality.source`` names (test splits).
 
 Why a stage of its own, not part of the quantize build: the report loads two whole models, which
-can run out of memory where GPTQ fit (from 14B up on an 80 GB GPU); inside the build, that threw
-the finished checkpoint away with it. Here the checkpoint is committed first, and a report that
+can run out of memory where GPTQ fit (from 14B up on an 80 GB GPU); inside the build, a failure
+would throw the finished checkpoint away with it. Here the checkpoint is committed first, and a report that
 fails costs the report only. Its key is the checkpoint's content digest, the base's digest, the
 settings and the texts' digest, so changing a quality setting, or the texts (a data directory
 appearing, another validation split), re-measures and never re-quantizes.
@@ -18,8 +18,8 @@ appearing, another validation split), re-measures and never re-quantizes.
 The base model's logits are spilled under the build's own folder, in the store on the work
 directory's disk, not in ``$TMPDIR``, and counted before a model loads (``check_spill_space``: the
 completion tokens times the vocabulary in float32; too little free space is an error with both
-numbers); the file is unlinked as it is made, so it never becomes part of the artifact. On a GPU the device's cache is
-emptied after the two passes, before the rollout engine asks for its share.
+numbers); the file is unlinked as it is made, so it never becomes part of the artifact. On a GPU the
+device's cache is emptied after the two passes, before the rollout engine asks for its share.
 """
 
 from __future__ import annotations
@@ -50,15 +50,16 @@ def run(
     texts: tuple[str, list[dict[str, Any]], str] | None,
 ) -> Manifest:
     """The quality section of ``quantized`` (a quantize artifact of the model in ``src``), cached."""
+    # the stage's name, not an import of qerl.stages.quantize: its code is not this stage's cache key's
     if quantized.stage != "quantize" or "base_digest" not in quantized.extra:
         raise ArtifactError(
             f"the quality stage measures an NVFP4 'quantize' artifact, not {quantized.stage} {quantized.dir}"
         )
     src_dir = Path(src)
-    check_texts(cfg, src_dir, texts)  # no tokenizer, no chat template, a prompt too long: named now
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
+        check_texts(cfg, src_dir, texts)  # no tokenizer, no chat template, a prompt too long: named first
         try:
             section = quality_section(cfg, src_dir, quantized.dir, texts, spill_dir=tmp)
         finally:

@@ -114,6 +114,8 @@ def test_a_lineage_holds_out_its_validation_items_only_while_every_run_of_it_did
     assert promotion.heldout_conflict(champ, lineage) is None
     champ.tags.pop(promotion.HELDOUT_TAG)
     assert "records no held-out items" in promotion.heldout_conflict(champ, lineage)
+    nothing = {"validation_digest": promotion.NO_HELDOUT, promotion.HELDOUT_TAG: promotion.NO_HELDOUT}
+    assert "held out no validation items" in promotion.heldout_conflict(None, nothing)
 
 
 class _Engine:

@@ -109,7 +109,7 @@ def validation_texts(problems: list[Any], data: DataConfig, count: int) -> Texts
         return None
     items = [
         {"id": p["id"], "messages": [{"role": "user", "content": q}], "completion": c}
-        for p, (q, c) in zip(problems, pairs, strict=False)
+        for p, (q, c) in zip(problems[:count], pairs, strict=True)
     ]
     return f"validation:{dataset_name(data)[0]}", items, sha256_json(items)
 

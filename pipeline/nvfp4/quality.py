@@ -9,13 +9,14 @@ returns a small ordered dict (rounded floats, byte-deterministic) that the quali
   the checkpoint, row-chunked float32 differences summed in float64), so memory stays one tensor.
 * ``kl``, ``top1``, ``ppl_base``, ``ppl_quant``: over the completion tokens of held-out prompt +
   completion texts (``qerl.pipeline.data.heldout``: in a run, its validation split with reference
-  completions; else GSM8K test reference solutions, else the arithmetic set's test answers), the mean of KL(base || quantized) per token in nats, the share of
-  tokens where both models' most likely next token agree, and both perplexities of the completion
-  (exp of the mean negative log-likelihood). Prompt tokens are context only.
+  completions; else GSM8K test reference solutions, else the arithmetic set's test answers), the
+  mean of KL(base || quantized) per token in nats, the share of tokens where both models' most
+  likely next token agree, and both perplexities of the completion (exp of the mean negative
+  log-likelihood). Prompt tokens are context only.
 
-How: fp32 (``dtype: bfloat16`` halves the memory where an fp32 copy does not fit the GPU; the device's
-free memory is checked first), on the GPU where there is one (two fp32 passes of a 7B model are hours of CPU), else
-on the CPU. The base model (its own weights, upcast) runs first; its completion-position logits
+How: fp32 (``dtype: bfloat16`` halves the memory where an fp32 copy does not fit the GPU; the
+device's free memory is checked first), on the GPU where there is one (two fp32 passes of a 7B model
+are hours of CPU), else on the CPU. The base model (its own weights, upcast) runs first; its completion-position logits
 are spilled to a float32 temporary file (written and read back in order), so only one model is ever
 resident (a 7B model's two fp32 copies would not fit beside each other). Then the quantized model (the
 checkpoint's dequantized weights, ``load_dequantized_reference``, fp32) runs and each chunk of
@@ -377,9 +378,8 @@ def text_tokenizer(base_dir: str | Path) -> Any:
 def check_texts(
     cfg: QualityConfig, base_dir: str | Path, texts: tuple[str, list[dict[str, Any]], str] | None
 ) -> None:
-    """Every rejection of the held-out texts (no tokenizer, no chat template, a prompt too long) at
-    the start of the quantize build: the section is measured after the checkpoint is written, which
-    for GPTQ on a large model takes hours."""
+    """Every rejection of the held-out texts (no tokenizer, no chat template, a prompt too long), made
+    at the start of the quality build, before the weight errors stream every linear of the model."""
     if cfg.enabled and texts is not None and cfg.texts > 0:
         encode_items(text_tokenizer(base_dir), texts[1], cfg.max_tokens, cfg.prompt)
 

@@ -211,6 +211,8 @@ def heldout_conflict(champion: ModelVersion | None, lineage: Mapping[str, Any]) 
     """Why paired evidence on the candidate's validation items would be unfair (None: it is not):
     the candidate's lineage, or the champion's, may have trained on them."""
     items = str(lineage.get("validation_digest", NO_HELDOUT))
+    if items == NO_HELDOUT:
+        return "it held out no validation items"
     if lineage.get(HELDOUT_TAG) != items:
         return (
             f"its lineage may have trained on its own validation items ({items[:12]}): it warm-started "
