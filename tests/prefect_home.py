@@ -6,8 +6,8 @@ pays that once, on its first run; the tests' CLI runs each get a fresh work dire
 it every time, so they start from a copy of one database migrated at the start of the session
 (``seeded_env``).
 
-Starting that server still takes about 9 s of a 28 s CLI run on two cores (uvicorn importing
-Prefect's app). A CLI run whose point is not the server (its console, its own temporary server, a
+Starting that server is still a large share of a short CLI run (uvicorn imports Prefect's whole
+app; docs/development.md has the figures). A CLI run whose point is not the server (its console, its own temporary server, a
 lost server) talks to this test process's server instead (``shared_api_url``): Prefect's own
 temporary server singleton, the one in-process flows use, started on a copy of the migrated
 database when no flow started it yet. ``qerl`` then runs as under ``PREFECT_API_URL`` (a scheduled

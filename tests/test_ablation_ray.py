@@ -182,8 +182,8 @@ def ray_head(monkeypatch):
             time.sleep(0.5)
         yield f"127.0.0.1:{port}", f"ray://127.0.0.1:{client_port}", lambda: _client_server_logs(temp)
     finally:
-        # SIGTERM lets the head stop its processes; what is left after a few seconds is killed (the
-        # graceful stop of a blocked `ray start` took 15 s on two cores, every time)
+        # SIGTERM lets the head stop its processes; what is left after a few seconds is killed: a
+        # blocked `ray start` otherwise waits out the whole grace period
         for sig, grace in ((signal.SIGTERM, 4), (signal.SIGKILL, 15)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
