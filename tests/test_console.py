@@ -94,7 +94,7 @@ def test_console_filter_passes_own_warnings_and_anyones_errors():
     assert keep.filter(rec("vllm.engine", logging.ERROR))
     assert not keep.filter(rec("httpx", logging.INFO))
     # Prefect's copies of an error a task or the flow ended with: healed, retried, or named by the
-    # command's own last line (a full disk was printed three times)
+    # command's own last line
     for name, msg in (
         (
             "prefect.task_runs",
