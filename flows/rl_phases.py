@@ -167,12 +167,12 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     t0 = time.perf_counter()
     held_out = frozenset(p["question"] for p in run.held_out)
     quantized = quantize_task(cfg, src, store, console.quantize_progress(ui), held_out)
-    what = "unquantized base" if cfg.quantize.scheme == "none" else "NVFP4 checkpoint"
+    what = {"none": "unquantized base", "nf4": "NF4 checkpoint"}.get(cfg.quantize.scheme, "NVFP4 checkpoint")
     ui.stage("quantize", f"{what} ({quantized.mode})", time.perf_counter() - t0, run.cached(quantized))
     run.record["quantize"] = {  # what an ablation's report shows of each arm's starting point
         "manifest": str(quantized.dir),
         "mode": quantized.mode,
-        "method": cfg.quantize.method if cfg.quantize.scheme == "nvfp4" else None,
+        "method": {"nvfp4": cfg.quantize.method, "nf4": "nf4 (bitsandbytes)"}.get(cfg.quantize.scheme),
     }
     twin = None
     if needs_twin(cfg.rollout.engine, cfg.quantize.scheme):
@@ -187,7 +187,7 @@ def measure_quality(run: Run, quantized: Manifest) -> None:
     texts where it has them: a line on the console, the whole in the run's log, the numbers in the
     record; nothing for an unquantized base."""
     cfg = run.cfg
-    if cfg.quantize.scheme != "nvfp4" or not cfg.quantize.quality.enabled:
+    if cfg.quantize.scheme == "none" or not cfg.quantize.quality.enabled:
         return
     t0 = time.perf_counter()
     run.quality = quality_task(cfg, quantized, run.base_src, run.store, run.validation)

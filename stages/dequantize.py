@@ -9,6 +9,11 @@ copied. It is its own stage (mode ``nvfp4-dequantized-twin``) so lineage says wh
 one tensor at a time through ``write_sharded`` like the quantize stage. An unquantized base
 (``quantize.scheme: none``) has no twin: engines serve it directly.
 
+An NF4 base (``quantize.scheme: nf4``, mode ``nf4/bitsandbytes``) has a twin too (mode
+``nf4-dequantized-twin``): each NF4 linear's weight as bitsandbytes' ``dequantize_4bit`` computes it
+(``qerl.pipeline.nf4.checkpoint.dequantized_linears``), in the twin dtype, which is the compute dtype
+the trainer's ``Linear4bit`` layers dequantize to: the same values.
+
 The cache key is the quantize recipe with the twin dtype, the quantized checkpoint's content digest
 and this module's code version (its import closure, the quantize stage's included).
 """
@@ -22,6 +27,7 @@ from pathlib import Path
 import qerl.kernels.nvfp4_dispatch as nvfp4_dispatch
 import torch
 from qerl.pipeline.config import key_payload
+from qerl.pipeline.nf4.checkpoint import NF4_MODE, NF4_TWIN_MODE, dequantized_linears, nf4_linears, nf4_shape
 from qerl.pipeline.nvfp4.recipe import (
     QUANT_SUFFIXES,
     TWIN_MODE,
@@ -64,6 +70,8 @@ def run(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> Manif
     dtype = getattr(torch, dtype_name)
     code = code_version(sys.modules[__name__])
     src = quantized.dir
+    if quantized.mode == NF4_MODE:
+        return _run_nf4(cfg, quantized, store, dtype_name, code)
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
@@ -103,6 +111,61 @@ def run(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> Manif
                 "aux_files": aux,
                 "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
                 "note": "derived artifact: Linear weights are qerl.kernels.nvfp4_reference.dequantize_nvfp4 of the NVFP4 checkpoint",
+            },
+        )
+
+    key = {**key_payload(cfg), "twin_dtype": dtype_name}
+    return store.produce(STAGE, key, {"quantized": quantized.digest}, code, build)[0]
+
+
+def _run_nf4(
+    cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore, dtype_name: str, code: str
+) -> Manifest:
+    """The dequantized twin of an NF4 base: plain linears, the quantization states dropped."""
+    dtype = getattr(torch, dtype_name)
+    src = quantized.dir
+
+    def build(tmp: Path) -> BuildResult:
+        t0 = time.perf_counter()
+        aux = quantize.copy_aux_files(src, tmp)
+        config = read_model_config(src)
+        config.pop("quantization_config", None)
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
+        atomic_write_json(tmp / "config.json", config)
+        specs = safetensors_index(src)
+        modules = nf4_linears(specs)
+        weights = dequantized_linears(src, dtype)  # natural order: write_sharded asks in that order
+        groups = []
+        for name in sorted(specs, key=natural_key):
+            spec = specs[name]
+            module = name[: -len(".weight")] if name.endswith(".weight") else None
+            if any(name.startswith(f"{m}.weight.") for m in modules):
+                continue  # the quantization state of an NF4 linear
+            if module in modules:
+                out = TensorSpec(name, DTYPE_NAMES[dtype], nf4_shape(specs, module))
+
+                def produce(module: str = module, out_name: str = name) -> dict[str, torch.Tensor]:
+                    got, weight = next(weights)
+                    if got != module:
+                        raise RuntimeError(f"NF4 twin: {got} dequantized where {module} was expected")
+                    return {out_name: weight}
+
+                groups.append(([out], produce))
+            else:
+                groups.append(([TensorSpec(name, spec.dtype, spec.shape)], quantize.copy_producer(spec)))
+        with tqdm(total=len(groups), desc="dequantize NF4 twin", unit="tensor", disable=None) as bar:
+            write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
+        return BuildResult(
+            mode=NF4_TWIN_MODE,
+            metrics={"seconds": time.perf_counter() - t0},
+            extra={
+                "derived_from": {"stage": quantized.stage, "key": quantized.key, "digest": quantized.digest},
+                "base_digest": quantized.extra.get("base_digest"),
+                "dtype": dtype_name,
+                "dequantized_linears": len(modules),
+                "aux_files": aux,
+                "max_shard_mb": cfg.max_shard_mb,
+                "note": "derived artifact: Linear weights are bitsandbytes' dequantize_4bit of the NF4 checkpoint",
             },
         )
 

@@ -1,7 +1,7 @@
 """Stage ``quality``: what quantization cost, measured on a checkpoint already written.
 
-What: ``run(cfg, quantized, src, store, texts)`` measures an NVFP4 checkpoint (the quantize stage's
-artifact) against the model it was quantized from (``qerl.pipeline.nvfp4.quality``: per-linear
+What: ``run(cfg, quantized, src, store, texts)`` measures an NVFP4 or NF4 checkpoint (the quantize
+stage's artifact) against the model it was quantized from (``qerl.pipeline.nvfp4.quality``: per-linear
 weight error; KL, top-1 and both perplexities on held-out prompt + completion texts) and keeps the
 section as ``quality.json`` and in its manifest (``extra["quality"]``), its time in
 ``metrics["seconds"]``. ``texts`` is ``qerl.pipeline.data.heldout``'s (label, items, digest): in a
@@ -29,7 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qerl.pipeline.nvfp4.quality import QualityConfig, check_texts, quality_section
+import torch
+from qerl.pipeline.nf4.checkpoint import NF4_MODE, dequantized_linears, load_dequantized
+from qerl.pipeline.nvfp4.quality import QualityConfig, check_texts, nvfp4_linears, quality_section
+from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE
 from qerl.pipeline.runtime.device import free_device_cache
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
@@ -51,9 +54,14 @@ def run(
 ) -> Manifest:
     """The quality section of ``quantized`` (a quantize artifact of the model in ``src``), cached."""
     # the stage's name, not an import of qerl.stages.quantize: its code is not this stage's cache key's
-    if quantized.stage != "quantize" or "base_digest" not in quantized.extra:
+    if (
+        quantized.stage != "quantize"
+        or "base_digest" not in quantized.extra
+        or quantized.mode == UNQUANTIZED_MODE
+    ):
         raise ArtifactError(
-            f"the quality stage measures an NVFP4 'quantize' artifact, not {quantized.stage} {quantized.dir}"
+            f"the quality stage measures a quantized 'quantize' artifact, not {quantized.stage} "
+            f"({quantized.mode}) {quantized.dir}"
         )
     src_dir = Path(src)
 
@@ -61,7 +69,7 @@ def run(
         t0 = time.perf_counter()
         check_texts(cfg, src_dir, texts)  # no tokenizer, no chat template, a prompt too long: named first
         try:
-            section = quality_section(cfg, src_dir, quantized.dir, texts, spill_dir=tmp)
+            section = quality_section(cfg, src_dir, quantized.dir, texts, tmp, *_decoders(quantized))
         finally:
             free_device_cache()
         atomic_write_json(tmp / QUALITY_FILE, section)
@@ -77,3 +85,10 @@ def run(
     # which texts is the texts' digest; how they are put to the models is the settings'
     settings = {"prompt": cfg.prompt, "max_tokens": cfg.max_tokens, "dtype": cfg.dtype}
     return store.produce(STAGE, settings, inputs, code_version(sys.modules[__name__]), build)[0]
+
+
+def _decoders(quantized: Manifest) -> tuple[Any, Any]:
+    """(linears, load) of ``quality_section`` for the artifact's format: NF4 by bitsandbytes, else NVFP4."""
+    if quantized.mode == NF4_MODE:
+        return (lambda d: dequantized_linears(d, torch.float32)), load_dequantized
+    return nvfp4_linears, None

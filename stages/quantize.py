@@ -7,6 +7,7 @@ NVFP4A16 checkpoint. The artifact directory *is* the loadable checkpoint: ``conf
 config. Its dequantized twin, what vLLM serves on a CPU, is the next stage (``qerl.stages.dequantize``).
 ``export`` copies an artifact to a user path atomically.
 
+``scheme: nf4`` (QLoRA's base, the ``qlora`` arm of an ablation) is ``qerl.stages.quantize_nf4``'s.
 ``scheme: none`` (the 16-bit arm of an ablation) makes the same stage produce the *unquantized* base
 (mode ``unquantized``): every floating tensor cast to the twin dtype (``train.dtype`` in a run), the
 rest copied, no ``quantization_config``. Engines serve it directly and the trainer loads it as a plain
@@ -221,6 +222,10 @@ def run_with_status(
     src_dir = resolve_source(src)
     if cfg.scheme == "none":
         return _run_unquantized(cfg, src_dir, str(src), store, progress)
+    if cfg.scheme == "nf4":
+        from qerl.stages.quantize_nf4 import run_nf4  # which imports this module
+
+        return run_nf4(cfg, src_dir, str(src), store, progress)
     model_config = read_model_config(src_dir)
     arch = check_architecture(model_config, cfg)
     specs = safetensors_index(src_dir)

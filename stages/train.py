@@ -150,6 +150,8 @@ def _restore_rng(rng: dict[str, Any]) -> None:
 def _mode(state_format: str, cfg: TrainConfig, device: str) -> str:
     if state_format == "nvfp4":
         return "nvfp4-triton" if device.startswith("cuda") else "nvfp4-torch-reference"
+    if state_format == "nf4":
+        return f"nf4-bitsandbytes-{cfg.dtype}"
     return f"hf-{cfg.dtype}"
 
 

@@ -15,6 +15,7 @@ LAYERS = [
     {"config", "runtime"},
     {"store"},
     {"nvfp4", "data"},
+    {"nf4"},
     {"rollout", "rl", "evaluation", "registry", "demo"},
     {"planning"},
 ]

@@ -5,9 +5,11 @@ QeRL's claims are comparative: NVFP4 LoRA explores more (higher policy entropy e
 faster than 16-bit LoRA, and AQN adds to that. An ablation runs one ordinary run per (arm, seed)
 and compares the arms (``qerl.pipeline.evaluation.report``; the flow is ``qerl.flows.ablate``).
 
-- **Arms** (``ARMS``): ``bf16-lora`` serves and trains the unquantized base (``quantize.scheme:
-  none``, in the twin dtype = ``train.dtype``; the arm keeps the paper's name), ``nvfp4-lora`` the
-  NVFP4 base without AQN, ``nvfp4-aqn`` is QeRL.
+- **Arms** (``ARMS``): the paper's three ways to train a LoRA with RL. ``bf16-lora`` serves and
+  trains the unquantized base (``quantize.scheme: none``, in the twin dtype = ``train.dtype``; the
+  arm keeps the paper's name); ``qlora`` the NF4 base with double quantization that QLoRA trains on
+  (``quantize.scheme: nf4``, bitsandbytes, without AQN as in the paper); ``nvfp4-lora`` the NVFP4
+  base without AQN, and ``nvfp4-aqn`` is QeRL.
 - **Variants** (``arm_overrides``): an NVFP4 arm may name its quantizer and an AQN arm its objective
   as dash-separated suffixes, ``nvfp4-lora-gptq`` or ``nvfp4-aqn-gptq-on_policy`` (values of
   ``quantize.method`` and ``train.grpo.aqn_objective``), so one ablation compares quantizers and AQN
@@ -38,6 +40,7 @@ ARMS: dict[str, dict[str, dict[str, Any]]] = {
     "bf16-lora": {"quantize": {"scheme": "none"}, "aqn": {"enabled": False}},
     "nvfp4-lora": {"quantize": {"scheme": "nvfp4"}, "aqn": {"enabled": False}},
     "nvfp4-aqn": {"quantize": {"scheme": "nvfp4"}, "aqn": {"enabled": True}},
+    "qlora": {"quantize": {"scheme": "nf4"}, "aqn": {"enabled": False}},
 }
 
 

@@ -44,7 +44,7 @@ def _weight_files(ckpt_dir: Path) -> list[Path]:
     return [single]
 
 
-def _read_tensors(ckpt_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
+def read_tensors(ckpt_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in _weight_files(ckpt_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as fh:
@@ -59,7 +59,7 @@ def quantized_linear_names(tensors: dict[str, torch.Tensor] | list[str]) -> list
     return sorted(k[: -len(suffix)] for k in tensors if k.endswith(suffix))
 
 
-def _empty_model(ckpt_dir: Path, dtype: torch.dtype):  # noqa: ANN202
+def empty_model(ckpt_dir: Path, dtype: torch.dtype):  # noqa: ANN202
     """The HF model skeleton: parameters on meta (no allocation), buffers such as RoPE real."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -74,7 +74,7 @@ def _empty_model(ckpt_dir: Path, dtype: torch.dtype):  # noqa: ANN202
     return model
 
 
-def _finish_loading(
+def finish_loading(
     model: nn.Module, tensors: dict[str, torch.Tensor], ckpt_dir: Path, dtype: torch.dtype
 ) -> None:
     float_tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
@@ -95,8 +95,8 @@ def load_quantized_for_training(
 ) -> nn.Module:
     """The HF causal LM of an NVFP4A16 checkpoint with packed NVFP4Linear layers, all frozen."""
     ckpt_dir = Path(ckpt_dir)
-    model = _empty_model(ckpt_dir, dtype)
-    tensors = _read_tensors(ckpt_dir, device)
+    model = empty_model(ckpt_dir, dtype)
+    tensors = read_tensors(ckpt_dir, device)
     names = quantized_linear_names(tensors)
     if not names:
         raise ValueError(f"{ckpt_dir}: no '*.{_PACKED}' tensors - not an NVFP4 checkpoint")
@@ -125,7 +125,7 @@ def load_quantized_for_training(
                 f"{old.out_features}x{old.in_features} in config.json"
             )
         setattr(parent, child, module)
-    _finish_loading(model, tensors, ckpt_dir, dtype)
+    finish_loading(model, tensors, ckpt_dir, dtype)
     log.info("loaded %s: %d NVFP4 linears (packed), dtype %s", ckpt_dir, len(names), dtype)
     return model
 
@@ -138,8 +138,8 @@ def load_dequantized_reference(
     The independent reference for tests: plain ``nn.Linear`` layers, no custom autograd.
     """
     ckpt_dir = Path(ckpt_dir)
-    model = _empty_model(ckpt_dir, dtype)
-    tensors = _read_tensors(ckpt_dir, device)
+    model = empty_model(ckpt_dir, dtype)
+    tensors = read_tensors(ckpt_dir, device)
     for name in quantized_linear_names(tensors):
         tensors[f"{name}.weight"] = dequantize_weight(
             tensors.pop(f"{name}.{_PACKED}"),
@@ -147,5 +147,5 @@ def load_dequantized_reference(
             tensors.pop(f"{name}.{_GSCALE}"),
             dtype,
         )
-    _finish_loading(model, tensors, ckpt_dir, dtype)
+    finish_loading(model, tensors, ckpt_dir, dtype)
     return model

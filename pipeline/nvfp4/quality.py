@@ -1,10 +1,11 @@
 """What quantization costs: per-linear weight error and whole-model KL / top-1 / perplexity.
 
-What: ``quality_section`` measures an NVFP4 checkpoint against the model it was quantized from and
+What: ``quality_section`` measures an NVFP4 (or NF4) checkpoint against the model it was quantized from and
 returns a small ordered dict (rounded floats, byte-deterministic) that the quality stage
 (``qerl.stages.quality``) keeps as its artifact and in its manifest (``extra["quality"]``):
 
-* ``layers``: for every quantized linear, the relative weight error ``||W - deq(Q)||_F / ||W||_F``,
+* ``layers``: for every quantized linear, the relative weight error ``||W - deq(Q)||_F / ||W||_F``
+  (``deq``: ``qerl.kernels``' NVFP4 decode; the stage passes bitsandbytes' for an NF4 checkpoint),
   streamed one linear at a time (the source tensor from the source safetensors, the packed one from
   the checkpoint, row-chunked float32 differences summed in float64), so memory stays one tensor.
 * ``kl``, ``top1``, ``ppl_base``, ``ppl_quant``: over the completion tokens of held-out prompt +
@@ -44,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,6 +55,9 @@ from pydantic import Field
 from qerl.pipeline.config import StrictModel
 from qerl.pipeline.runtime.device import default_device
 from qerl.pipeline.store.files import free_bytes, human_bytes
+
+# a checkpoint's quantized linears, decoded: (module, float32 weight) one at a time
+Linears = Callable[[str | Path], Iterator[tuple[str, torch.Tensor]]]
 
 __all__ = [
     "QualityConfig",
@@ -139,19 +143,28 @@ def relative_error(w: torch.Tensor, d: torch.Tensor, chunk_elements: int = 1 << 
     return math.sqrt(e2 / w2)
 
 
-def weight_errors(src_dir: str | Path, ckpt_dir: str | Path) -> dict[str, float]:
-    """Relative weight error of every quantized linear of ``ckpt_dir`` against ``src_dir``, in
-    natural module order; one linear in memory at a time."""
+def nvfp4_linears(ckpt_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(module, float32 weight) of every NVFP4 linear of ``ckpt_dir``, decoded by ``qerl.kernels``."""
+    from qerl.pipeline.nvfp4.safetensors_io import iter_quantized_linears
+
+    for module, (packed, scale, gscale) in iter_quantized_linears(ckpt_dir):
+        yield module, nvfp4_dispatch.dequantize(packed, scale, gscale, dtype=torch.float32)
+
+
+def weight_errors(
+    src_dir: str | Path, ckpt_dir: str | Path, linears: Linears = nvfp4_linears
+) -> dict[str, float]:
+    """Relative weight error of every quantized linear of ``ckpt_dir`` (``linears`` decodes them) against
+    ``src_dir``, in natural module order; one linear in memory at a time."""
     # imported here: recipe.py imports this module for QualityConfig, and safetensors_io imports recipe
-    from qerl.pipeline.nvfp4.safetensors_io import iter_quantized_linears, read_tensor, safetensors_index
+    from qerl.pipeline.nvfp4.safetensors_io import read_tensor, safetensors_index
 
     specs = safetensors_index(src_dir)
     out: dict[str, float] = {}
-    for module, (packed, scale, gscale) in iter_quantized_linears(ckpt_dir):
+    for module, deq in linears(ckpt_dir):
         spec = specs.get(f"{module}.weight")
         if spec is None:
             raise ValueError(f"{ckpt_dir}: quantized linear '{module}' has no '{module}.weight' in {src_dir}")
-        deq = nvfp4_dispatch.dequantize(packed, scale, gscale, dtype=torch.float32)
         out[module] = relative_error(read_tensor(spec), deq)
     return out
 
@@ -280,6 +293,12 @@ def _load_base(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
+def _nvfp4_model(ckpt_dir: str | Path, dtype: torch.dtype) -> torch.nn.Module:
+    from qerl.pipeline.nvfp4.loading import load_dequantized_reference
+
+    return load_dequantized_reference(ckpt_dir, dtype=dtype)
+
+
 def check_device_room(base_dir: str | Path, dtype: torch.dtype, device: str) -> int:
     """The bytes one model takes in ``dtype`` (every tensor of the source's safetensors); on a GPU,
     raises ``MemoryError`` naming both numbers and ``quantize.quality.dtype`` when the device has
@@ -307,11 +326,12 @@ def model_metrics(
     prompt: str = "plain",
     spill_dir: str | Path | None = None,
     dtype: str = "float32",
+    load: Callable[..., torch.nn.Module] | None = None,
 ) -> dict[str, Any]:
     """KL(base||quant) nats/token, top-1 agreement, both perplexities over the completion tokens of
     ``items``; one model resident at a time, in ``dtype``, the base's logits spilled under ``spill_dir``
-    (None: the system's temporary folder; see the module docstring)."""
-    from qerl.pipeline.nvfp4.loading import load_dequantized_reference
+    (None: the system's temporary folder; see the module docstring). ``load(dir, dtype=)``: the
+    quantized checkpoint as a plain model with its dequantized weights (None: NVFP4's)."""
 
     device = default_device()  # a GPU where there is one: two fp32 passes of a 7B model are hours of CPU
     encoded, truncated = encode_items(text_tokenizer(base_dir), items, max_tokens, prompt)
@@ -327,7 +347,7 @@ def model_metrics(
         for chunk in _completion_logits(base, encoded):
             spill.write(chunk.numpy().tobytes())
         del base
-        quant = load_dequantized_reference(quant_dir, dtype=torch_dtype).eval().to(device)
+        quant = (load or _nvfp4_model)(quant_dir, dtype=torch_dtype).eval().to(device)
         spill.seek(0)
         row = 0
         for chunk in _completion_logits(quant, encoded):
@@ -390,19 +410,22 @@ def quality_section(
     ckpt_dir: str | Path,
     texts: tuple[str, list[dict[str, Any]], str] | None,
     spill_dir: str | Path | None = None,
+    linears: Linears = nvfp4_linears,
+    load: Callable[..., torch.nn.Module] | None = None,
 ) -> dict[str, Any]:
     """The quality section for checkpoint ``ckpt_dir`` quantized from ``src_dir``.
 
     ``texts``: (label, items, digest) of ``qerl.pipeline.data.heldout``; None (with ``cfg.texts ==
-    0``) measures the weight errors only. ``spill_dir``: where the base's logits are spilled."""
-    errors = weight_errors(src_dir, ckpt_dir)
+    0``) measures the weight errors only. ``spill_dir``: where the base's logits are spilled.
+    ``linears`` and ``load`` read another format than NVFP4 (``weight_errors``, ``model_metrics``)."""
+    errors = weight_errors(src_dir, ckpt_dir, linears)
     if not errors:
         raise ValueError(f"{ckpt_dir}: no quantized linears to measure")
     worst = max(errors, key=errors.__getitem__)  # the first in module order among equals
     section: dict[str, Any] = {}
     if texts is not None and cfg.texts > 0:
         label, items, digest = texts
-        m = model_metrics(src_dir, ckpt_dir, items, cfg.max_tokens, cfg.prompt, spill_dir, cfg.dtype)
+        m = model_metrics(src_dir, ckpt_dir, items, cfg.max_tokens, cfg.prompt, spill_dir, cfg.dtype, load)
         section["texts"] = {"source": label, "count": len(items), "digest": digest, "prompt": m["prompt"],
                             "max_tokens": cfg.max_tokens, "truncated": m["truncated"]}  # fmt: skip
         if cfg.dtype != "float32":  # the measure of record is float32's; another says so

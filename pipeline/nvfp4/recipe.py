@@ -107,10 +107,12 @@ class QuantizeConfig(StrictModel):
     taken whole or not at all: vLLM runs it as one layer with one scheme.
     """
 
-    scheme: Literal["nvfp4", "none"] = Field(
+    scheme: Literal["nvfp4", "nf4", "none"] = Field(
         default="nvfp4",
-        description="nvfp4: the NVFP4A16 checkpoint (QeRL); none: the base unquantized (its floating weights "
-        "in the twin dtype), served and trained as is: the 16-bit LoRA arm of an ablation",
+        description="nvfp4: the NVFP4A16 checkpoint (QeRL); nf4: QLoRA's base, bitsandbytes NF4 with double "
+        "quantization (blocks of 64, the rest in the twin dtype; method, calibration and fused_groups are "
+        "NVFP4's and do not apply); none: the base unquantized (its floating weights in the twin dtype), "
+        "served and trained as is: the 16-bit LoRA arm of an ablation",
     )
     targets: list[str] = Field(
         default=list(KNOWN_PROJECTIONS),

@@ -2,7 +2,7 @@
 
 - **Which base the engine serves** (``needs_twin``): the dequantized twin is built when the rollout
   engine cannot serve NVFP4 itself: every CPU engine, and the transformers engine anywhere. vLLM on
-  CUDA serves the NVFP4 checkpoint. An unquantized base (``quantize.scheme: none``) is served as is
+  CUDA serves the NVFP4 (or NF4) checkpoint. An unquantized base (``quantize.scheme: none``) is served as is
   and has no twin. The flow and ``qerl eval`` both ask here.
 - **A standalone evaluation's engine** (``eval_rollout_config``): sampled as the eval config says,
   no logprobs; the context is the rollout default capped by the model's ``max_position_embeddings``

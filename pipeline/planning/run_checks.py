@@ -178,7 +178,7 @@ def check_served_dtype(cfg: RunConfig, mode: str | None = None) -> None:
     """The rollout engine serves in ``rollout.dtype`` in ``mode`` (default: the mode it runs in on this
     machine, ``planned_mode``); a ConfigError names the settings to change."""
     if mode is None:
-        mode = planned_mode(cfg.rollout, cfg.quantize.scheme == "none")[0]
+        mode = planned_mode(cfg.rollout, cfg.quantize.scheme)[0]
     problem = served_dtype_error(cfg.rollout, mode)
     if problem:
         raise ConfigError(problem)

@@ -1,7 +1,8 @@
 """The policy being trained: the (NVFP4) base with peft LoRA on top, AdamW and its schedule.
 
-``init_state`` builds the policy at step 0: the NVFP4 base from ``qerl.pipeline.nvfp4.linear`` (or a
-plain HF base), LoRA initialised from ``cfg.seed`` (or, for a warm start, loaded from an adapter folder
+``init_state`` builds the policy at step 0: the NVFP4 base from ``qerl.pipeline.nvfp4.linear``, an NF4
+base as QLoRA loads it (``qerl.pipeline.nf4.checkpoint``: bitsandbytes' ``Linear4bit``, under peft's
+own LoRA layer for it), or a plain HF base, LoRA initialised from ``cfg.seed`` (or, for a warm start, loaded from an adapter folder
 whose rank, alpha and targets must match the config), AdamW and a warmup + cosine schedule.
 
 Device settings (``optimizer_impl``, ``qerl.pipeline.rl.logprobs.logprob_chunk_elements`` and
@@ -71,6 +72,8 @@ def _lr_lambda(cfg: TrainConfig):  # noqa: ANN202
 
 def _build_model(base_dir: Path, cfg: TrainConfig, device: str) -> tuple[Any, str]:
     from peft import LoraConfig, get_peft_model
+    from qerl.pipeline.nf4.checkpoint import is_nf4_checkpoint
+    from qerl.pipeline.nf4.checkpoint import load_for_training as load_nf4_for_training
     from qerl.pipeline.nvfp4.linear import register_with_peft
     from qerl.pipeline.nvfp4.loading import load_quantized_for_training
     from transformers import AutoModelForCausalLM
@@ -79,6 +82,9 @@ def _build_model(base_dir: Path, cfg: TrainConfig, device: str) -> tuple[Any, st
     if is_nvfp4_checkpoint(base_dir):
         model = load_quantized_for_training(base_dir, dtype=dtype, device=device)
         base_format = "nvfp4"
+    elif is_nf4_checkpoint(base_dir):  # QLoRA: peft puts its own LoRA layer on bitsandbytes' Linear4bit
+        model = load_nf4_for_training(base_dir, dtype=dtype, device=device)
+        base_format = "nf4"
     else:
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device)
         model.requires_grad_(False)

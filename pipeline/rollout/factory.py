@@ -14,6 +14,14 @@ Modes (recorded in every rollout manifest and logged at WARNING when emulated; n
 - ``hf-nvfp4-emulated``: transformers ``generate`` on the twin, the reference and the fallback.
 - ``vllm-unquantized`` / ``hf-unquantized``: ``quantize.scheme: none`` (the 16-bit arm of an
   ablation): the quantize stage's artifact is the plain base (mode ``unquantized``), served as is.
+- ``vllm-nf4-bitsandbytes``: CUDA, vLLM serves the NF4 checkpoint (``quantize.scheme: nf4``, QLoRA's
+  base) through its bitsandbytes quantization, with LoRA on top.
+- ``vllm-nf4-emulated`` / ``hf-nf4-emulated``: an NF4 base on a CPU (vLLM has no NF4 kernel there)
+  or on the transformers engine: the NF4 twin (``nf4-dequantized-twin``, bitsandbytes'
+  dequantization of every NF4 linear in the twin dtype), as for NVFP4.
+
+AQN perturbs the norm weights the engine holds, whatever the linears are, so it reaches every mode
+alike (the paper applies it to NVFP4 only; the ``qlora`` ablation arm runs without it).
 """
 
 from __future__ import annotations
@@ -22,17 +30,28 @@ import importlib
 import logging
 from pathlib import Path
 
+from qerl.pipeline.nf4.checkpoint import NF4_MODE, NF4_TWIN_MODE
 from qerl.pipeline.nvfp4.recipe import TWIN_MODE, UNQUANTIZED_MODE
 from qerl.pipeline.rollout.config import RolloutConfig
 from qerl.pipeline.rollout.protocol import EngineError, RolloutEngine
 from qerl.pipeline.runtime import device
 from qerl.pipeline.store.manifest import Manifest
 
-__all__ = ["MARLIN_MODE", "build_engine", "is_unquantized", "planned_mode", "served_dtype_error"]
+__all__ = [
+    "MARLIN_MODE",
+    "NF4_CUDA_MODE",
+    "base_scheme",
+    "build_engine",
+    "planned_mode",
+    "served_dtype_error",
+]
 
 log = logging.getLogger("qerl.engines")
 
 MARLIN_MODE = "vllm-nvfp4-marlin"  # CUDA: vLLM serves the NVFP4 checkpoint on FP4 Marlin
+NF4_CUDA_MODE = "vllm-nf4-bitsandbytes"  # CUDA: vLLM serves the NF4 checkpoint through bitsandbytes
+# the twin's mode for each quantized scheme
+_TWIN_MODES = {"nvfp4": TWIN_MODE, "nf4": NF4_TWIN_MODE}
 
 # engine name -> (implementation module, engine class); the module is named by string so that
 # planning a mode imports neither vLLM nor transformers
@@ -42,19 +61,20 @@ IMPLEMENTATIONS = {
 }
 
 
-def is_unquantized(quantized: Manifest | None) -> bool:
-    """Whether the quantize stage's artifact is the plain base (``quantize.scheme: none``)."""
-    return quantized is not None and quantized.mode == UNQUANTIZED_MODE
+def base_scheme(quantized: Manifest | None) -> str:
+    """The ``quantize.scheme`` the quantize stage's artifact was made with (``nvfp4`` when none is given)."""
+    mode = quantized.mode if quantized is not None else None
+    return {UNQUANTIZED_MODE: "none", NF4_MODE: "nf4"}.get(mode or "", "nvfp4")
 
 
-def planned_mode(cfg: RolloutConfig, unquantized: bool = False) -> tuple[str, str]:
-    """(mode, implementation module) of the engine ``cfg`` runs on this machine."""
+def planned_mode(cfg: RolloutConfig, scheme: str = "nvfp4") -> tuple[str, str]:
+    """(mode, implementation module) of the engine ``cfg`` runs on this machine for a ``scheme`` base."""
     module = IMPLEMENTATIONS[cfg.engine][0]
-    if unquantized:
+    if scheme == "none":
         return f"{cfg.engine}-unquantized", module
-    if cfg.engine == "vllm":
-        return (MARLIN_MODE if device.cuda_available() else "vllm-nvfp4-emulated"), module
-    return "hf-nvfp4-emulated", module
+    if cfg.engine == "vllm" and device.cuda_available():
+        return (MARLIN_MODE if scheme == "nvfp4" else NF4_CUDA_MODE), module
+    return f"{cfg.engine}-{scheme}-emulated", module
 
 
 def served_dtype_error(cfg: RolloutConfig, mode: str) -> str | None:
@@ -82,14 +102,16 @@ def _checkpoint_dir(manifest: Manifest, what: str) -> Path:
 
 
 def _served_dir(mode: str, quantized: Manifest | None, twin: Manifest | None) -> Path:
-    """The checkpoint an NVFP4 mode serves (the quantized one on CUDA vLLM, else the twin)."""
-    if mode == MARLIN_MODE:
+    """The checkpoint a quantized mode serves (the quantized one on CUDA vLLM, else the twin)."""
+    if mode in (MARLIN_MODE, NF4_CUDA_MODE):
         if quantized is None:
-            raise EngineError("vLLM on CUDA serves the NVFP4 checkpoint: pass the quantize stage's manifest")
+            raise EngineError(
+                "vLLM on CUDA serves the quantized checkpoint: pass the quantize stage's manifest"
+            )
         model_dir = _checkpoint_dir(quantized, "quantized")
-        log.info("rollout engine mode %s: vLLM serves the NVFP4 checkpoint %s", mode, model_dir)
+        log.info("rollout engine mode %s: vLLM serves the quantized checkpoint %s", mode, model_dir)
         return model_dir
-    if mode == "vllm-nvfp4-emulated":
+    if mode in ("vllm-nvfp4-emulated", "vllm-nf4-emulated"):
         if twin is None:
             raise EngineError(
                 "vLLM on CPU has no NVFP4 kernel and serves the dequantized twin, but no twin was "
@@ -97,8 +119,8 @@ def _served_dir(mode: str, quantized: Manifest | None, twin: Manifest | None) ->
             )
         model_dir = _checkpoint_dir(twin, "twin")
         log.warning(
-            "rollout engine mode %s: no CUDA, vLLM serves the dequantized NVFP4 twin %s "
-            "(the NVFP4 values stored in %s, not the FP4 kernel)",
+            "rollout engine mode %s: no CUDA, vLLM serves the dequantized twin %s "
+            "(the 4-bit values stored in %s, not a 4-bit kernel)",
             mode,
             model_dir,
             twin.extra.get("dtype", "the twin's dtype"),
@@ -119,27 +141,27 @@ def build_engine(
     ``aqn``: the engine will run AQN noise; a compiled vLLM engine then holds its norms in fp32 from
     the load on, so the noise is exact (``qerl.pipeline.rollout.aqn_vllm``).
 
-    ``quantized`` is the quantize stage's NVFP4 checkpoint, ``twin`` the dequantize stage's bf16
+    ``quantized`` is the quantize stage's NVFP4 (or NF4) checkpoint, ``twin`` the dequantize stage's
     twin. On CUDA vLLM serves ``quantized``; otherwise (CPU vLLM, or the HF engine) the twin is
     required and a missing twin is an error, not a silent switch to some other model. An unquantized
     base (``quantize.scheme: none``) is served directly by either engine, and then takes no twin.
     """
-    unquantized = is_unquantized(quantized)
-    mode, _ = planned_mode(cfg, unquantized)
+    scheme = base_scheme(quantized)
+    mode, _ = planned_mode(cfg, scheme)
     problem = served_dtype_error(cfg, mode)
     if problem:
         raise EngineError(problem)
-    if unquantized:
+    if scheme == "none":
         assert quantized is not None
         if twin is not None:
             raise EngineError(f"an unquantized base ({quantized.dir}) has no twin, but one was given")
         model_dir = _checkpoint_dir(quantized, "unquantized base")
         log.info("rollout engine mode %s: %s serves the unquantized base %s", mode, cfg.engine, model_dir)
     else:
-        if twin is not None and twin.mode != TWIN_MODE:
+        if twin is not None and twin.mode != _TWIN_MODES[scheme]:
             raise EngineError(
-                f"twin artifact {twin.stage}/{twin.key} has mode {twin.mode!r}, expected {TWIN_MODE!r} "
-                "(the dequantize stage's output)"
+                f"twin artifact {twin.stage}/{twin.key} has mode {twin.mode!r}, expected "
+                f"{_TWIN_MODES[scheme]!r} (the dequantize stage's output for a {scheme} base)"
             )
         model_dir = _served_dir(mode, quantized, twin)
     module, cls = IMPLEMENTATIONS[cfg.engine]

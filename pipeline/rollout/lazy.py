@@ -37,7 +37,7 @@ class LazyEngine:
         self, cfg: RolloutConfig, quantized: Manifest | None, twin: Manifest | None, aqn: bool = False
     ):
         self._args = (cfg, quantized, twin, aqn)
-        self.mode, self.implementation_module = factory.planned_mode(cfg, factory.is_unquantized(quantized))
+        self.mode, self.implementation_module = factory.planned_mode(cfg, factory.base_scheme(quantized))
         self._engine: RolloutEngine | None = None
         self.builds = 0  # engines built so far (a rebuild after a death makes it 2)
 

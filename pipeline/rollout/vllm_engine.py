@@ -43,7 +43,7 @@ from typing import Any
 
 from qerl.pipeline.rollout.aqn import check_realised, realised_sigma
 from qerl.pipeline.rollout.config import RolloutConfig
-from qerl.pipeline.rollout.factory import MARLIN_MODE
+from qerl.pipeline.rollout.factory import MARLIN_MODE, NF4_CUDA_MODE
 from qerl.pipeline.rollout.prompt_encoding import encode_prompt
 from qerl.pipeline.rollout.protocol import (
     Completion,
@@ -257,6 +257,8 @@ class VLLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         marlin = mode == MARLIN_MODE
         kwargs = _llm_kwargs(cfg, self.model_dir, self.logprobs_mode, cuda_available(), aqn, marlin)
+        if mode == NF4_CUDA_MODE:  # the NF4 checkpoint through vLLM's bitsandbytes linears
+            kwargs["quantization"] = "bitsandbytes"
         try:
             self.llm = LLM(**kwargs)
         finally:
