@@ -113,7 +113,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     _config_options(p, PRESET_HELP, SET_HELP)
     p.add_argument("--prompt-tokens", type=int, default=None, help="longest prompt (default: the worst case)")
     p.add_argument(
-        "--base", choices=["nvfp4", "bf16"], default="nvfp4", help="trainer's base (bf16: compare)"
+        "--base",
+        choices=["nvfp4", "nf4", "bf16"],
+        default="nvfp4",
+        help="the base both sides hold (nf4: QLoRA's; bf16: the 16-bit comparison)",
     )
     COMMANDS["plan"] = tool_commands.cmd_plan
 

@@ -116,7 +116,7 @@ def estimate_run(cfg: RunConfig, store_root: Path | None = None) -> tuple[dict[s
         parts["base model"] = 2 * sum(base_bytes(shape, "bf16").values())  # the store builds it, in fp32
     have_base = store_root is not None and any((store_root / OBJECTS_DIR / "quantize").glob("*"))
     if not have_base:
-        quantized = base_bytes(shape, "nvfp4" if cfg.quantize.scheme != "none" else "bf16")
+        quantized = base_bytes(shape, {"none": "bf16"}.get(cfg.quantize.scheme, cfg.quantize.scheme))
         parts["quantized checkpoint"] = sum(quantized.values())
         if needs_twin(cfg.rollout.engine, cfg.quantize.scheme):
             parts["twin"] = sum(base_bytes(shape, "bf16").values())

@@ -1,6 +1,6 @@
 """What the trainer and the model's weights take in GPU memory: the bytes of each, by component.
 
-The trainer holds the packed NVFP4 base with its bf16 embeddings, the LoRA weights with their
+The trainer holds the packed NVFP4 base (or QLoRA's NF4 one: ``nf4_bytes``) with its bf16 embeddings, the LoRA weights with their
 gradients and AdamW moments (fp32, 16 bytes per parameter) plus their bf16 autocast copies, and the
 activations of one minibatch: with gradient checkpointing the layer inputs of every layer plus one
 layer recomputed for backward, without it every layer's saved tensors (``trainer_peak``). The
@@ -28,6 +28,7 @@ from __future__ import annotations
 from qerl.pipeline.planning.model_shape import PROJECTIONS, ModelShape
 
 __all__ = [
+    "BASES",
     "base_bytes",
     "kv_bytes_per_token",
     "lora_params",
@@ -50,15 +51,28 @@ def nvfp4_bytes(out_f: int, in_f: int) -> int:
     return out_f * in_f // 2 + out_f * in_f // 16 + 4
 
 
+def nf4_bytes(out_f: int, in_f: int) -> int:
+    """NF4 with double quantization: 4-bit codes, an 8-bit code per block of 64 for its scale, an fp32
+    scale per 256 of those, the two code books (16 and 256 fp32) and the state's JSON (~200 bytes)."""
+    n = out_f * in_f
+    blocks = -(-n // 64)
+    return n // 2 + blocks + 4 * -(-blocks // 256) + 4 * (16 + 256) + 200
+
+
+BASES = ("nvfp4", "nf4", "bf16")
+
+
 def base_bytes(shape: ModelShape, base: str = "nvfp4") -> dict[str, int]:
-    """The model's tensors: quantized linears (NVFP4 or bf16) and what stays bf16."""
+    """The model's tensors: quantized linears (NVFP4, NF4 or bf16) and what stays bf16."""
     projections = shape.projections().values()
     if base == "nvfp4":
         linears = shape.layers * sum(nvfp4_bytes(o, i) for o, i in projections)
+    elif base == "nf4":
+        linears = shape.layers * sum(nf4_bytes(o, i) for o, i in projections)
     elif base == "bf16":
         linears = shape.layers * sum(o * i for o, i in projections) * BF16
     else:
-        raise ValueError(f"base must be 'nvfp4' or 'bf16', got {base!r}")
+        raise ValueError(f"base must be one of {BASES}, got {base!r}")
     embed = shape.vocab * shape.hidden * BF16
     head = 0 if shape.tie_embeddings else embed
     per_layer_small = 2 * shape.hidden + (shape.hidden + 2 * shape.kv_dim if shape.qkv_bias else 0)
@@ -120,8 +134,12 @@ def trainer_peak(
         working = layer_saved + layer_grads  # the layer being recomputed and back-propagated
     else:
         saved, working = shape.layers * layer_saved, layer_grads
-    # the decoded weight (a whole layer on CUDA, a slice on the CPU) and the next one being decoded
-    dequant = 2 * min(_largest_projection(shape), slice_elements(device)) * BF16 if base == "nvfp4" else 0
+    # the decoded weight (a whole layer on CUDA, a slice on the CPU) and the next one being decoded;
+    # bitsandbytes decodes an NF4 weight whole, on every device
+    dequant = {
+        "nvfp4": 2 * min(_largest_projection(shape), slice_elements(device)) * BF16,
+        "nf4": 2 * _largest_projection(shape) * BF16,
+    }.get(base, 0)
     # logprob head: the saved completion states and their gradient, and one slab's logits in bf16
     # plus four float32 [slab, vocab] temporaries (upcast, log-softmax, one-hot gradient, its backward)
     slab = min(logprob_chunk_elements(device), batch * completion_len * shape.vocab)

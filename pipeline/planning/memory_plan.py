@@ -113,7 +113,11 @@ class Plan:
         return "\n".join(out) + "\n"
 
 
-_WEIGHT_NOTE = {"nvfp4": "linears 4.5 bits, embeddings bf16", "bf16": "all bf16 (the comparison)"}
+_WEIGHT_NOTE = {
+    "nvfp4": "linears 4.5 bits, embeddings bf16",
+    "nf4": "linears 4.13 bits (QLoRA's NF4), embeddings bf16",
+    "bf16": "all bf16 (the comparison)",
+}
 
 
 def _vllm_rows(shape: ModelShape, rollout: Any, gpu: float, base: str) -> tuple[list, float, float]:
