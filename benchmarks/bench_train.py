@@ -1,4 +1,4 @@
-"""Train-step benchmarks: one GRPO update on an NVFP4 base vs a bf16 base, and vs TRL's GRPOTrainer.
+"""Train-step benchmarks: one GRPO update on an NVFP4 base vs QLoRA's NF4 base vs a bf16 base, and vs TRL's GRPOTrainer.
 
 Model: a random Qwen2-architecture model shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads,
 2 KV heads, intermediate 4864, tied embeddings) with the vocabulary shrunk (default 32768 instead of
@@ -14,6 +14,7 @@ alpha 32 on all seven projections, AdamW, max grad norm 0.2, dapo loss, gradient
 
 Arms, each in its own subprocess (so peak RSS is per arm: the child's VmHWM):
   nvfp4  qerl.pipeline.rl.step.train_step on the packed NVFP4 base (dequantize in forward and backward)
+  nf4    the same code on QLoRA's NF4 base (bitsandbytes Linear4bit under peft's LoRA; bf16 compute)
   bf16   the same code on the bf16 base (plain nn.Linear)
   trl    trl.GRPOTrainer (use_vllm=False) on the bf16 base: the update only, i.e. its compute_loss +
          backward + clip + AdamW step on the same batch, since its generation is not what we compare.
@@ -62,8 +63,8 @@ def _current_rss_mb() -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def make_models(work: Path, layers: int, vocab: int) -> tuple[Path, Path]:
-    """bf16 random model dir + its NVFP4 checkpoint (quantize stage)."""
+def make_models(work: Path, layers: int, vocab: int) -> tuple[Path, Path, Path]:
+    """bf16 random model dir + its NVFP4 and NF4 checkpoints (quantize stage)."""
     import torch
     from qerl.pipeline.demo.tiny_model import tiny_config, train_tokenizer
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
@@ -92,8 +93,10 @@ def make_models(work: Path, layers: int, vocab: int) -> tuple[Path, Path]:
     model.save_pretrained(bf16)
     tok.save_pretrained(bf16)
     del model
-    manifest = quantize(QuantizeConfig(), str(bf16), ArtifactStore(work / "store"))
-    return bf16, manifest.dir
+    store = ArtifactStore(work / "store")
+    nvfp4 = quantize(QuantizeConfig(), str(bf16), store).dir
+    nf4 = quantize(QuantizeConfig(scheme="nf4", twin_dtype="bfloat16"), str(bf16), store).dir
+    return bf16, nvfp4, nf4
 
 
 def make_batch(model_dir: Path, vocab: int):  # noqa: ANN201
@@ -234,6 +237,8 @@ def _child(args: argparse.Namespace) -> None:
 
     if args.child == "trl":
         import trl  # noqa: F401
+    if args.child == "nf4":
+        import bitsandbytes  # noqa: F401
     if args.child == "nvfp4":  # numba and its cached dequantize kernel are a library import too
         import torch
         from qerl.kernels.nvfp4_dispatch import dequantize
@@ -245,8 +250,8 @@ def _child(args: argparse.Namespace) -> None:
 
     batch = RolloutBatch(**json.loads(Path(args.batch).read_text()))
     work = Path(args.work)
-    if args.child == "nvfp4":
-        out = arm_ours(work / "nvfp4", batch, args.steps)
+    if args.child in ("nvfp4", "nf4"):
+        out = arm_ours(work / args.child, batch, args.steps)
     elif args.child == "bf16":
         out = arm_ours(work / "bf16", batch, args.steps)
     else:
@@ -294,11 +299,12 @@ def _cell(value: float | None, fmt: str) -> str:
 def main(layers: int = 24, vocab: int = 32768, steps: int = 4) -> str:
     import torch
 
-    names = ("nvfp4", "bf16", "trl")
+    names = ("nvfp4", "nf4", "bf16", "trl")
     with tempfile.TemporaryDirectory(prefix="qerl-bench-train-") as tmp:
         work = Path(tmp)
-        bf16, nvfp4 = make_models(work, layers, vocab)
+        bf16, nvfp4, nf4 = make_models(work, layers, vocab)
         (work / "nvfp4").symlink_to(nvfp4)
+        (work / "nf4").symlink_to(nf4)
         batch = make_batch(bf16, vocab)
         batch_path = work / "batch.json"
         batch_path.write_text(json.dumps({k: getattr(batch, k) for k in batch.__dataclass_fields__}))
@@ -335,6 +341,9 @@ def main(layers: int = 24, vocab: int = 32768, steps: int = 4) -> str:
         f"- NVFP4 vs bf16 base: peak RSS above baseline **{_ratio(rss['nvfp4'], rss['bf16'])}** (goal <= 0.5x; "
         f"{_ratio(rss_default['nvfp4'], rss_default['bf16'])} with glibc defaults), "
         f"time **{_ratio(t['nvfp4'], t['bf16'])}** (goal <= 1.3x).",
+        f"- NF4 (QLoRA's base, bitsandbytes `Linear4bit`) vs bf16 base: peak RSS **{_ratio(rss['nf4'], rss['bf16'])}**, "
+        f"time **{_ratio(t['nf4'], t['bf16'])}**; NVFP4 vs NF4: peak RSS **{_ratio(rss['nvfp4'], rss['nf4'])}**, "
+        f"time **{_ratio(t['nvfp4'], t['nf4'])}** (no goal: the comparison the paper makes).",
         f"- Ours (bf16 base) vs TRL GRPOTrainer on the same bf16 model: time **{_ratio(t['bf16'], t['trl'])}** "
         "(goal <= 1.0x).",
     ]
@@ -353,7 +362,7 @@ if __name__ == "__main__":
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--child", choices=["nvfp4", "bf16", "trl"])
+    parser.add_argument("--child", choices=["nvfp4", "nf4", "bf16", "trl"])
     parser.add_argument("--work")
     parser.add_argument("--batch")
     parser.add_argument("--result")

@@ -218,3 +218,21 @@ def test_a_run_on_an_nf4_base_learns_and_reports_its_base(learner_model_dir, tmp
         ).read_text()
     )
     assert train["mode"] == "nf4-bitsandbytes-float32"
+
+
+def test_the_planners_nf4_bytes_are_the_checkpoints(nf4_base):
+    """``qerl plan --base nf4``'s per-linear bytes against the file: codes, scale codes, nested scales
+    and code books exactly; the state's JSON is budgeted at 200 bytes."""
+    from qerl.pipeline.nf4.checkpoint import nf4_linears, nf4_shape
+    from qerl.pipeline.planning.memory import nf4_bytes
+
+    specs = safetensors_index(nf4_base.dir)
+    for module in nf4_linears(specs):
+        stored = {
+            k: s.nbytes
+            for k, s in specs.items()
+            if k == f"{module}.weight" or k.startswith(f"{module}.weight.")
+        }
+        json_bytes = stored.pop(f"{module}.weight.quant_state.bitsandbytes__nf4")
+        assert sum(stored.values()) + 200 == nf4_bytes(*nf4_shape(specs, module)), module
+        assert 100 < json_bytes <= 200, module
