@@ -10,6 +10,9 @@ through the project's own path:
   ``vllm-nvfp4-marlin`` (vLLM's compressed-tensors W4A16 FP4 scheme on the Marlin kernel);
 - ``bf16``: the same weights registered unquantized (``quantize.scheme: none``), mode
   ``vllm-unquantized``;
+- ``nf4`` (only with ``--arms``): QLoRA's NF4 checkpoint of the same weights (``quantize.scheme:
+  nf4``), served by vLLM's bitsandbytes support (mode ``vllm-nf4-bitsandbytes``): the rollout side
+  of the paper's QLoRA comparison;
 - ``nvfp4-aqn`` (only with ``--arms``): the ``nvfp4`` arm's engine built for AQN, as a run with AQN
   builds it (its norms fp32 from the load on), timed with noise set at the 7B schedule's last sigma
   (5e-4); it reports the realised sigma, and its tokens/s against ``nvfp4`` is what exact AQN costs.
@@ -63,7 +66,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 MODELS = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}  # KNOWN_SHAPES names; Marlin's tiles hold for both
 TINY = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)
-ARMS = ("nvfp4", "bf16", "nvfp4-aqn")
+ARMS = ("nvfp4", "bf16", "nvfp4-aqn", "nf4")
+SCHEMES = {"bf16": "none", "nf4": "nf4"}  # every other arm: nvfp4
 AQN_SIGMA = 5e-4  # the nvfp4-aqn arm's noise: the 7B schedule's last stage, which bf16 would round away
 # the quantize stage's settings here: no quality section (two passes of a random model, at 7B minutes of
 # a lease for a KL nobody reads); parent and arms use the same, so each arm gets the parent's artifact
@@ -95,7 +99,7 @@ def child(arm: str, model_dir: str, store_dir: str, args: argparse.Namespace) ->
 
     dry = not device.cuda_available()
     store = ArtifactStore(Path(store_dir))
-    qcfg = QuantizeConfig(scheme="none" if arm == "bf16" else "nvfp4", **QUANTIZE)
+    qcfg = QuantizeConfig(scheme=SCHEMES.get(arm, "nvfp4"), **QUANTIZE)
     quantized = quantize.run(qcfg, model_dir, store)  # the parent built it: a cache hit
     twin = dequantize.run(qcfg, quantized, store) if needs_twin("vllm", qcfg.scheme) else None
     cfg = _rollout_config(args, dry)
@@ -194,7 +198,7 @@ def planned_gib(model_dir: str | Path, rollout: Any, gpu_bytes: float, arm: str)
     from qerl.pipeline.planning.model_shape import resolve_model
 
     shape, _ = resolve_model(str(model_dir))
-    share = vllm_share(shape, rollout, gpu_bytes, "bf16" if arm == "bf16" else "nvfp4")
+    share = vllm_share(shape, rollout, gpu_bytes, {"bf16": "bf16", "nf4": "nf4"}.get(arm, "nvfp4"))
     return {k: v / 2**30 for k, v in share.items()}
 
 
