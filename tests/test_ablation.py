@@ -333,7 +333,7 @@ def tiny_ablation_config(model: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_ablate_two_arms_two_seeds_killed_and_resumed_builds_no_stage_twice(learner_model_dir, tmp_path):
-    from learning import assert_trained
+    from learning import _object, assert_trained
     from test_flow import _journal, _qerl
 
     path = tiny_ablation_config(learner_model_dir, tmp_path)
@@ -343,7 +343,7 @@ def test_ablate_two_arms_two_seeds_killed_and_resumed_builds_no_stage_twice(lear
         "--config",
         str(path),
         "--arms",
-        "bf16-lora,nvfp4-aqn",
+        "qlora,nvfp4-aqn",
         "--seeds",
         "2",
         "--bootstrap",
@@ -360,17 +360,24 @@ def test_ablate_two_arms_two_seeds_killed_and_resumed_builds_no_stage_twice(lear
     assert record["status"] == "completed", record.get("error")
     assert record["parent_run_id"] == parent  # one MLflow parent across the kill
     runs = {r["run_id"]: r for r in record["runs"]}
-    assert len(runs) == 4 and {r["arm"] for r in runs.values()} == {"bf16-lora", "nvfp4-aqn"}
+    assert len(runs) == 4 and {r["arm"] for r in runs.values()} == {"qlora", "nvfp4-aqn"}
     for run_id, r in runs.items():
         rec = json.loads((work / "runs" / run_id / "run.json").read_text())
         assert rec["status"] == "completed" and rec["ablation"]["arm"] == r["arm"]
-        assert rec["engine_mode"] == ("hf-unquantized" if r["arm"] == "bf16-lora" else "hf-nvfp4-emulated")
+        assert rec["engine_mode"] == ("hf-nf4-emulated" if r["arm"] == "qlora" else "hf-nvfp4-emulated")
         assert rec["registration"]["promoted"] is False
         assert all("train_mismatch_kl" in s for s in rec["steps"])
         assert_trained(work, rec)  # every arm and seed learned: the comparison compares something
+        train = json.loads(
+            (_object(work, "train", rec["steps"][-1]["manifests"]["train"]) / "manifest.json").read_text()
+        )
+        assert train["mode"] == (
+            "nf4-bitsandbytes-float32" if r["arm"] == "qlora" else "nvfp4-torch-reference"
+        )
+        assert rec["quantize"]["quantize_kl"] > 0  # each 4-bit base's cost, measured before training
     report = (record_path.parent / "report.md").read_text()
-    assert "## Verdict" in report and "bf16-lora" in report
-    assert "| bf16-lora | none (the base itself) |" in report and "| nvfp4-aqn | rtn |" in report
+    assert "## Verdict" in report and "qlora" in report
+    assert "| qlora | nf4 (bitsandbytes) | 0." in report and "| nvfp4-aqn | rtn | 0." in report
     assert (record_path.parent / "plots" / "reward.png").is_file()
     # tokens were trained, so the report compares the arms' entropy rather than saying there is none
     assert "n/a (no step trained a token)" not in report
@@ -391,7 +398,7 @@ def _assert_registry(work: Path, record: dict, runs: dict) -> None:
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # an earlier test's registry URI may linger
     versions = client.search_model_versions("name='qerl-adapter'")
     assert len(versions) == 4
-    assert {v.tags["arm"] for v in versions} == {"bf16-lora", "nvfp4-aqn"}
+    assert {v.tags["arm"] for v in versions} == {"qlora", "nvfp4-aqn"}
     assert {v.tags["ablation_id"] for v in versions} == {record["id"]}
     assert not any(v.aliases for v in versions)
     children = {client.get_run(v.run_id).data.tags.get("mlflow.parentRunId") for v in versions}

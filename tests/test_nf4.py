@@ -1,6 +1,7 @@
 """QLoRA's NF4 base (``quantize.scheme: nf4``): the checkpoint against bitsandbytes' own functional
 quantizer, its twin against bitsandbytes' dequantization, the trainer on ``Linear4bit`` against the
-twin the engine serves, the engine modes, the quality report, the ``qlora`` arm and a run that learns."""
+twin the engine serves, the engine modes, the quality report and the ``qlora`` arm (a whole ablation with it, runs that learn
+on NF4 included: tests/test_ablation.py)."""
 
 from __future__ import annotations
 
@@ -192,32 +193,6 @@ def test_the_qlora_arm_is_the_nf4_base_without_aqn():
     assert arms.parse_arms("qlora,nvfp4-lora,bf16-lora") == ["qlora", "nvfp4-lora", "bf16-lora"]
     with pytest.raises(arms.AblationError, match="'gptq' is not a variant of qlora"):
         arms.arm_overrides("qlora-gptq")
-
-
-@pytest.mark.slow
-def test_a_run_on_an_nf4_base_learns_and_reports_its_base(learner_model_dir, tmp_path):
-    """The whole run on QLoRA's base: NF4 checkpoint, its twin served, Linear4bit trained, quality
-    measured; rewards are mixed and the adapter moves every step (tests/learning.py)."""
-    from learning import assert_trained, learning_run_config
-    from qerl.flows import runner
-    from qerl.pipeline.planning.run_config import RunConfig
-
-    cfg = learning_run_config(learner_model_dir)
-    cfg["quantize"] = {"scheme": "nf4"}
-    cfg["loop"]["steps"] = 2
-    work = tmp_path / "work"
-    record = runner.run(RunConfig.model_validate(cfg), work)
-    assert record["status"] == "completed", record.get("error")
-    assert record["engine_mode"] == "hf-nf4-emulated"
-    assert record["quantize"]["mode"] == NF4_MODE and record["quantize"]["method"] == "nf4 (bitsandbytes)"
-    assert record["quantize"]["quantize_kl"] > 0
-    assert_trained(work, record)
-    train = json.loads(
-        (
-            work / "store" / "objects" / "train" / record["steps"][-1]["manifests"]["train"] / "manifest.json"
-        ).read_text()
-    )
-    assert train["mode"] == "nf4-bitsandbytes-float32"
 
 
 def test_the_planners_nf4_bytes_are_the_checkpoints(nf4_base):
