@@ -51,6 +51,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("qerl.nf4")
+# bitsandbytes' CPU backend tries, at import, an optional kernel from the Hugging Face hub (through the
+# `kernels` package, which is not installed) and warns that it could not; its plain-torch path runs
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 NF4_MODE = "nf4/bitsandbytes"  # the quantize stage's manifest mode for an NF4 base
 NF4_TWIN_MODE = "nf4-dequantized-twin"  # the dequantize stage's, from an NF4 base
