@@ -102,8 +102,9 @@ class _RefusingRay:
 def test_a_ray_client_connection_refused_by_the_head_is_retried_and_then_named(monkeypatch, caplog):
     monkeypatch.setattr(connection, "CLIENT_RETRY_S", 0.0)
     ray = _RefusingRay(refusals=2)
-    # the logger's own level too: a console session earlier in this worker may have left it higher
-    with caplog.at_level("INFO", logger="qerl.fanout"):
+    # the retry is said on the console (no console session here: the qerl.console logger) and the
+    # refusal on qerl.fanout; both below qerl's level, whatever an earlier test of this worker left it at
+    with caplog.at_level("INFO", logger="qerl"):
         connection.connect(ray, "ray://127.0.0.1:10001", {})
     assert ray.inits == 3 and ray.shutdowns == 2
     assert (
