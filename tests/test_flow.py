@@ -318,17 +318,22 @@ def test_an_unknown_benchmark_lists_the_benchmarks(capsys):
     assert err.startswith("qerl bench: error: no benchmark 'nosuch'") and "quantize, rollout, score" in err
 
 
-def test_a_mistyped_run_id_or_work_dir_is_named_and_nothing_is_made(tmp_path):
-    proc = _qerl(["resume", "nope"], tmp_path)
-    assert proc.returncode == 2 and "no run 'nope'" in proc.stderr
+def test_a_mistyped_run_id_or_work_dir_is_named_and_nothing_is_made(tmp_path, monkeypatch, capsys):
+    """The CLI's ``main`` in this process: each refusal comes before the run touches Prefect or its
+    environment (the exit status of ``python -m qerl.flows.cli`` is ``main``'s, as every ``_qerl`` run
+    shows)."""
+    from qerl.flows.cli import main
+
+    monkeypatch.setenv("QERL_WORK_DIR", str(tmp_path))
+    assert main(["resume", "nope"]) == 2 and "no run 'nope'" in capsys.readouterr().err
     mistyped = tmp_path / "no-such-work-dir"  # an error, and no work directory made there
-    proc = _qerl(["resume", "nope", "--work-dir", str(mistyped)], tmp_path)
-    assert proc.returncode == 2 and f"no run 'nope' under {mistyped}" in proc.stderr
+    assert main(["resume", "nope", "--work-dir", str(mistyped)]) == 2
+    assert f"no run 'nope' under {mistyped}" in capsys.readouterr().err
     assert not mistyped.exists()
     a_file = tmp_path / "a-file"
     a_file.write_text("kept")
-    proc = _qerl(["run", "--work-dir", str(a_file)], tmp_path)
-    assert proc.returncode == 2 and f"work directory {a_file} is not a directory" in proc.stderr
+    assert main(["run", "--work-dir", str(a_file)]) == 2
+    assert f"work directory {a_file} is not a directory" in capsys.readouterr().err
     assert a_file.read_text() == "kept"
 
 
