@@ -24,11 +24,11 @@ import torch  # noqa: E402
 # `--dist loadfile` a worker takes the next file when it finishes one; handing out the longest first
 # keeps one worker from starting a two-minute file while the other runs out of work.
 SLOW_FILES = {
-    "test_flow.py": 205,
-    "test_contention.py": 122,
+    "test_flow.py": 185,
+    "test_contention.py": 118,
     "test_ablation_ray.py": 100,
-    "test_real_model.py": 90,
     "test_interrupt.py": 88,
+    "test_real_model.py": 70,
     "test_ablation.py": 56,
     "test_registry.py": 50,
     "test_deadline.py": 36,

@@ -156,11 +156,17 @@ def test_train_step_next_to_a_live_engine_starts_no_thread_per_gemm(tmp_path, mo
     import sys
     from pathlib import Path
 
+    import pyarrow.parquet as pq
+
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import bench_contention
 
+    inputs = bench_contention.make_inputs(tmp_path)
+    # the first 4 of its 16 groups: one minibatch of 32 where the benchmark has four (a bare step
+    # still starts thousands of tasks)
+    pq.write_table(pq.read_table(inputs["scored"]).slice(0, 32), inputs["scored"])
     paths = tmp_path / "paths.json"
-    paths.write_text(json.dumps(bench_contention.make_inputs(tmp_path)))
+    paths.write_text(json.dumps(inputs))
     monkeypatch.setenv("NUMBA_THREADING_LAYER", "omp")
     child = bench_contention._start("engine", paths, in_process=False)
     try:

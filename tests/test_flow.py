@@ -101,9 +101,15 @@ def _qerl(
     return subprocess.CompletedProcess(cmd, code, out_path.read_text(), err_path.read_text())
 
 
-def _assert_console(proc: subprocess.CompletedProcess, work: Path, engine_lines: tuple[str, ...]) -> None:
+def _assert_console(
+    proc: subprocess.CompletedProcess,
+    work: Path,
+    engine_lines: tuple[str, ...],
+    temporary_server: bool = True,
+) -> None:
     """The console has the stage and step lines and ends with the summary; the chatter of Prefect,
-    httpx and the engine (``engine_lines``: substrings of its INFO lines) is in run.log only."""
+    httpx and the engine (``engine_lines``: substrings of its INFO lines) is in run.log only, and so
+    is the start of Prefect's temporary server where the run started one (``_qerl(own_server=True)``)."""
     console = proc.stdout + proc.stderr
     for line in ("quantize", "data ", "quality", "step 1/", "evaluate", "register"):
         assert line in proc.stderr, (line, proc.stderr[-2000:])
@@ -115,7 +121,8 @@ def _assert_console(proc: subprocess.CompletedProcess, work: Path, engine_lines:
     assert proc.stdout.strip().splitlines()[-1].startswith("  MLflow UI:"), proc.stdout[-1000:]
     (log_path,) = (work / "runs").glob("*/run.log")
     log_text = log_path.read_text()
-    for chatter in ("httpx: HTTP Request", "prefect.flow_runs", "Starting temporary server", *engine_lines):
+    server = ("Starting temporary server",) if temporary_server else ()
+    for chatter in ("httpx: HTTP Request", "prefect.flow_runs", *server, *engine_lines):
         assert chatter not in console, (chatter, console[-3000:])
         assert chatter in log_text, (chatter, log_text[-3000:])
     assert len(console.splitlines()) < 40, console
@@ -156,18 +163,22 @@ def flow_model(tiny_model_factory) -> Path:
 
 @pytest.mark.slow
 def test_vllm_run_end_to_end(flow_model, tmp_path):
-    """One whole run on the default engine: vLLM on the CPU serving the dequantized twin."""
+    """One whole run on the default engine: vLLM on the CPU serving the dequantized twin. It talks to the
+    session's Prefect server; the console of a run with a temporary server of its own is checked on the
+    kill test's last resume."""
     cfg_path = tmp_path / "run.yaml"
     cfg = tiny_run_config(flow_model, engine="vllm")
     cfg["loop"].update(steps=2, eval_base=True)
     cfg_path.write_text(yaml.safe_dump(cfg))
-    proc = _qerl(["run", "--config", str(cfg_path)], tmp_path / "work", own_server=True)
+    proc = _qerl(["run", "--config", str(cfg_path)], tmp_path / "work")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vllm-nvfp4-emulated" in proc.stdout and "MLflow UI" in proc.stdout
     # the first run of a registered model is compared with the base model, which this untrained one ties
     assert re.search(r"registered \S+ v1, not promoted\n", proc.stdout), proc.stdout
     assert "promotion: does not beat the base model on arithmetic/validation@" in proc.stdout, proc.stdout
-    _assert_console(proc, tmp_path / "work", ("vLLM engine up", "Initializing a V1 LLM engine"))
+    _assert_console(
+        proc, tmp_path / "work", ("vLLM engine up", "Initializing a V1 LLM engine"), temporary_server=False
+    )
     (record_path,) = (tmp_path / "work" / "runs").glob("*/run.json")
     record = json.loads(record_path.read_text())
     assert record["engine_mode"] == "vllm-nvfp4-emulated"
@@ -318,17 +329,22 @@ def test_an_unknown_benchmark_lists_the_benchmarks(capsys):
     assert err.startswith("qerl bench: error: no benchmark 'nosuch'") and "quantize, rollout, score" in err
 
 
-def test_a_mistyped_run_id_or_work_dir_is_named_and_nothing_is_made(tmp_path):
-    proc = _qerl(["resume", "nope"], tmp_path)
-    assert proc.returncode == 2 and "no run 'nope'" in proc.stderr
+def test_a_mistyped_run_id_or_work_dir_is_named_and_nothing_is_made(tmp_path, monkeypatch, capsys):
+    """The CLI's ``main`` in this process: each refusal comes before the run touches Prefect or its
+    environment (the exit status of ``python -m qerl.flows.cli`` is ``main``'s, as every ``_qerl`` run
+    shows)."""
+    from qerl.flows.cli import main
+
+    monkeypatch.setenv("QERL_WORK_DIR", str(tmp_path))
+    assert main(["resume", "nope"]) == 2 and "no run 'nope'" in capsys.readouterr().err
     mistyped = tmp_path / "no-such-work-dir"  # an error, and no work directory made there
-    proc = _qerl(["resume", "nope", "--work-dir", str(mistyped)], tmp_path)
-    assert proc.returncode == 2 and f"no run 'nope' under {mistyped}" in proc.stderr
+    assert main(["resume", "nope", "--work-dir", str(mistyped)]) == 2
+    assert f"no run 'nope' under {mistyped}" in capsys.readouterr().err
     assert not mistyped.exists()
     a_file = tmp_path / "a-file"
     a_file.write_text("kept")
-    proc = _qerl(["run", "--work-dir", str(a_file)], tmp_path)
-    assert proc.returncode == 2 and f"work directory {a_file} is not a directory" in proc.stderr
+    assert main(["run", "--work-dir", str(a_file)]) == 2
+    assert f"work directory {a_file} is not a directory" in capsys.readouterr().err
     assert a_file.read_text() == "kept"
 
 
