@@ -399,7 +399,7 @@ BENCH_RC=skipped
 VLLM_BENCH_RC=skipped
 if ((BENCH)) && ((!NO_VLLM)); then
   if ((DRY)); then
-    run_part bench_vllm "$PY" benchmarks/bench_vllm.py --dry-run --out-dir "$OUT" >>"$LOG" 2>&1
+    run_part bench_vllm "$PY" benchmarks/bench_vllm.py --dry-run --arms "$VLLM_ARMS" --out-dir "$OUT" >>"$LOG" 2>&1
     VLLM_BENCH_RC=$?
   elif "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
     # the carried bundle, or a GPU install's own vLLM (requirements/gpu.txt)
