@@ -1,5 +1,6 @@
 # Two entry points; each creates .venv on first use (scripts/bootstrap.sh).
-# The suite runs in TEST_WORKERS pytest-xdist workers (make test TEST_WORKERS=4 on a bigger machine).
+# The suite runs in TEST_WORKERS pytest-xdist workers (make test TEST_WORKERS=4 on a bigger machine), the
+# slowest files first (tests/conftest.py's SLOW_FILES; --no-loadscope-reorder keeps that order).
 TEST_WORKERS ?= 2
 .PHONY: demo test test-kit lint bench venv docs
 venv:
@@ -12,11 +13,11 @@ test: venv
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
-	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not kit"
+	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not kit"
 
 # The GPU kit's slow CPU checks (dry runs of scripts/gpu/ on the CPU); CI runs them after `make test`.
 test-kit: venv
-	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m kit
+	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m kit
 
 bench: venv
 	.venv/bin/qerl bench

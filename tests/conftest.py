@@ -20,25 +20,28 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Seconds each of the slowest files takes on two cores (pytest --durations, summed per file). With
-# `--dist loadfile` a worker takes the next file when it finishes one; handing out the longest first
-# keeps one worker from starting a two-minute file while the other runs out of work.
+# Seconds each of the slowest files takes on two cores (the per-file sum of a quiet run's test times).
+# With `--dist loadfile` a worker takes the next file when it finishes one; handing out the longest
+# first keeps one worker from starting a two-minute file while the other runs out of work. The
+# Makefile passes --no-loadscope-reorder: pytest-xdist would otherwise hand files out by test count.
 SLOW_FILES = {
-    "test_flow.py": 185,
-    "test_contention.py": 118,
-    "test_ablation_ray.py": 100,
-    "test_interrupt.py": 88,
-    "test_real_model.py": 70,
-    "test_ablation.py": 56,
-    "test_registry.py": 50,
-    "test_deadline.py": 36,
-    "test_evaluation.py": 32,
-    "test_resource_keys.py": 25,
-    "test_gc.py": 25,
-    "test_nvfp4_format.py": 22,
-    "test_adapter_bytes.py": 20,
-    "test_nightly.py": 20,
-    "test_heal.py": 16,
+    "test_flow.py": 164,
+    "test_interrupt.py": 103,
+    "test_real_model.py": 101,
+    "test_ablation_ray.py": 98,
+    "test_contention.py": 88,
+    "test_registry.py": 61,
+    "test_ablation.py": 53,
+    "test_deadline.py": 35,
+    "test_nightly.py": 32,
+    "test_adapter_bytes.py": 21,
+    "test_quantize_quality.py": 24,
+    "test_aqn_compiled_vllm.py": 23,
+    "test_evaluation.py": 21,
+    "test_registered_adapter.py": 20,
+    "test_run_start.py": 18,
+    "test_aqn_objective.py": 16,
+    "test_gc.py": 15,
 }
 
 
@@ -71,13 +74,20 @@ def learner_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 that has learned the answer format and is right about 40% of the time on level-1
     arithmetic (sampled at temperature 1): the embedded demo's warm-up at a smaller size (about 12 s),
     so GRPO groups have mixed rewards and the end-to-end tests train for real (tests/learning.py)."""
+    from filelock import FileLock
     from qerl.pipeline.demo.base_model import DemoBaseConfig, build_demo_base
 
     cfg = DemoBaseConfig(
         levels=[1], n_train=400, sft_steps=150, hidden_size=64, intermediate_size=192, num_layers=2
     )
-    out = tmp_path_factory.mktemp("learner")
-    build_demo_base(out, cfg)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # built once for the workers: the second finds it (or waits for it)
+    out = root / "learner"
+    with FileLock(str(root / "learner.lock")):
+        if not (root / "learner.built").is_file():  # beside it: the model's folder stays the model's
+            build_demo_base(out, cfg)
+            (root / "learner.built").touch()
     return out
 
 

@@ -28,7 +28,7 @@ def _digest(path) -> str:
 
 
 def test_adapter_config_bytes_do_not_depend_on_the_hash_seed(tiny_model_dir, tmp_path):
-    seeds = (1, 2, 3)
+    seeds = (1, 2)  # two hash seeds that order peft's target_modules set differently
     for seed in seeds:
         env = {**os.environ, "PYTHONHASHSEED": str(seed)}
         subprocess.run(
