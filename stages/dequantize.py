@@ -75,11 +75,7 @@ def run(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> Manif
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
-        aux = quantize.copy_aux_files(src, tmp)
-        config = read_model_config(src)
-        config.pop("quantization_config", None)
-        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
-        atomic_write_json(tmp / "config.json", config)
+        aux = _plain_config(src, tmp, dtype_name)
         specs = safetensors_index(src)
         groups = []
         for name in sorted(specs, key=natural_key):
@@ -100,19 +96,9 @@ def run(cfg: QuantizeConfig, quantized: Manifest, store: ArtifactStore) -> Manif
                 groups.append(([TensorSpec(name, spec.dtype, spec.shape)], quantize.copy_producer(spec)))
         with tqdm(total=len(groups), desc="dequantize twin", unit="tensor", disable=None) as bar:
             write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
-        return BuildResult(
-            mode=TWIN_MODE,
-            metrics={"seconds": time.perf_counter() - t0},
-            extra={
-                "derived_from": {"stage": quantized.stage, "key": quantized.key, "digest": quantized.digest},
-                "base_digest": quantized.extra.get("base_digest"),
-                "dtype": dtype_name,
-                "dequantized_linears": sum(1 for n in specs if n.endswith(".weight_packed")),
-                "aux_files": aux,
-                "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
-                "note": "derived artifact: Linear weights are qerl.kernels.nvfp4_reference.dequantize_nvfp4 of the NVFP4 checkpoint",
-            },
-        )
+        linears = sum(1 for n in specs if n.endswith(".weight_packed"))
+        note = "Linear weights are qerl.kernels.nvfp4_reference.dequantize_nvfp4 of the NVFP4 checkpoint"
+        return _twin_result(TWIN_MODE, t0, cfg, quantized, dtype_name, linears, aux, note)
 
     key = {**key_payload(cfg), "twin_dtype": dtype_name}
     return store.produce(STAGE, key, {"quantized": quantized.digest}, code, build)[0]
@@ -127,11 +113,7 @@ def _run_nf4(
 
     def build(tmp: Path) -> BuildResult:
         t0 = time.perf_counter()
-        aux = quantize.copy_aux_files(src, tmp)
-        config = read_model_config(src)
-        config.pop("quantization_config", None)
-        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
-        atomic_write_json(tmp / "config.json", config)
+        aux = _plain_config(src, tmp, dtype_name)
         specs = safetensors_index(src)
         modules = nf4_linears(specs)
         weights = dequantized_linears(src, dtype)  # natural order: write_sharded asks in that order
@@ -155,19 +137,37 @@ def _run_nf4(
                 groups.append(([TensorSpec(name, spec.dtype, spec.shape)], quantize.copy_producer(spec)))
         with tqdm(total=len(groups), desc="dequantize NF4 twin", unit="tensor", disable=None) as bar:
             write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=bar.update)
-        return BuildResult(
-            mode=NF4_TWIN_MODE,
-            metrics={"seconds": time.perf_counter() - t0},
-            extra={
-                "derived_from": {"stage": quantized.stage, "key": quantized.key, "digest": quantized.digest},
-                "base_digest": quantized.extra.get("base_digest"),
-                "dtype": dtype_name,
-                "dequantized_linears": len(modules),
-                "aux_files": aux,
-                "max_shard_mb": cfg.max_shard_mb,
-                "note": "derived artifact: Linear weights are bitsandbytes' dequantize_4bit of the NF4 checkpoint",
-            },
-        )
+        note = "Linear weights are bitsandbytes' dequantize_4bit of the NF4 checkpoint"
+        return _twin_result(NF4_TWIN_MODE, t0, cfg, quantized, dtype_name, len(modules), aux, note)
 
     key = {**key_payload(cfg), "twin_dtype": dtype_name}
     return store.produce(STAGE, key, {"quantized": quantized.digest}, code, build)[0]
+
+
+def _plain_config(src: Path, tmp: Path, dtype_name: str) -> list[str]:
+    """The twin's config.json (no quantization_config, the twin's dtype) and the source's other files."""
+    aux = quantize.copy_aux_files(src, tmp)
+    config = read_model_config(src)
+    config.pop("quantization_config", None)
+    config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
+    atomic_write_json(tmp / "config.json", config)
+    return aux
+
+
+def _twin_result(
+    mode: str, t0: float, cfg: QuantizeConfig, quantized: Manifest, dtype_name: str, linears: int,
+    aux: list[str], note: str,
+) -> BuildResult:  # fmt: skip
+    return BuildResult(
+        mode=mode,
+        metrics={"seconds": time.perf_counter() - t0},
+        extra={
+            "derived_from": {"stage": quantized.stage, "key": quantized.key, "digest": quantized.digest},
+            "base_digest": quantized.extra.get("base_digest"),
+            "dtype": dtype_name,
+            "dequantized_linears": linears,
+            "aux_files": aux,
+            "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
+            "note": f"derived artifact: {note}",
+        },
+    )
