@@ -19,8 +19,7 @@ values, the independent reference; ``load_for_training`` is the model with bitsa
 Departure and why: ``load_for_training`` turns off bitsandbytes' CPU inference path
 (``support_avx512bf16_for_cpu``). On a CPU with AVX512-BF16, a ``Linear4bit`` called in eval mode
 without gradients repacks its weight for a bf16 kernel: its logprobs then differ from the values the
-engine samples with (by 0.016 in a logit of a tiny fp32 model), and the repacked layer can no longer
-train (its bias is added in place to a tensor autograd tracks). With it off, every call dequantizes
+engine samples with, and the repacked layer can no longer train (its bias is added in place to a tensor autograd tracks). With it off, every call dequantizes
 and multiplies in the compute dtype: the twin's function exactly.
 """
 
@@ -123,12 +122,12 @@ def write_nf4(
     return {"device": device, "linears": len(written), "bytes_out": sum(s.nbytes for s in specs.values())}
 
 
-def _quant_state(specs: dict[str, TensorSpec], module: str, device: str) -> Any:
+def _quant_state(specs: dict[str, TensorSpec], module: str) -> Any:
     from bitsandbytes.functional import QuantState
 
     prefix = f"{module}.weight."
     parts = {k[len(prefix) :]: read_tensor(s) for k, s in specs.items() if k.startswith(prefix)}
-    return QuantState.from_dict(parts, device=torch.device(device))
+    return QuantState.from_dict(parts, device=torch.device("cpu"))
 
 
 def dequantized_linears(
@@ -143,7 +142,7 @@ def dequantized_linears(
     if not names:
         raise ValueError(f"{ckpt_dir}: no '*.weight.{_STATE}' tensors - not an NF4 checkpoint")
     for module in names:
-        state = _quant_state(specs, module, "cpu")
+        state = _quant_state(specs, module)
         yield module, dequantize_4bit(read_tensor(specs[f"{module}.weight"]), state).to(dtype)
 
 
