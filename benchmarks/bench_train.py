@@ -250,10 +250,8 @@ def _child(args: argparse.Namespace) -> None:
 
     batch = RolloutBatch(**json.loads(Path(args.batch).read_text()))
     work = Path(args.work)
-    if args.child in ("nvfp4", "nf4"):
+    if args.child in ("nvfp4", "nf4", "bf16"):
         out = arm_ours(work / args.child, batch, args.steps)
-    elif args.child == "bf16":
-        out = arm_ours(work / "bf16", batch, args.steps)
     else:
         out = arm_trl(work / "bf16", batch, args.steps, work)
     out["peak_rss_mb"] = _rss_mb()
@@ -315,6 +313,9 @@ def main(layers: int = 24, vocab: int = 32768, steps: int = 4) -> str:
     rss = {arm: _above(r) for arm, r in memory.items()}
     lines = [
         "## Train step (one GRPO update)",
+        "",
+        "Command: `qerl bench train`. Goals: the NVFP4 base's peak at most 0.5x the bf16 base's and its time "
+        "at most 1.3x; ours at most TRL's time. The NF4 arm (QLoRA's base) has none: it is the comparison.",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"device {'cuda' if torch.cuda.is_available() else 'cpu'}. Model: Qwen2.5-0.5B shape, {layers} layers, "
