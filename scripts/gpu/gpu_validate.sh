@@ -26,8 +26,8 @@
 #                        memory at 7B's shapes (scripts/gpu/gpu_quantize_7b.py)
 #   6 nf4         100 s  QLoRA's NF4 checkpoint through vLLM's bitsandbytes support: rollout tokens/s at
 #                        item 2's shape (skipped, with the reason, by a bench_vllm.py without an nf4 arm).
-#                        Items 1-5 fit about 12 minutes of run time; item 6 is for a lease with time left,
-#                        and being last, a cut costs no other item
+#                        Items 1-5 fit about 12 minutes of run time; item 6 is last, so a run with less
+#                        time left cuts it and no other item
 #
 # Results, in $OUT (default qerl-work/gpu-validate):
 #   results.jsonl  one JSON record when an item starts and one when it ends (item, name, limit_s,
