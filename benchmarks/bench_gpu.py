@@ -1,4 +1,4 @@
-"""GPU benchmark: one GRPO update at the paper's model sizes, NVFP4 base vs bf16 base, and the kernels.
+"""GPU benchmark: one GRPO update at the paper's model sizes, NVFP4 base vs bf16 (and NF4), and the kernels.
 
 What, on one CUDA GPU, side by side in one run:
 
@@ -8,7 +8,9 @@ What, on one CUDA GPU, side by side in one run:
    random weights at the shapes of Qwen2.5-7B, -14B and -32B (``qerl.pipeline.planning.model_shape.KNOWN_SHAPES``), built
    directly on the GPU, nothing downloaded. The NVFP4 arm quantizes each projection on the GPU with
    the dispatcher (the Triton kernel on CUDA; q/k/v and gate/up share one global scale, as the quantize
-   stage does) and trains on ``NVFP4Linear``; the bf16 arm keeps plain ``nn.Linear`` weights. Each
+   stage does) and trains on ``NVFP4Linear``; the bf16 arm keeps plain ``nn.Linear`` weights; the nf4
+   arm (only with ``--arms``) quantizes each projection on the GPU with bitsandbytes and trains on its
+   ``Linear4bit`` under peft's LoRA, as QLoRA and the ``qlora`` ablation arm do. Each
    arm runs in its own process: one warm-up update (it allocates AdamW's state), then ``--steps``
    timed updates (median). Peak memory is ``torch.cuda.max_memory_allocated`` over the timed updates
    (tensors only; the CUDA context is not in it), next to what ``qerl plan`` predicts for the same
@@ -30,7 +32,7 @@ the kernels are the CPU dispatcher's (numba), so its numbers say nothing about a
 dry run, so BENCHMARKS.md only ever shows GPU numbers), rewritten atomically after every arm so a run
 cut off by a time limit keeps what it measured.
 
-Run: ``python benchmarks/bench_gpu.py [--models 7b,14b,32b] [--arms nvfp4,bf16[,nvfp4-det]] [--steps 2]``.
+Run: ``python benchmarks/bench_gpu.py [--models 7b,14b,32b] [--arms nvfp4,bf16[,nf4,nvfp4-det]] [--steps 2]``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ sys.path.insert(0, str(ROOT))
 
 PAPER = dict(prompts=2, group=4, prompt=256, completion=1024, rank=32)
 DRY = dict(prompts=2, group=2, prompt=16, completion=32, rank=8)
-ARMS = ("nvfp4", "bf16", "nvfp4-det", "bf16-det")  # -det: the same base under train.deterministic's kernels
+# -det: the same base under train.deterministic's kernels; nf4: QLoRA's base (bitsandbytes Linear4bit)
+ARMS = ("nvfp4", "bf16", "nf4", "nvfp4-det", "bf16-det")
 DETERMINISTIC = "-det"
 TINY_SHAPE = dict(name="tiny", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512)
 
@@ -152,6 +155,12 @@ def _train_rows(report: dict) -> list[str]:
             rows.append(
                 f"- {name}: the NVFP4 base trains in {_gib(a['peak_bytes'])} GiB; the bf16 base does not fit"
             )
+        q = arms.get("nf4", {})
+        if a.get("peak_bytes") and q.get("peak_bytes"):
+            rows.append(
+                f"- {name}: NVFP4 / NF4 (QLoRA's base) peak **{a['peak_bytes'] / q['peak_bytes']:.2f}x**, time "
+                f"**{statistics.median(a['times']) / statistics.median(q['times']):.2f}x**"
+            )
         for base in ("nvfp4", "bf16"):
             plain, det = arms.get(base, {}), arms.get(base + DETERMINISTIC, {})
             if plain.get("times") and det.get("times"):
@@ -225,10 +234,11 @@ def _versions() -> dict:
     return info
 
 
-def _merge_previous(report: dict, path: Path, models: list[str]) -> None:
-    """Keep an earlier run's arms of other models (and its kernels, when this run skips them), so one
-    results file can be filled over several time-limited calls. Only runs of the same batch, steps and
-    device merge; anything else is an error, not a silent mix."""
+def _merge_previous(report: dict, path: Path, models: list[str], arms: list[str]) -> None:
+    """Keep an earlier run's rows that this run does not measure again (other models, or other arms
+    of the same model) and its kernels, so one results file can be filled over several time-limited
+    calls. Only runs of the same batch, steps and device merge; anything else is an error, not a
+    silent mix."""
     if not path.is_file():
         return
     old = json.loads(path.read_text())
@@ -236,7 +246,11 @@ def _merge_previous(report: dict, path: Path, models: list[str]) -> None:
     if same != {k: report[k] for k in same}:
         raise SystemExit(f"bench_gpu --merge: {path} is from another setup ({same}); move it away first")
     names = {f"qwen2.5-{m}" for m in models} | set(models)
-    report["train"] = [a for a in old.get("train", []) if a["shape"]["name"] not in names]
+    report["train"] = [
+        a
+        for a in old.get("train", [])
+        if a["shape"]["name"] not in names or a.get("arm", a["base"]) not in arms
+    ]
     report["kernels"] = old.get("kernels")
 
 
@@ -269,7 +283,7 @@ def main(args: argparse.Namespace) -> dict:
     }
     models = ["tiny"] if args.dry_run else args.models.split(",")
     if args.merge:
-        _merge_previous(report, out_dir / "gpu.json", models)
+        _merge_previous(report, out_dir / "gpu.json", models, args.arms.split(","))
 
     def save() -> None:
         atomic_write_json(out_dir / "gpu.json", report)
@@ -336,7 +350,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arm-timeout", type=float, default=300.0, help="seconds before an arm is abandoned")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument(
-        "--merge", action="store_true", help="keep other models' arms from --out-dir/gpu.json"
+        "--merge",
+        action="store_true",
+        help="keep the rows of --out-dir/gpu.json this run does not measure again (other models or arms)",
     )
     parser.add_argument(
         "--out-dir", default=None, help="where gpu.md/gpu.json go (default benchmarks/results)"

@@ -1,9 +1,11 @@
 """One train arm of ``bench_gpu.py``, run in its own process: a GRPO update on random weights at a
-model's real shape, NVFP4 or bf16 base, timed, with its peak memory.
+model's real shape, NVFP4, NF4 or bf16 base, timed, with its peak memory.
 
 The model is built on the device, never on the host: the skeleton on the meta device, then each
-projection drawn there and either kept (bf16) or quantized there and replaced by ``NVFP4Linear``
-(nvfp4), one fused group at a time. The train state wraps it as ``qerl.pipeline.rl.policy.init_state``
+projection drawn there and either kept (bf16), quantized there and replaced by ``NVFP4Linear``
+(nvfp4), one fused group at a time, or quantized there by bitsandbytes into the ``Linear4bit`` QLoRA
+trains on (nf4: NF4, double quantization, blocks of 64, bf16 compute, as the NF4 base's trainer loads
+it in ``qerl.pipeline.nf4.checkpoint.load_for_training``). The train state wraps it as ``qerl.pipeline.rl.policy.init_state``
 wraps a checkpoint. ``deterministic`` runs the updates under the trainer's deterministic CUDA kernels
 (``qerl.pipeline.runtime.determinism``, what ``train.deterministic`` switches on), so an arm with it
 against one without is what that switch costs.
@@ -38,8 +40,8 @@ def build_model(shape: Any, base: str, device: str) -> Any:
     """A Qwen2 model of ``shape`` with random bf16 weights made on ``device``, never on the host.
 
     The skeleton is built on the meta device; each projection is drawn on the device and either kept
-    (bf16) or quantized there and replaced by ``NVFP4Linear`` (nvfp4), one layer at a time, so the
-    NVFP4 arm never holds a bf16 copy of more than one fused group.
+    (bf16) or quantized there and replaced by ``NVFP4Linear`` (nvfp4) or bitsandbytes' ``Linear4bit``
+    (nf4), one layer at a time, so a 4-bit arm never holds a bf16 copy of more than one fused group.
     """
     import torch
     from accelerate import init_empty_weights
@@ -71,6 +73,8 @@ def build_model(shape: Any, base: str, device: str) -> Any:
                 if base == "nvfp4":
                     packed, scale, g = nvfp4_dispatch.quantize(weights.pop(name), gs, name=name)
                     setattr(parent, name, NVFP4Linear.from_tensors(packed, scale, g, bias, name=name))
+                elif base == "nf4":
+                    setattr(parent, name, nf4_linear(weights.pop(name), bias, device))
                 else:
                     module.weight = torch.nn.Parameter(weights.pop(name), requires_grad=False)
                     if bias is not None:
@@ -90,6 +94,27 @@ def build_model(shape: Any, base: str, device: str) -> Any:
     model.to(device)  # buffers (RoPE frequencies) were built on the host
     model.requires_grad_(False)
     return model
+
+
+def nf4_linear(weight: Any, bias: Any, device: str) -> Any:
+    """``weight`` (bf16, on ``device``) quantized there into bitsandbytes' ``Linear4bit``, set up as the
+    NF4 trainer sets up each layer it loads (bf16 compute; the CPU inference repacking off, so the dry
+    run trains on the path a real CPU run takes)."""
+    import bitsandbytes as bnb
+    import torch
+    from qerl.pipeline.nf4.checkpoint import NF4_BLOCKSIZE
+
+    out_f, in_f = weight.shape
+    layer = bnb.nn.Linear4bit(
+        in_f, out_f, bias=bias is not None, compute_dtype=torch.bfloat16, quant_type="nf4", device="meta"
+    )
+    layer.weight = bnb.nn.Params4bit(
+        weight, compress_statistics=True, quant_type="nf4", blocksize=NF4_BLOCKSIZE, module=layer
+    ).to(device)
+    if bias is not None:
+        layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    layer.support_avx512bf16_for_cpu = False
+    return layer
 
 
 def lora_state(model: Any, cfg: Any, device: str) -> Any:
@@ -154,11 +179,15 @@ def _rss_bytes(field: str) -> int:
 def _preload(device: str) -> None:
     """Import what an arm runs on and compile the dequantizer once, so neither counts as the arm's
     memory (the CPU baseline is taken after this; on CUDA only tensors are counted anyway)."""
+    import importlib
+
     import peft  # noqa: F401
     import torch
     import transformers  # noqa: F401
     from qerl.kernels.nvfp4_dispatch import dequantize, quantize
+    from qerl.pipeline.nf4 import checkpoint  # noqa: F401  (quiets bitsandbytes' CPU backend at import)
 
+    importlib.import_module("bitsandbytes")  # after that module, which sets its logging
     dequantize(*quantize(torch.ones(16, 16, device=device)), dtype=torch.bfloat16)
 
 
@@ -177,6 +206,7 @@ def train_arm(shape: Any, base: str, device: str, b: dict, steps: int, determini
     baseline = 0 if cuda else _rss_bytes("VmRSS:")
     try:
         model = build_model(shape, base, device)
+        out["layers"] = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "in_features")})
         out["weights_bytes"] = torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS:") - baseline
         cfg = TrainConfig(
             lora_r=b["rank"], lora_alpha=2 * b["rank"], gradient_checkpointing=True, dtype="bfloat16"

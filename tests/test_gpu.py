@@ -651,31 +651,39 @@ def test_bench_report_records_oom_and_merges_runs(tmp_path):
     assert "the NVFP4 base trains in 40.00 GiB; the bf16 base does not fit" in text
     (tmp_path / "gpu.json").write_text(json.dumps(report))
     fresh = {**report, "train": [], "kernels": None}
-    bench._merge_previous(fresh, tmp_path / "gpu.json", ["7b"])
+    bench._merge_previous(fresh, tmp_path / "gpu.json", ["7b"], ["nvfp4", "bf16"])
     assert [a["base"] for a in fresh["train"]] == ["nvfp4", "bf16"]  # 32b kept: this run is 7b only
     again = {**report, "train": []}
-    bench._merge_previous(again, tmp_path / "gpu.json", ["32b"])
+    bench._merge_previous(again, tmp_path / "gpu.json", ["32b"], ["nvfp4", "bf16"])
     assert again["train"] == []  # 32b is being re-run: its old arms go
+    other_arm = {**report, "train": []}
+    bench._merge_previous(other_arm, tmp_path / "gpu.json", ["32b"], ["nf4"])
+    assert [a["base"] for a in other_arm["train"]] == ["nvfp4", "bf16"]  # a 32b NF4 row joins them
     with pytest.raises(SystemExit, match="another setup"):
-        bench._merge_previous({**report, "steps": 3}, tmp_path / "gpu.json", ["7b"])
+        bench._merge_previous({**report, "steps": 3}, tmp_path / "gpu.json", ["7b"], ["nvfp4"])
 
 
 @pytest.mark.kit
-def test_bench_gpu_times_the_deterministic_switch_beside_the_plain_arm(tmp_path):
-    """``--arms nvfp4,nvfp4-det``: the same NVFP4 update with and without train.deterministic's
-    kernels, each in its own process, and the ratio of their times (on the CPU the switch changes no
-    kernel, so this checks the plumbing; its cost is a GPU figure)."""
+def test_bench_gpu_times_the_deterministic_switch_and_qloras_base_beside_the_plain_arm(tmp_path):
+    """``--arms nvfp4,nvfp4-det,nf4``: the same NVFP4 update with and without train.deterministic's
+    kernels, and the update on QLoRA's NF4 base, each in its own process, and the ratios of their
+    times and peaks (on the CPU the switch changes no kernel, so this checks the plumbing; its cost
+    is a GPU figure)."""
     bench = _bench_module()
     args = bench.parse_args(
-        ["--dry-run", "--arms", "nvfp4,nvfp4-det", "--skip-kernels", "--out-dir", str(tmp_path)]
+        ["--dry-run", "--arms", "nvfp4,nvfp4-det,nf4", "--skip-kernels", "--out-dir", str(tmp_path)]
     )
     report = bench.main(args)
     arms = {a["arm"]: a for a in report["train"]}
-    assert set(arms) == {"nvfp4", "nvfp4-det"}, report["train"]
+    assert set(arms) == {"nvfp4", "nvfp4-det", "nf4"}, report["train"]
+    # the NF4 arm trains on bitsandbytes' layers, as QLoRA does (lm_head stays a plain Linear)
+    assert arms["nf4"]["layers"] == ["Linear", "Linear4bit"] and arms["nf4"]["times"]
+    assert arms["nvfp4"]["layers"] == ["Linear", "NVFP4Linear"]
     assert arms["nvfp4-det"]["base"] == "nvfp4" and arms["nvfp4-det"]["deterministic"] is True
     assert arms["nvfp4"]["deterministic"] is False and all(a.get("times") for a in arms.values())
     text = (tmp_path / "gpu.md").read_text()
     assert "| tiny | nvfp4-det |" in text
     assert re.search(r"- tiny, nvfp4 base: deterministic kernels / default, time \*\*\d+\.\d\dx\*\*", text)
+    assert re.search(r"- tiny: NVFP4 / NF4 \(QLoRA's base\) peak \*\*\d+\.\d\dx\*\*", text)
     with pytest.raises(SystemExit):
         bench.parse_args(["--dry-run", "--arms", "nvfp4,fp8"])

@@ -542,7 +542,8 @@ def test_the_image_list_reads_names_and_skips_comments(tmp_path):
 
 
 def test_run_bundle_pins_are_the_cpu_environments():
-    """The run bundle carries what the CPU environment runs: the same Prefect, MLflow, math-verify."""
+    """The run bundle carries what the CPU environment runs: the same Prefect, MLflow, math-verify and
+    bitsandbytes."""
     cpu = {}
     for line in (ROOT / "requirements" / "cpu.txt").read_text().splitlines():
         spec = line.split("#", 1)[0].strip()
@@ -550,7 +551,7 @@ def test_run_bundle_pins_are_the_cpu_environments():
             name, version = spec.split("==", 1)
             cpu[gi.norm(name.split("[")[0])] = version.strip()
     reqs = gb.parse_requirements(ROOT / "scripts" / "gpu" / "gpu_run_requirements.txt")
-    assert {r["dist"] for r in reqs} == {"prefect", "mlflow", "math-verify"} and all(
+    assert {r["dist"] for r in reqs} == {"prefect", "mlflow", "math-verify", "bitsandbytes"} and all(
         r["reason"] for r in reqs
     )
     for r in reqs:

@@ -79,6 +79,7 @@ def test_the_dry_run_prints_the_items_in_priority_order_and_runs_nothing(tmp_pat
     assert text.index("--vllm-arms nvfp4-aqn") < text.index("gpu_quantize_7b.py")
     assert "--vllm-layers 4 --vllm-prompts 16 --vllm-n 8" in text  # 7B's matrices, 128 sequences
     assert text.index("gpu_quantize_7b.py") < text.index("--vllm-arms nf4 ")  # QLoRA's rollouts, last
+    assert text.index("--vllm-arms nf4 ") < text.index("--models 7b --arms nf4 ")  # then its GRPO update
     assert "skipped:" not in text  # bench_vllm.py has its nf4 arm, so item 6 runs
     assert not (tmp_path / "calls.txt").exists() and not (tmp_path / "out" / "results.jsonl").exists()
 
@@ -117,8 +118,8 @@ def test_each_item_records_when_it_ends_and_the_outcomes_follow_the_kits_exit(tm
     assert ends[3]["outcome"] == "not started"
     assert ends[6]["outcome"] == "passed"
     calls = (tmp_path / "calls.txt").read_text().splitlines()
-    assert len(calls) == 6 and all(re.search(r"--budget-s \d+$", c) for c in calls)  # 1, 2, 4 (twice), 5, 6
-    assert "--vllm-arms nf4 " in calls[-1]
+    assert len(calls) == 7 and all(re.search(r"--budget-s \d+$", c) for c in calls)  # 1, 2, 4 and 6 twice, 5
+    assert "--vllm-arms nf4 " in calls[-2] and "--arms nf4 " in calls[-1]
     table = (tmp_path / "out" / "results.md").read_text()
     assert re.search(r"^\| 1 \| qerl-run \| 260 \| \d+ \| passed \|", table, re.M)
     failed = subprocess.run(["bash", str(SCRIPT), "--items", "1"], capture_output=True, text=True,
@@ -166,7 +167,8 @@ done
 @pytest.mark.kit
 @pytest.mark.slow  # about a minute: two of the kit's own dry runs on the CPU
 def test_the_cpu_wiring_check_runs_the_kit_itself(tmp_path):
-    """--cpu: the real gpu_check.sh at tiny shapes for the padded test, the quantize item and the NF4 arm."""
+    """--cpu: the real gpu_check.sh at tiny shapes for the padded test, the quantize item and the NF4
+    item (its rollouts and its GRPO update)."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--items", "3,5,6"], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=400)  # fmt: skip
@@ -176,6 +178,9 @@ def test_the_cpu_wiring_check_runs_the_kit_itself(tmp_path):
     (vllm,) = (tmp_path / "out" / "item-6-nf4").rglob("vllm.json")  # QLoRA's arm, on the CPU its twin
     arms = [a for model in json.loads(vllm.read_text())["models"].values() for a in model.values()]
     assert [(a["arm"], a["mode"], a["tokens"] > 0) for a in arms] == [("nf4", "vllm-nf4-emulated", True)]
+    (gpu,) = (tmp_path / "out" / "item-6-nf4").rglob("gpu.json")  # then its GRPO update, on Linear4bit
+    (train,) = json.loads(gpu.read_text())["train"]
+    assert train["arm"] == "nf4" and "Linear4bit" in train["layers"] and train["times"], train
     assert any(s.startswith("GPTQ: ") for s in ends[5]["summary"]), ends[5]
     data = json.loads((tmp_path / "out" / "item-5-gptq-7b" / "quantize" / "quantize-7b.json").read_text())
     assert data["device"] == "cpu" and data["gptq"]["tensors"] > 0 and data["quality"]["tokens"] > 0

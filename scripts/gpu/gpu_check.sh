@@ -22,9 +22,9 @@
 # wrong option or no CUDA device.
 #
 # Options: --dry-run  --tests-only  --bench-only  --run-e2e  --run-only  --run-config CFG
-#          --models 7b,14b,32b  --arms nvfp4,bf16[,nvfp4-det]
+#          --models 7b,14b,32b  --arms nvfp4,bf16[,nf4,nvfp4-det]
 #          --steps N  --prompt N  --completion N  --skip-kernels  --merge  (these go to bench_gpu.py;
-#          --merge keeps the other models' arms already in benchmarks/results/gpu.json)
+#          --merge keeps the rows of benchmarks/results/gpu.json this call does not measure again)
 #          --vllm-models 0.5b[,7b]  (bench_vllm.py's shapes; default 0.5b)
 #          --vllm-layers N  (each of those with N decoder layers of its shape: "7b-4l", the Marlin/bf16
 #                        ratio at 7B's matrices in a fraction of a whole 7B arm's minutes)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Validate qerl on one NVIDIA GPU: every GPU check, in priority order, each under its own time limit,
-# in about 12 minutes (the default limits add up to 720 s; the machine's start comes on top).
+# items 1-5 in about 12 minutes (their default limits add up to 710 s; the machine's start comes on top).
 #
 #   bash scripts/gpu/gpu_validate.sh             run the items below, in order, on this CUDA machine
 #   bash scripts/gpu/gpu_validate.sh --dry-run   print the items, their limits and commands; run nothing
@@ -24,8 +24,9 @@
 #                        the compiled engine
 #   5 gptq-7b      60 s  GPTQ's time on one 7B decoder layer on CUDA, and the quality report's peak GPU
 #                        memory at 7B's shapes (scripts/gpu/gpu_quantize_7b.py)
-#   6 nf4         100 s  QLoRA's NF4 checkpoint through vLLM's bitsandbytes support: rollout tokens/s at
-#                        item 2's shape (skipped, with the reason, by a bench_vllm.py without an nf4 arm).
+#   6 nf4         150 s  QLoRA's NF4 checkpoint through vLLM's bitsandbytes support: rollout tokens/s at
+#                        item 2's shape (skipped, with the reason, by a bench_vllm.py without an nf4 arm);
+#                        then one GRPO update at 7B on the NF4 base, beside item 4's NVFP4 one.
 #                        Items 1-5 fit about 12 minutes of run time; item 6 is last, so a run with less
 #                        time left cuts it and no other item
 #
@@ -52,7 +53,7 @@ cd "$(dirname "$0")/../.."
 ROOT=$PWD
 
 NAMES=(qerl-run marlin-7b padded aqn-det-7b gptq-7b nf4)
-LIMITS=(260 210 90 90 60 100)
+LIMITS=(260 210 90 90 60 150)
 ITEMS=(1 2 3 4 5 6)
 DRY=0
 CPU=0
@@ -109,7 +110,8 @@ item_calls() {
     4) echo "det|--bench-only --no-vllm --models 7b --arms nvfp4,nvfp4-det --skip-kernels --merge"
        echo "aqn|--bench-only --no-bench-gpu ${VLLM_7B[*]} --vllm-arms nvfp4-aqn" ;;
     5) echo "quantize|--exec-py scripts/gpu/gpu_quantize_7b.py" ;;
-    6) [[ -z "$(nf4_reason)" ]] && echo "nf4|--bench-only --no-bench-gpu ${VLLM_7B[*]} --vllm-arms nf4" ;;
+    6) [[ -z "$(nf4_reason)" ]] && echo "nf4|--bench-only --no-bench-gpu ${VLLM_7B[*]} --vllm-arms nf4" &&
+         echo "nf4-train|--bench-only --no-vllm --models 7b --arms nf4 --skip-kernels --merge" ;;
   esac
 }
 
