@@ -164,6 +164,48 @@ def test_nf4_engine_modes_name_the_scheme_and_take_its_twin_only(store, nf4_base
     assert factory.planned_mode(rollout, "nf4")[0] == "hf-nf4-emulated"
 
 
+def test_an_nf4_run_on_cuda_needs_a_vllm_that_has_bitsandbytes(nf4_base, monkeypatch, tmp_path):
+    """vLLM 0.32.0 (this environment's) no longer ships bitsandbytes, 0.26.0 does. On a CUDA machine an
+    NF4 run on the vLLM engine is refused when its config loads, naming both ways out, and the engine
+    refuses to start; with a vLLM that has it, on the HF engine, or on a CPU, the config loads."""
+    import importlib.util
+    import types
+
+    from qerl.pipeline.config import ConfigError
+    from qerl.pipeline.planning.run_config import load_run_config
+    from qerl.pipeline.rollout import factory
+    from qerl.pipeline.rollout.config import RolloutConfig
+    from qerl.pipeline.rollout.protocol import EngineError
+
+    if factory.installed_vllm().endswith(" 0.32.0"):
+        assert not factory.vllm_has_bitsandbytes()
+    real_find_spec = importlib.util.find_spec
+    package = tmp_path / "vllm"
+    fake = types.SimpleNamespace(submodule_search_locations=[str(package)])
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: fake if n == "vllm" else real_find_spec(n, *a)
+    )
+    (package / "model_executor" / "layers" / "quantization").mkdir(parents=True)
+    assert not factory.vllm_has_bitsandbytes()
+    (package / "model_executor" / "layers" / "quantization" / "bitsandbytes.py").write_text("")
+    assert factory.vllm_has_bitsandbytes()
+    monkeypatch.undo()
+
+    nf4 = ["quantize.scheme=nf4", "train.dtype=bfloat16", "rollout.dtype=bfloat16"]
+    refused = r"quantize.scheme is nf4.*vllm-nf4-bitsandbytes.*requirements/gpu.txt.*--set rollout.engine=hf"
+    assert load_run_config(None, nf4).quantize.scheme == "nf4"  # a CPU: the twin, mode vllm-nf4-emulated
+    monkeypatch.setattr(factory.device, "cuda_available", lambda: True)
+    monkeypatch.setattr(factory, "vllm_has_bitsandbytes", lambda: False)
+    with pytest.raises(ConfigError, match=refused):
+        load_run_config(None, nf4)
+    with pytest.raises(EngineError, match=refused):
+        factory.build_engine(RolloutConfig(dtype="bfloat16"), nf4_base, None)
+    assert load_run_config(None, [*nf4, "rollout.engine=hf"]).rollout.engine == "hf"
+    assert load_run_config(None, nf4[1:]).quantize.scheme == "nvfp4"  # NVFP4 needs no bitsandbytes
+    monkeypatch.setattr(factory, "vllm_has_bitsandbytes", lambda: True)
+    assert load_run_config(None, nf4).quantize.scheme == "nf4"
+
+
 def test_the_quality_stage_measures_an_nf4_base(src, store, nf4_base):
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
     from qerl.stages import quality

@@ -282,7 +282,7 @@ def plan_for_run(
     (``gpu_memory``, else this machine's first GPU), check tensor parallelism against its heads and
     the rollout dtype against FP4 Marlin, and plan one GPU."""
     from qerl.pipeline.planning.disk_plan import demo_shape
-    from qerl.pipeline.planning.run_checks import check_parallelism, check_served_dtype
+    from qerl.pipeline.planning.run_checks import check_parallelism, check_serving
     from qerl.pipeline.planning.run_config import load_run_config
     from qerl.pipeline.rollout.factory import MARLIN_MODE
 
@@ -293,7 +293,7 @@ def plan_for_run(
     # the plan is for a CUDA machine
     check_parallelism(run.rollout, heads, cuda=True)
     if base == "nvfp4" and run.quantize.scheme != "none" and run.rollout.engine == "vllm":
-        check_served_dtype(run, MARLIN_MODE)
+        check_serving(run, MARLIN_MODE)
     name, gpu_bytes = this_gpu_memory() if gpu_memory is None else ("", parse_memory(gpu_memory))
     plan = plan_memory(shape, gpu_bytes, run, prompt_tokens=prompt_tokens, base=base)
     plan.gpu_name = name

@@ -33,12 +33,13 @@ rather than after the first step:
   config.json, so they run where that is known rather than in the validators: in ``load_run_config``
   for a local model directory, and after the base stage for any other source (the demo model, the
   catalogue, the hub), before the quantize stage;
-- the engine can serve in the rollout dtype on this machine (``check_served_dtype``): on CUDA, vLLM
-  serves the NVFP4 checkpoint on FP4 Marlin, in bfloat16 or float16 only, so a float32 run (the
-  embedded demo's dtype) is refused when its config is loaded there, before the quantize stage, rather
-  than in the engine's start. It depends on the machine, so it runs in ``load_run_config``, not in
-  the validators (a config is valid on a CPU), and ``qerl plan``, whose plan is for a CUDA machine,
-  runs it as if there were one.
+- the engine can serve the run on this machine (``check_serving``): on CUDA, vLLM serves the NVFP4
+  checkpoint on FP4 Marlin, in bfloat16 or float16 only, so a float32 run (the embedded demo's
+  dtype) is refused when its config is loaded there, before the quantize stage, rather than in the
+  engine's start; and it serves an NF4 base through bitsandbytes, which the installed vLLM must have.
+  It depends on the machine, so it runs in ``load_run_config``, not in the validators (a config is
+  valid on a CPU), and ``qerl plan``, whose plan is for a CUDA machine, runs the dtype part as if
+  there were one.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from qerl.pipeline.config import ConfigError
 from qerl.pipeline.data.datasets import NAMED, DataConfig
 from qerl.pipeline.planning.engine_setup import VLLM_LORA_RANKS
 from qerl.pipeline.rollout.config import RolloutConfig
-from qerl.pipeline.rollout.factory import planned_mode, served_dtype_error
+from qerl.pipeline.rollout.factory import planned_mode, serving_error
 
 if TYPE_CHECKING:
     from qerl.pipeline.planning.run_config import RunConfig
@@ -174,12 +175,12 @@ def updates_per_step(cfg: RunConfig) -> int:
     return cfg.train.mu * math.ceil(minibatches / cfg.train.grad_accum)
 
 
-def check_served_dtype(cfg: RunConfig, mode: str | None = None) -> None:
-    """The rollout engine serves in ``rollout.dtype`` in ``mode`` (default: the mode it runs in on this
-    machine, ``planned_mode``); a ConfigError names the settings to change."""
+def check_serving(cfg: RunConfig, mode: str | None = None) -> None:
+    """The rollout engine can serve ``cfg`` in ``mode`` (default: the mode it runs in on this machine,
+    ``planned_mode``); a ConfigError names the settings or the install to change."""
     if mode is None:
         mode = planned_mode(cfg.rollout, cfg.quantize.scheme)[0]
-    problem = served_dtype_error(cfg.rollout, mode)
+    problem = serving_error(cfg.rollout, mode)
     if problem:
         raise ConfigError(problem)
 

