@@ -167,7 +167,8 @@ def test_nf4_engine_modes_name_the_scheme_and_take_its_twin_only(store, nf4_base
 def test_an_nf4_run_on_cuda_needs_a_vllm_that_has_bitsandbytes(nf4_base, monkeypatch, tmp_path):
     """vLLM 0.32.0 (this environment's) no longer ships bitsandbytes, 0.26.0 does. On a CUDA machine an
     NF4 run on the vLLM engine is refused when its config loads, naming both ways out, and the engine
-    refuses to start; with a vLLM that has it, on the HF engine, or on a CPU, the config loads."""
+    refuses to start; with a vLLM that has it, on the HF engine, or on a CPU, the config loads. vLLM
+    cannot split a pre-quantized bitsandbytes checkpoint across GPUs, so tensor parallelism is refused."""
     import importlib.util
     import types
 
@@ -204,6 +205,9 @@ def test_an_nf4_run_on_cuda_needs_a_vllm_that_has_bitsandbytes(nf4_base, monkeyp
     assert load_run_config(None, nf4[1:]).quantize.scheme == "nvfp4"  # NVFP4 needs no bitsandbytes
     monkeypatch.setattr(factory, "vllm_has_bitsandbytes", lambda: True)
     assert load_run_config(None, nf4).quantize.scheme == "nf4"
+    tp = RolloutConfig(dtype="bfloat16", tensor_parallel_size=2)  # vLLM's loader refuses it for NF4
+    assert "rollout.tensor_parallel_size=1" in factory.serving_error(tp, "vllm-nf4-bitsandbytes")
+    assert factory.serving_error(tp, "vllm-nvfp4-marlin") is None
 
 
 def test_the_quality_stage_measures_an_nf4_base(src, store, nf4_base):

@@ -110,7 +110,8 @@ def serving_error(cfg: RolloutConfig, mode: str) -> str | None:
     FP4 Marlin's activations are 16-bit: vLLM serves an NVFP4 checkpoint on CUDA in bfloat16 or
     float16 only (``auto`` turns a float32 checkpoint into bfloat16), and a float32 engine dies on an
     assertion while it prepares the weights, in the engine core's process, after the quantize stage
-    and the model load. An NF4 base on CUDA needs a vLLM with bitsandbytes (``vllm_has_bitsandbytes``).
+    and the model load. An NF4 base on CUDA needs a vLLM with bitsandbytes (``vllm_has_bitsandbytes``),
+    on one GPU: vLLM's bitsandbytes loader refuses tensor parallelism for a pre-quantized checkpoint.
     """
     if mode == NF4_CUDA_MODE and not vllm_has_bitsandbytes():
         return (
@@ -119,6 +120,12 @@ def serving_error(cfg: RolloutConfig, mode: str) -> str | None:
             f"{installed_vllm()} has none (vLLM 0.26.0 has it, 0.32.0 no longer does): install "
             "requirements/gpu.txt (vLLM 0.26.0), or serve the NF4 twin with transformers "
             "(--set rollout.engine=hf, engine mode hf-nf4-emulated)"
+        )
+    if mode == NF4_CUDA_MODE and cfg.tensor_parallel_size > 1:
+        return (
+            f"quantize.scheme is nf4 with rollout.tensor_parallel_size={cfg.tensor_parallel_size}: vLLM "
+            "cannot split a pre-quantized bitsandbytes checkpoint across GPUs (its loader refuses "
+            "tensor parallelism for one): set rollout.tensor_parallel_size=1"
         )
     if mode != MARLIN_MODE or cfg.dtype != "float32":
         return None
