@@ -78,22 +78,26 @@ def test_only_a_marlin_engine_asks_for_marlin(tmp_path, monkeypatch):
     assert "linear_backend" not in _llm_kwargs(cfg, tmp_path, "processed_logprobs", False)
 
 
-def test_the_marlin_mode_is_refused_unless_every_fp4_layer_runs_marlin():
+def test_a_cuda_mode_is_refused_unless_its_linears_run_what_it_names():
     from qerl.pipeline.rollout.factory import MARLIN_MODE
-    from qerl.pipeline.rollout.vllm_engine import fp4_kernel_error
+    from qerl.pipeline.rollout.vllm_engine import linears_error
 
     method = "CompressedTensorsLinearMethod/CompressedTensorsW4A4Fp4"
     marlin = f"{method}/MarlinNvFp4LinearKernel"
-    assert fp4_kernel_error(MARLIN_MODE, ["UnquantizedLinearMethod", marlin]) is None
-    humming = fp4_kernel_error(MARLIN_MODE, [marlin, f"{method}/HummingNvFp4LinearKernel"])
+    assert linears_error(MARLIN_MODE, ["UnquantizedLinearMethod", marlin]) is None
+    humming = linears_error(MARLIN_MODE, [marlin, f"{method}/HummingNvFp4LinearKernel"])
     assert humming and "HummingNvFp4LinearKernel" in humming and "linear_backend='marlin'" in humming
-    assert fp4_kernel_error(MARLIN_MODE, [method])  # a scheme that names no kernel proves nothing
-    assert "did not load an NVFP4 scheme" in (
-        fp4_kernel_error(MARLIN_MODE, ["UnquantizedLinearMethod"]) or ""
-    )
+    assert linears_error(MARLIN_MODE, [method])  # a scheme that names no kernel proves nothing
+    assert "did not load an NVFP4 scheme" in (linears_error(MARLIN_MODE, ["UnquantizedLinearMethod"]) or "")
     # the other modes serve 16-bit weights: nothing to check
-    assert fp4_kernel_error("vllm-unquantized", ["UnquantizedLinearMethod"]) is None
-    assert fp4_kernel_error("vllm-nvfp4-emulated", ["UnquantizedLinearMethod"]) is None
+    assert linears_error("vllm-unquantized", ["UnquantizedLinearMethod"]) is None
+    assert linears_error("vllm-nvfp4-emulated", ["UnquantizedLinearMethod"]) is None
+    # QLoRA's base on CUDA: its linears must be vLLM's bitsandbytes ones, not weights it dequantized
+    nf4 = ["BitsAndBytesLinearMethod", "UnquantizedLinearMethod"]
+    assert linears_error("vllm-nf4-bitsandbytes", nf4) is None
+    assert "did not load the NF4 checkpoint's linears with bitsandbytes" in (
+        linears_error("vllm-nf4-bitsandbytes", ["UnquantizedLinearMethod"]) or ""
+    )
 
 
 def test_the_workers_report_each_linears_method_scheme_and_kernel():

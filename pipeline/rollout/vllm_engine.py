@@ -133,10 +133,15 @@ def _aqn_norms(cfg: RolloutConfig, aqn: bool) -> str:
     return "fp32 per noisy step" if cfg.enforce_eager else "model dtype (compiled, not built for AQN)"
 
 
-def fp4_kernel_error(mode: str, linear_methods: list[str]) -> str | None:
+def linears_error(mode: str, linear_methods: list[str]) -> str | None:
     """Why an engine whose linears run ``linear_methods`` (``method/scheme/kernel`` names, as the
     workers report them) is not ``mode``, or None: in ``vllm-nvfp4-marlin`` there must be an FP4
-    scheme, and every FP4 layer must run FP4 Marlin."""
+    scheme, and every FP4 layer must run FP4 Marlin; in ``vllm-nf4-bitsandbytes`` the linears must
+    run vLLM's bitsandbytes method."""
+    if mode == NF4_CUDA_MODE:
+        if any(m.startswith("BitsAndBytes") for m in linear_methods):
+            return None
+        return f"vLLM on CUDA did not load the NF4 checkpoint's linears with bitsandbytes: {linear_methods}"
     if mode != MARLIN_MODE:
         return None
     fp4 = [m for m in linear_methods if "Fp4" in m or "FP4" in m]
@@ -279,7 +284,7 @@ class VLLMEngine:
             "built_for_aqn": aqn,
             "aqn_norms": _aqn_norms(cfg, aqn),
         }
-        problem = fp4_kernel_error(mode, schemes)
+        problem = linears_error(mode, schemes)
         if problem:
             self.close()
             raise EngineError(f"{problem} ({self.model_dir})")

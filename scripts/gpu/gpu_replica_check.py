@@ -269,7 +269,7 @@ def check_model(model_dir: Path, work: Path) -> list[str]:
     from qerl.pipeline.rollout.aqn import layer_noise, noise_targets
     from qerl.pipeline.rollout.aqn_vllm import AQNWorkerExtension, hold_norms_fp32
     from qerl.pipeline.rollout.factory import MARLIN_MODE
-    from qerl.pipeline.rollout.vllm_engine import fp4_kernel_error
+    from qerl.pipeline.rollout.vllm_engine import linears_error
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -283,7 +283,7 @@ def check_model(model_dir: Path, work: Path) -> list[str]:
 
     worker, findings = Worker(), []
     schemes = worker.qerl_describe_quant()
-    problem = fp4_kernel_error(MARLIN_MODE, schemes)
+    problem = linears_error(MARLIN_MODE, schemes)
     if problem:
         findings.append(f"model: the engine would refuse its mode: {problem}")
     targets = worker._qerl_norm_modules()
