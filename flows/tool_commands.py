@@ -56,8 +56,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    """``qerl quantize``: the checkpoint and what quantization cost. Its terminal shows a progress bar
+    over the tensors; what the libraries print (transformers' loading bars) goes to a log file
+    (``tool_console``), named on stderr; the result is printed after."""
     import time
 
+    from qerl.flows import tool_console
     from qerl.pipeline.config import load_config
     from qerl.pipeline.nvfp4.quality_report import quality_line, quality_table
     from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE, QuantizeConfig
@@ -73,15 +77,22 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     cfg = load_config(QuantizeConfig, args.config, sets, prefix="quantize" if prefixed else "")
     work = Path(work_dir(args))
     store = ArtifactStore(work / STORE_DIR)
-    src = resolve_base(args.src, store)
-    manifest, cached = run_with_status(cfg, src, store)
-    dst = export(manifest, args.out)
+    log_file = tool_console.log_path(work, "quantize")
+    with tool_console.session(log_file, args.verbose) as ui:
+        src = resolve_base(args.src, store)
+        manifest, cached = run_with_status(
+            cfg, src, store, progress=lambda done, total: ui.progress("quantize", done, total, "tensors")
+        )
+        dst = export(manifest, args.out)
+        quantized = manifest.mode != UNQUANTIZED_MODE
+        section = measured_quality(cfg, manifest, src, store) if quantized else None  # what it cost
+    if not args.verbose:
+        print(f"log: {log_file}", file=sys.stderr, flush=True)
     status = "cache hit" if cached else f"quantized ({manifest.mode})"
     print(
         f"{status}: {dst} ({manifest.extra.get('quantized_tensors')} linears) in {time.perf_counter() - t0:.2f}s"
     )
-    if manifest.mode != UNQUANTIZED_MODE:  # what quantization cost (quantize.quality)
-        section = measured_quality(cfg, manifest, src, store)
+    if quantized:
         print(quality_line(section))
         if "keep" in manifest.extra:  # what mixed precision costs
             keep, mib = manifest.extra["keep"], 2**20

@@ -379,17 +379,23 @@ def test_a_runs_validation_split_is_what_the_report_measures(tiny_model_dir):
     assert quality_texts("auto", 0, None, data, validation) is None
 
 
-def test_cli_prints_the_line_and_the_report(tiny_model_dir, tmp_path, capsys):
+def test_cli_prints_the_line_and_the_report(tiny_model_dir, tmp_path, capfd):
+    """The result and the report on stdout; on stderr the log file's name, and none of the libraries'
+    output (transformers' loading bars go to that file)."""
     from qerl.flows.cli import main
 
     work, out = str(tmp_path / "w"), str(tmp_path / "out")
     sets = ["--set", "quality.source=arithmetic", "--set", "quality.texts=4"]
     args = ["quantize", str(tiny_model_dir), "--out", out, "--work-dir", work, *sets]
     assert main(args) == 0
-    plain = capsys.readouterr().out
+    shown = capfd.readouterr()
+    plain = shown.out
     assert "quality: KL " in plain and "rel. weight error" not in plain
+    (log,) = (tmp_path / "w" / "logs").glob("quantize-*.log")
+    assert f"log: {log}" in shown.err and "Loading weights" not in shown.err + shown.out
+    assert "Loading weights" in log.read_text()  # the quality stage loads both models through transformers
     assert main([*args, "--report"]) == 0  # cache hits: the report comes from the quality stage's manifest
-    report = capsys.readouterr().out.splitlines()
+    report = capfd.readouterr().out.splitlines()
     assert report[0].startswith("cache hit") and report[1].startswith("quality: KL ")
     table = report[report.index(next(r for r in report if "rel. weight error" in r)) + 2 :]
     values = [float(r.split()[-1].rstrip("%")) for r in table]
