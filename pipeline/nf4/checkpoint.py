@@ -19,8 +19,9 @@ values, the independent reference; ``load_for_training`` is the model with bitsa
 Departure and why: ``load_for_training`` turns off bitsandbytes' CPU inference path
 (``support_avx512bf16_for_cpu``). On a CPU with AVX512-BF16, a ``Linear4bit`` called in eval mode
 without gradients repacks its weight for a bf16 kernel: its logprobs then differ from the values the
-engine samples with, and the repacked layer can no longer train (its bias is added in place to a tensor autograd tracks). With it off, every call dequantizes
-and multiplies in the compute dtype: the twin's function exactly.
+engine samples with, and the repacked layer can no longer train (its bias is added in place to a
+tensor autograd tracks). With it off, every call dequantizes and multiplies in the compute dtype:
+the twin's function exactly.
 """
 
 from __future__ import annotations
