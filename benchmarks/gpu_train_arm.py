@@ -5,8 +5,8 @@ The model is built on the device, never on the host: the skeleton on the meta de
 projection drawn there and either kept (bf16), quantized there and replaced by ``NVFP4Linear``
 (nvfp4), one fused group at a time, or quantized there by bitsandbytes into the ``Linear4bit`` QLoRA
 trains on (nf4: NF4, double quantization, blocks of 64, bf16 compute, as the NF4 base's trainer loads
-it in ``qerl.pipeline.nf4.checkpoint.load_for_training``). The train state wraps it as ``qerl.pipeline.rl.policy.init_state``
-wraps a checkpoint. ``deterministic`` runs the updates under the trainer's deterministic CUDA kernels
+it in ``qerl.pipeline.nf4.checkpoint.load_for_training``). The train state wraps it as
+``qerl.pipeline.rl.policy.init_state`` wraps a checkpoint. ``deterministic`` runs the updates under the trainer's deterministic CUDA kernels
 (``qerl.pipeline.runtime.determinism``, what ``train.deterministic`` switches on), so an arm with it
 against one without is what that switch costs.
 """
