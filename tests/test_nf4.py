@@ -178,7 +178,7 @@ def test_an_nf4_run_on_cuda_needs_a_vllm_that_has_bitsandbytes(nf4_base, monkeyp
     from qerl.pipeline.rollout.config import RolloutConfig
     from qerl.pipeline.rollout.protocol import EngineError
 
-    if factory.installed_vllm().endswith(" 0.32.0"):
+    if (factory.installed_vllm() or "").endswith(" 0.32.0"):
         assert not factory.vllm_has_bitsandbytes()
     real_find_spec = importlib.util.find_spec
     package = tmp_path / "vllm"

