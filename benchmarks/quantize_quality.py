@@ -80,11 +80,12 @@ def measure(args: argparse.Namespace, name: str) -> dict:
         raise RuntimeError(f"quantize {name} failed:\n{proc.stderr[-3000:]}")
     q = json.loads(lines[-1][len("RESULT ") :])
     from qerl.pipeline.data.heldout import held_out_texts
+    from qerl.pipeline.nvfp4.loading import load_dequantized
     from qerl.pipeline.nvfp4.quality import model_metrics
 
     _, items, _ = held_out_texts("gsm8k", args.texts, args.data_root)
     t0 = time.perf_counter()
-    m = model_metrics(args.model, q["dir"], items, args.max_tokens)
+    m = model_metrics(args.model, q["dir"], items, args.max_tokens, load=load_dequantized)
     return {"method": name, **{k: m[k] for k in ("tokens", "kl", "top1", "ppl_base", "ppl_quant")},
             "quantize_s": q["seconds"], "quantize_peak_rss_mib": q["peak_rss_mib"], "cached": q["cached"],
             "eval_s": round(time.perf_counter() - t0, 1), "calibration": q["calibration"]}  # fmt: skip

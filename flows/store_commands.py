@@ -11,13 +11,20 @@ from __future__ import annotations
 import argparse
 
 
-def _base_code_versions() -> dict[str, str]:
-    """The installed code version of each base stage, as its ``run`` computes it (from the module's
-    source: nothing is imported), for ``qerl gc``'s superseded copies."""
+def _base_code_versions() -> dict[str, set[str]]:
+    """The installed code versions of each base stage, one per scheme, as its ``run`` computes them
+    (from the modules' source: nothing is imported), for ``qerl gc``'s superseded copies."""
+    from qerl.pipeline.schemes import scheme_module_name
     from qerl.pipeline.store.code_version import code_version
-    from qerl.pipeline.store.superseded import BASE_STAGES
 
-    return {stage: code_version("qerl.stages." + stage.replace("-", "_")) for stage in BASE_STAGES}
+    stages = "qerl.stages."
+    return {
+        "demo-base": {code_version(stages + "demo_base")},
+        "fetch-model": {code_version(stages + "fetch_model")},
+        "quantize": {code_version(stages + m) for m in ("quantize", "quantize_nf4", "quantize_none")},
+        # as qerl.stages.dequantize.code_roots gives them
+        "dequantize": {code_version(stages + "dequantize", scheme_module_name(s)) for s in ("nvfp4", "nf4")},
+    }
 
 
 def _count(n: int, what: str) -> str:

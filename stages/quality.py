@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from qerl.pipeline.nf4.checkpoint import NF4_MODE, dequantized_linears, load_dequantized
-from qerl.pipeline.nvfp4.quality import QualityConfig, check_texts, nvfp4_linears, quality_section
-from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE
+from qerl.pipeline.nvfp4.quality import QualityConfig, check_texts, quality_section
 from qerl.pipeline.runtime.device import free_device_cache
+from qerl.pipeline.schemes import mode_scheme, scheme_module, scheme_module_name
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
 from qerl.pipeline.store.files import atomic_write_json
+from qerl.pipeline.store.layout import QUANTIZE_STAGE
 from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
 
 __all__ = ["STAGE", "run"]
@@ -53,12 +52,8 @@ def run(
     texts: tuple[str, list[dict[str, Any]], str] | None,
 ) -> Manifest:
     """The quality section of ``quantized`` (a quantize artifact of the model in ``src``), cached."""
-    # the stage's name, not an import of qerl.stages.quantize: its code is not this stage's cache key's
-    if (
-        quantized.stage != "quantize"
-        or "base_digest" not in quantized.extra
-        or quantized.mode == UNQUANTIZED_MODE
-    ):
+    scheme = mode_scheme(quantized.mode)
+    if quantized.stage != QUANTIZE_STAGE or "base_digest" not in quantized.extra or scheme == "none":
         raise ArtifactError(
             f"the quality stage measures a quantized 'quantize' artifact, not {quantized.stage} "
             f"({quantized.mode}) {quantized.dir}"
@@ -69,7 +64,7 @@ def run(
         t0 = time.perf_counter()
         check_texts(cfg, src_dir, texts)  # no tokenizer, no chat template, a prompt too long: named first
         try:
-            section = quality_section(cfg, src_dir, quantized.dir, texts, tmp, *_decoders(quantized))
+            section = quality_section(cfg, src_dir, quantized.dir, texts, tmp, scheme_module(scheme))
         finally:
             free_device_cache()
         atomic_write_json(tmp / QUALITY_FILE, section)
@@ -84,11 +79,6 @@ def run(
     }
     # which texts is the texts' digest; how they are put to the models is the settings'
     settings = {"prompt": cfg.prompt, "max_tokens": cfg.max_tokens, "dtype": cfg.dtype}
-    return store.produce(STAGE, settings, inputs, code_version(sys.modules[__name__]), build)[0]
-
-
-def _decoders(quantized: Manifest) -> tuple[Any, Any]:
-    """(linears, load) of ``quality_section`` for the artifact's format: NF4 by bitsandbytes, else NVFP4."""
-    if quantized.mode == NF4_MODE:
-        return (lambda d: dequantized_linears(d, torch.float32)), load_dequantized
-    return nvfp4_linears, None
+    # this module's closure (the report's code) and the scheme's decoding module
+    code = code_version(sys.modules[__name__], scheme_module_name(scheme))
+    return store.produce(STAGE, settings, inputs, code, build)[0]

@@ -7,18 +7,16 @@ NVFP4A16 checkpoint. The artifact directory *is* the loadable checkpoint: ``conf
 config. Its dequantized twin, what vLLM serves on a CPU, is the next stage (``qerl.stages.dequantize``).
 ``export`` copies an artifact to a user path atomically.
 
-``scheme: nf4`` (QLoRA's base, the ``qlora`` arm of an ablation) is ``qerl.stages.quantize_nf4``'s.
-``scheme: none`` (the 16-bit arm of an ablation) makes the same stage produce the *unquantized* base
-(mode ``unquantized``): every floating tensor cast to the twin dtype (``train.dtype`` in a run), the
-rest copied, no ``quantization_config``. Engines serve it directly and the trainer loads it as a plain
-HF model, so no twin is derived. The cast is why it is a stage and not the source directory itself:
-sampler and trainer must hold the same weights, exactly as for the twin (``qerl.pipeline.planning.run_checks``).
+``scheme: nf4`` (QLoRA's base, the ``qlora`` arm of an ablation) is ``qerl.stages.quantize_nf4``'s
+and ``scheme: none`` (the unquantized base of the 16-bit arm) ``qerl.stages.quantize_none``'s: ``run``
+dispatches to them, and each keys its own module's code, so an edit of one scheme re-quantizes no
+other (a stage's code version leaves other stage modules out, ``qerl.pipeline.store.code_version``).
 
 How: everything that can reject the model (architecture, MoE, unknown linears, shapes) runs on
 config.json and the safetensors headers before the store is asked to build anything; the build then
 streams one tensor group at a time through ``qerl.pipeline.nvfp4.safetensors_io.write_sharded`` (see there for the
 memory bound). The cache key is the base model's content digest, the recipe and the code version of this
-module, the checkpoint-format modules (recipe, safetensors_io, grouping) and the kernels, so a second run
+module's import closure (the checkpoint format, grouping, the methods and the kernels), so a second run
 is a lookup.
 The manifest's ``mode`` records which quantizer ran (``nvfp4/numba``, ``nvfp4/torch`` or
 ``nvfp4/triton``); all three are bit-identical to the reference.
@@ -51,7 +49,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import qerl.kernels.nvfp4_dispatch as nvfp4_dispatch
@@ -64,20 +61,20 @@ from qerl.pipeline.nvfp4.calibration import gptq_layers, layer_index
 from qerl.pipeline.nvfp4.grouping import Group, kept_linears, kept_memory, plan_quantization
 from qerl.pipeline.nvfp4.marlin import marlin_zeroed_blocks
 from qerl.pipeline.nvfp4.recipe import (
-    UNQUANTIZED_MODE,
     QuantizeConfig,
     UnsupportedModelError,
     check_architecture,
     quantization_config,
     read_model_config,
+    twin_dtype,
 )
 from qerl.pipeline.nvfp4.safetensors_io import (
-    DTYPE_NAMES,
-    RawSlice,
-    TensorSpec,
-    natural_key,
+    Progress,
+    copy_aux_files,
+    copy_producer,
     read_tensor,
     safetensors_index,
+    tensor_bar,
     write_sharded,
 )
 from qerl.pipeline.nvfp4.scale_search import quantize_mse
@@ -85,19 +82,17 @@ from qerl.pipeline.runtime.device import default_device, free_device_cache
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
 from qerl.pipeline.store.files import atomic_write_json
+from qerl.pipeline.store.layout import QUANTIZE_STAGE
 from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
-from tqdm.auto import tqdm
+from qerl.stages import quantize_nf4, quantize_none
 
-__all__ = ["QuantizeConfig", "export", "resolve_source", "run", "run_with_status", "twin_dtype"]
+__all__ = ["STAGE", "QuantizeConfig", "export", "resolve_source", "run", "run_with_status", "twin_dtype"]
 
 log = logging.getLogger("qerl.stages.quantize")
 
 
-STAGE = "quantize"
+STAGE = QUANTIZE_STAGE
 EXPORT_MARKER = ".qerl-export.json"
-# Files never copied from a source model: weights are rewritten, pickles are not read.
-_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".msgpack", ".h5", ".onnx")
-_SKIP_NAMES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 
 
 def resolve_source(src: str | Path) -> Path:
@@ -125,18 +120,6 @@ def resolve_source(src: str | Path) -> Path:
             f"SRC '{src}' is not a local directory and could not be fetched from the Hugging Face hub "
             f"({why}): {type(err).__name__}: {err}"
         ) from err
-
-
-def copy_aux_files(src: Path, dst: Path) -> list[str]:
-    """Copy the model's other files (tokenizer, generation config; never weights or pickles) from
-    ``src`` to ``dst``; their names."""
-    copied = []
-    for p in sorted(src.iterdir()):
-        if not p.is_file() or p.name.startswith(".") or p.name in _SKIP_NAMES or p.suffix in _SKIP_SUFFIXES:
-            continue
-        shutil.copy2(p, dst / p.name)
-        copied.append(p.name)
-    return copied
 
 
 def _device() -> torch.device:
@@ -167,11 +150,6 @@ def _quant_producer(
     return produce
 
 
-def copy_producer(spec: TensorSpec) -> Callable[[], dict[str, RawSlice]]:
-    """A ``write_sharded`` producer that copies one tensor's bytes unchanged."""
-    return lambda: {spec.name: RawSlice(spec.path, spec.offset, spec.nbytes)}
-
-
 def _gptq_producers(layers: Iterator[tuple[int, dict[str, torch.Tensor]]]) -> Callable[[Group], Callable]:
     """Producers that pull a group's tensors from the sequential GPTQ generator, layer by layer:
     ``write_sharded`` asks in name order, so layer i's results are complete before layer i+1 runs."""
@@ -189,9 +167,6 @@ def _gptq_producers(layers: Iterator[tuple[int, dict[str, torch.Tensor]]]) -> Ca
         return produce
 
     return for_group
-
-
-Progress = Callable[[int, int], None]
 
 
 def run(
@@ -220,19 +195,17 @@ def run_with_status(
 ) -> tuple[Manifest, bool]:
     """``run`` that also says whether the artifact came from the cache."""
     src_dir = resolve_source(src)
-    if cfg.scheme == "none":
-        return _run_unquantized(cfg, src_dir, str(src), store, progress)
+    if cfg.scheme == "none":  # each scheme's own stage module: its code alone is its key's
+        return quantize_none.run_none(cfg, src_dir, str(src), store, progress)
     if cfg.scheme == "nf4":
-        from qerl.stages.quantize_nf4 import run_nf4  # which imports this module
-
-        return run_nf4(cfg, src_dir, str(src), store, progress)
+        return quantize_nf4.run_nf4(cfg, src_dir, str(src), store, progress)
     model_config = read_model_config(src_dir)
     arch = check_architecture(model_config, cfg)
     specs = safetensors_index(src_dir)
     plan = plan_quantization(specs, cfg)  # every rejection happens here, before any write
     kept = kept_linears(specs, cfg)
     base_digest = store.source_digest(src_dir)
-    code = code_version(sys.modules[__name__])  # the import closure: format, grouping, the kernels
+    code = code_version(sys.modules[__name__])  # the import closure: format, grouping, methods, kernels
     # gptq: the token ids come as a function (source samples generates them in the build, not on a cache hit)
     calib_ids, calib = (
         calibration_tokens(cfg.calibration, src_dir, data, held_out) if cfg.method == "gptq" else (None, None)
@@ -251,7 +224,7 @@ def run_with_status(
             quant = lambda g: _quant_producer(g, device, cfg)  # noqa: E731
         groups = [(g.outputs, quant(g) if g.quantize else copy_producer(g.sources[0])) for g in plan]
         sizes = iter([len(g.sources) for g in plan])
-        with _tensor_bar(sum(len(g.sources) for g in plan), f"quantize {src_dir.name}", progress) as advance:
+        with tensor_bar(sum(len(g.sources) for g in plan), f"quantize {src_dir.name}", progress) as advance:
             write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=lambda _: advance(next(sizes)))
         seconds = time.perf_counter() - t0
         n_quant = sum(len(g.sources) for g in plan if g.quantize)
@@ -287,23 +260,6 @@ def run_with_status(
     return store.produce(STAGE, _recipe_key(cfg, calib), {"base": base_digest}, code, build)
 
 
-@contextmanager
-def _tensor_bar(total: int, desc: str, progress: Progress | None) -> Iterator[Callable[[int], None]]:
-    """``advance(n)``: n more tensors written, on tqdm's bar (stderr: the log under a console) and
-    to the caller's ``progress(done, total)`` (a console's own bar)."""
-    done = 0
-    with tqdm(total=total, desc=desc, unit="tensor", disable=None) as bar:
-
-        def advance(n: int) -> None:
-            nonlocal done
-            done += n
-            bar.update(n)
-            if progress is not None:
-                progress(done, total)
-
-        yield advance
-
-
 def _device_and_backend(cfg: QuantizeConfig) -> tuple[torch.device, str]:
     """Where the quantizer runs and the backend the manifest names: RTN dispatches to the kernels of
     the device; GPTQ is plain torch, on the GPU where there is one (its last bits differ from the
@@ -335,57 +291,6 @@ def _recipe_key(cfg: QuantizeConfig, calibration: dict | None = None) -> dict:
             raise ValueError("quantize.method gptq: the cache key needs the calibration digest")
         key["calibration"] = {**calib_settings, "digest": calibration["digest"]}
     return key
-
-
-def _run_unquantized(
-    cfg: QuantizeConfig, src_dir: Path, source: str, store: ArtifactStore, progress: Progress | None
-) -> tuple[Manifest, bool]:
-    """``scheme: none``: the base with its floating tensors in the twin dtype (see the module docstring)."""
-    read_model_config(src_dir)  # a clear error for a directory that is no HF model
-    specs = safetensors_index(src_dir)
-    base_digest = store.source_digest(src_dir)
-    dtype_name = twin_dtype(cfg)
-    dtype = getattr(torch, dtype_name)
-    code = code_version(sys.modules[__name__])
-
-    def build(tmp: Path) -> BuildResult:
-        t0 = time.perf_counter()
-        aux = copy_aux_files(src_dir, tmp)
-        config = read_model_config(src_dir)
-        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype_name
-        atomic_write_json(tmp / "config.json", config)
-        groups: list = []
-        for name in sorted(specs, key=natural_key):
-            spec = specs[name]
-            if spec.dtype in ("F32", "F16", "BF16", "F64") and spec.dtype != DTYPE_NAMES[dtype]:
-                out = TensorSpec(name, DTYPE_NAMES[dtype], spec.shape)
-                groups.append(([out], lambda spec=spec: {spec.name: read_tensor(spec).to(dtype)}))
-            else:
-                groups.append(([TensorSpec(name, spec.dtype, spec.shape)], copy_producer(spec)))
-        with _tensor_bar(len(groups), f"unquantized {src_dir.name}", progress) as advance:
-            write_sharded(tmp, groups, int(cfg.max_shard_mb * 2**20), progress=advance)
-        log.info("quantize.scheme none: %s copied unquantized in %s", src_dir, dtype_name)
-        return BuildResult(
-            mode=UNQUANTIZED_MODE,
-            metrics={"seconds": time.perf_counter() - t0},
-            extra={
-                "base_digest": base_digest,
-                "source": source,
-                "recipe": {"scheme": "none", "dtype": dtype_name},
-                "dtype": dtype_name,
-                "aux_files": aux,
-                "max_shard_mb": cfg.max_shard_mb,  # a resource field: recorded, not keyed
-                "note": "quantize.scheme none: the base model unquantized, floating tensors cast to dtype",
-            },
-        )
-
-    key = {"scheme": "none", "dtype": dtype_name}
-    return store.produce(STAGE, key, {"base": base_digest}, code, build)
-
-
-def twin_dtype(cfg: QuantizeConfig) -> str:
-    """The twin's dtype: the configured one (a run derives it from train.dtype), else bfloat16."""
-    return cfg.twin_dtype or "bfloat16"
 
 
 def export(manifest: Manifest, dst: str | Path) -> Path:

@@ -6,7 +6,8 @@ tokenizer and generation files, as the quantize stage's artifact in mode ``nf4/b
 linears it quantizes are the NVFP4 recipe's (``targets`` less ``keep``, checked by the same plan
 before anything is written); embeddings, norms and lm_head stay in the twin dtype (``train.dtype`` in
 a run), which is also the compute dtype the checkpoint names. Its manifest records ``scheme: nf4``,
-``bitsandbytes`` with its version, the block size and the double quantization.
+``bitsandbytes`` with its version, and the quantization type, block size and double quantization as
+the written quantization states hold them (one layout for every linear, or the build fails).
 
 The key is the base's content digest, the scheme, the dtype, targets and keep, and this module's code
 version. ``method``, ``calibration``, ``scale_sweep`` and ``fused_groups`` are NVFP4's and are not in
@@ -21,20 +22,22 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from qerl.pipeline.nf4.checkpoint import NF4_BLOCKSIZE, NF4_MODE, write_nf4
+from qerl.pipeline.nf4.checkpoint import write_nf4, written_layout
 from qerl.pipeline.nvfp4.grouping import kept_linears, plan_quantization
 from qerl.pipeline.nvfp4.recipe import (
     KNOWN_PROJECTIONS,
     QuantizeConfig,
     check_architecture,
     read_model_config,
+    twin_dtype,
 )
-from qerl.pipeline.nvfp4.safetensors_io import safetensors_index
+from qerl.pipeline.nvfp4.safetensors_io import Progress, copy_aux_files, safetensors_index
 from qerl.pipeline.runtime.device import free_device_cache
+from qerl.pipeline.schemes import NF4_MODE
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.layout import QUANTIZE_STAGE
 from qerl.pipeline.store.manifest import BuildResult, Manifest
-from qerl.stages.quantize import STAGE, Progress, copy_aux_files, twin_dtype
 
 __all__ = ["run_nf4"]
 
@@ -62,10 +65,9 @@ def run_nf4(
         free_device_cache()
         if progress is not None:
             progress(len(planned), len(planned))
-        recipe = {
-            "scheme": "nf4", "library": "bitsandbytes", "bitsandbytes": version("bitsandbytes"),
-            "quant_type": "nf4", "blocksize": NF4_BLOCKSIZE, "double_quant": True, "dtype": dtype_name,
-        }  # fmt: skip
+        # what the file holds (bitsandbytes picks the block size by device), not what was asked for
+        recipe = {"scheme": "nf4", "library": "bitsandbytes", "bitsandbytes": version("bitsandbytes"),
+                  **written_layout(tmp), "dtype": dtype_name}  # fmt: skip
         return BuildResult(
             mode=NF4_MODE,
             metrics={"seconds": time.perf_counter() - t0, "bytes_out": written["bytes_out"]},
@@ -84,4 +86,6 @@ def run_nf4(
         )
 
     key = {"scheme": "nf4", "dtype": dtype_name, "targets": list(cfg.targets), "keep": list(cfg.keep)}
-    return store.produce(STAGE, key, {"base": base_digest}, code_version(sys.modules[__name__]), build)
+    return store.produce(
+        QUANTIZE_STAGE, key, {"base": base_digest}, code_version(sys.modules[__name__]), build
+    )

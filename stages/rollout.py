@@ -19,7 +19,6 @@ into the table, so the table's bytes depend only on the inputs.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 import time
@@ -31,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from qerl.pipeline.data.prompts import render_prompt
 from qerl.pipeline.rollout.config import RolloutConfig
-from qerl.pipeline.rollout.protocol import Completion, RolloutEngine
+from qerl.pipeline.rollout.protocol import Completion, RolloutEngine, engine_module
 from qerl.pipeline.runtime.seeds import derive_seed
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
@@ -89,11 +88,6 @@ def _check_problems(problems: Sequence[Any]) -> list[dict[str, Any]]:
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"rollout: problem id {dup!r} appears more than once")
     return rows
-
-
-def _engine_module(engine: RolloutEngine) -> Any:
-    name = getattr(engine, "implementation_module", None) or type(engine).__module__
-    return importlib.import_module(name)
 
 
 def _columns(
@@ -178,7 +172,7 @@ def run(
         "engine_mode": engine.mode,
     }
     # this module's import closure, and the engine implementation's (chosen at run time by name)
-    code = code_version(sys.modules[__name__], _engine_module(engine))
+    code = code_version(sys.modules[__name__], engine_module(engine))
     sample_seed, noise_seed = step_seed(cfg.seed, step, "sample"), step_seed(cfg.seed, step, "aqn")
 
     def build(tmp: Path) -> BuildResult:

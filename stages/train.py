@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -70,6 +69,7 @@ from qerl.pipeline.rollout.aqn import apply_to_hf_model
 from qerl.pipeline.runtime.determinism import deterministic_kernels
 from qerl.pipeline.runtime.device import cuda_available, default_device
 from qerl.pipeline.runtime.threads import trainer_threads
+from qerl.pipeline.schemes import mode_scheme, scheme_module_name
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
 from qerl.pipeline.store.layout import OPTIMIZER_FILE, TRAIN_STAGE
@@ -155,12 +155,20 @@ def _mode(state_format: str, cfg: TrainConfig, device: str) -> str:
     return f"hf-{cfg.dtype}"
 
 
+def code_roots(base: Manifest) -> tuple[str, ...]:
+    """The modules a step's code version covers: this one's import closure (rl, the objective) and
+    the base's scheme's training loader (``qerl.pipeline.schemes``: NVFP4's packed layers and the
+    kernels, or NF4's), chosen by the mode of the quantize artifact the step trains on."""
+    scheme = mode_scheme(base.mode)
+    return (__name__,) if scheme == "none" else (__name__, scheme_module_name(scheme, training=True))
+
+
 def _key_parts(
     cfg: TrainConfig, base: Manifest, scored: Manifest, prev: Manifest | None, step: int,
     init_adapter: tuple[Path, str] | None,
 ) -> tuple[dict[str, Any], dict[str, str], str]:  # fmt: skip
     """(config, inputs, code) of a train step's store key."""
-    code = code_version(sys.modules[__name__])  # the import closure: rl, nvfp4 and the kernels
+    code = code_version(*code_roots(base))
     inputs = {
         "base": base.digest,
         "scored": scored.digest,

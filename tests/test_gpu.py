@@ -418,14 +418,14 @@ def test_nvfp4_linear_and_lora_grads_on_cuda_equal_dense_bf16(
     import shutil
 
     from qerl.pipeline.nvfp4.linear import NVFP4Linear
-    from qerl.pipeline.nvfp4.loading import load_dequantized_reference, load_quantized_for_training
+    from qerl.pipeline.nvfp4.loading import load_dequantized, load_for_training
     from qerl.pipeline.rl.policy import init_state
     from qerl.pipeline.rl.train_config import TrainConfig
     from test_qlinear import _minibatch
 
     ckpt = cuda_checkpoints[0].dir
-    qmodel = load_quantized_for_training(ckpt, device="cuda")
-    ref = load_dequantized_reference(ckpt, device="cuda")
+    qmodel = load_for_training(ckpt, device="cuda")
+    ref = load_dequantized(ckpt, device="cuda")
     assert sum(isinstance(m, NVFP4Linear) for m in qmodel.modules()) == 7 * qmodel.config.num_hidden_layers
     assert qmodel.model.layers[0].mlp.up_proj.weight_packed.is_cuda
     ids = torch.tensor([[3, 50, 7, 99, 12, 4]], device="cuda")

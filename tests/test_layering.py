@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 # pipeline's sub-packages by layer: a sub-package may import its own layer's lower entries only when
 # listed in SAME_LAYER_OK, and any lower layer
 LAYERS = [
-    {"config", "runtime"},
+    {"config", "runtime", "schemes"},
     {"store"},
     {"nvfp4", "data"},
     {"nf4"},

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from qerl.pipeline.nf4.checkpoint import NF4_MODE, NF4_TWIN_MODE
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 from qerl.pipeline.nvfp4.safetensors_io import read_tensor, safetensors_index
+from qerl.pipeline.schemes import NF4_MODE, NF4_TWIN_MODE
 from qerl.pipeline.store.artifact_store import ArtifactStore
 
 NF4 = QuantizeConfig(scheme="nf4", twin_dtype="float32")
@@ -58,6 +58,12 @@ def test_the_nf4_base_is_bitsandbytes_nf4_with_double_quantization_of_the_source
         n[: -len(".weight")] for n in source if n.startswith("model.layers.") and n.endswith("proj.weight")
     ]
     assert len(linears) == 14 and man.extra["quantized_tensors"] == 14
+    # the manifest's layout is what the file holds, read from every linear's quantization state
+    from qerl.pipeline.nf4.checkpoint import quant_state, written_layout
+
+    states = [quant_state(out, m) for m in linears]
+    assert len(states) == 14 and {st["blocksize"] for st in states} == {man.extra["recipe"]["blocksize"]}
+    assert written_layout(man.dir) == {"quant_type": "nf4", "blocksize": 64, "double_quant": True}
     for module in linears:
         weight = read_tensor(source[f"{module}.weight"]).to(torch.float32)
         codes, state = quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
@@ -109,12 +115,15 @@ def test_the_twin_holds_bitsandbytes_dequantization_and_computes_what_the_traine
     trainer = init_state(nf4_base.dir, TrainConfig(lora_r=4, lora_alpha=8, dtype="float32", seed=0)).model
     plain = AutoModelForCausalLM.from_pretrained(twin.dir, dtype=torch.float32).eval()
     twin_specs = safetensors_index(twin.dir)
+    compared = 0
     for name, module in trainer.named_modules():
         if type(module).__name__ == "Linear4bit" and hasattr(module, "lora_A"):
             base = module.base_layer
             key = name.removeprefix("base_model.model.") + ".weight"
             expected = dequantize_4bit(base.weight.data, base.weight.quant_state)
             assert torch.equal(read_tensor(twin_specs[key]), expected), key
+            compared += 1
+    assert compared == 14  # every NF4 linear under LoRA: a renamed peft layer class would compare none
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         trainer.eval()
@@ -257,3 +266,24 @@ def test_the_planners_nf4_bytes_are_the_checkpoints(nf4_base):
         json_bytes = stored.pop(f"{module}.weight.quant_state.bitsandbytes__nf4")
         assert sum(stored.values()) + 200 == nf4_bytes(*nf4_shape(specs, module)), module
         assert 100 < json_bytes <= 200, module
+
+
+def test_the_written_layout_is_read_from_the_file_and_must_be_one(tmp_path):
+    """bitsandbytes picks the block size by device (128 on ROCm's warp-64 GPUs): the manifest says
+    what the quantization states hold, and a file with two layouts is refused."""
+    from bitsandbytes.functional import quantize_4bit
+    from qerl.pipeline.nf4.checkpoint import written_layout
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, blocksize in (("a", 64), ("b", 128)):
+        codes, state = quantize_4bit(
+            torch.randn(16, 128), blocksize=blocksize, quant_type="nf4", compress_statistics=True
+        )
+        tensors[f"{name}.weight"] = codes
+        tensors.update({f"{name}.weight.{k}": v for k, v in state.as_dict(packed=True).items()})
+    save_file({k: v for k, v in tensors.items() if k.startswith("b.")}, str(tmp_path / "model.safetensors"))
+    assert written_layout(tmp_path) == {"quant_type": "nf4", "blocksize": 128, "double_quant": True}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="NF4 linears with 2 layouts"):
+        written_layout(tmp_path)

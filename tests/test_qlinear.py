@@ -8,7 +8,7 @@ import pytest
 import torch
 from qerl.kernels.nvfp4_reference import dequantize_nvfp4, quantize_nvfp4
 from qerl.pipeline.nvfp4.linear import NVFP4Linear
-from qerl.pipeline.nvfp4.loading import load_dequantized_reference, load_quantized_for_training
+from qerl.pipeline.nvfp4.loading import load_dequantized, load_for_training
 from qerl.pipeline.rl.checkpoint import save_checkpoint
 from qerl.pipeline.rl.logprobs import completion_logprobs
 from qerl.pipeline.rl.policy import init_state
@@ -90,8 +90,8 @@ def test_linear_rejects_bad_shapes():
 
 
 def test_quantized_model_matches_dequantized_reference(nvfp4_ckpt):
-    qmodel = load_quantized_for_training(nvfp4_ckpt, dtype=torch.bfloat16)
-    ref = load_dequantized_reference(nvfp4_ckpt, dtype=torch.bfloat16)
+    qmodel = load_for_training(nvfp4_ckpt, dtype=torch.bfloat16)
+    ref = load_dequantized(nvfp4_ckpt, dtype=torch.bfloat16)
     n_q = sum(isinstance(m, NVFP4Linear) for m in qmodel.modules())
     assert n_q == 7 * qmodel.config.num_hidden_layers
     assert not any(isinstance(m, nn.Linear) for n, m in qmodel.named_modules() if ".layers." in n)
@@ -127,13 +127,13 @@ def test_lora_gradients_equal_dense_bf16_model(nvfp4_ckpt, tmp_path, checkpointi
     """Same LoRA init on (a) our packed model and (b) an HF model holding dequant(W): same grads."""
     import shutil
 
-    from qerl.pipeline.nvfp4.loading import load_dequantized_reference
+    from qerl.pipeline.nvfp4.loading import load_dequantized
 
     cfg = TrainConfig(lora_r=4, lora_alpha=8, seed=5, gradient_checkpointing=checkpointing)
     ours = init_state(nvfp4_ckpt, cfg)
     # a plain HF checkpoint of the dequantized weights, trained by the same code path (base_format "hf")
     dense_dir = tmp_path / "dense"
-    load_dequantized_reference(nvfp4_ckpt).save_pretrained(dense_dir)
+    load_dequantized(nvfp4_ckpt).save_pretrained(dense_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (nvfp4_ckpt / name).is_file():
             shutil.copy(nvfp4_ckpt / name, dense_dir / name)
@@ -184,7 +184,7 @@ def test_saved_adapter_loads_in_peft_on_dense_model(nvfp4_ckpt, quantized, tmp_p
     with torch.no_grad():
         ours, _ = completion_logprobs(state.model, mb, 0.7)
         theirs, _ = completion_logprobs(dense, mb, 0.7)
-        base, _ = completion_logprobs(load_dequantized_reference(nvfp4_ckpt, dtype=torch.float32), mb, 0.7)
+        base, _ = completion_logprobs(load_dequantized(nvfp4_ckpt, dtype=torch.float32), mb, 0.7)
     assert torch.allclose(ours, theirs, atol=1e-5)
     assert float((ours - base).abs().max()) > 1e-3  # the adapter changes the model
 

@@ -96,7 +96,7 @@ def test_kept_linears_are_copied_and_ignored(kept, tiny_model_dir):
 
 def test_transformers_the_trainer_and_the_twin_serve_them_dense(kept, tiny_model_dir, store):
     from qerl.pipeline.nvfp4.linear import NVFP4Linear
-    from qerl.pipeline.nvfp4.loading import load_quantized_for_training
+    from qerl.pipeline.nvfp4.loading import load_for_training
     from transformers import AutoModelForCausalLM
 
     ids = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 5]])
@@ -109,7 +109,7 @@ def test_transformers_the_trainer_and_the_twin_serve_them_dense(kept, tiny_model
         assert torch.equal(loaded(ids).logits.float(), want)
     assert type(loaded.get_submodule(LAST[-1])) is torch.nn.Linear
 
-    model = load_quantized_for_training(kept.dir, dtype=torch.bfloat16)
+    model = load_for_training(kept.dir, dtype=torch.bfloat16)
     assert type(model.get_submodule(LAST[0])) is torch.nn.Linear
     assert isinstance(model.get_submodule(LAST[0].replace("layers.1", "layers.0")), NVFP4Linear)
 

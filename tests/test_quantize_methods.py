@@ -18,6 +18,7 @@ from qerl.pipeline.nvfp4.safetensors_io import iter_quantized_linears
 from qerl.pipeline.nvfp4.scale_search import decode, quantize_mse, search_block_scales
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.stages import quantize as stage
+from shared_data import SHARED_DATA, needs_shared
 
 FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 # every finite positive FP8 E4M3 value, ascending (bit patterns 0x01..0x7E)
@@ -212,11 +213,11 @@ def test_layer_by_layer_forward_equals_the_model(llama_dir):
 
 
 def _kl_on(src: Path, ckpt: Path, texts: list[list[int]]) -> float:
-    from qerl.pipeline.nvfp4.loading import load_dequantized_reference
+    from qerl.pipeline.nvfp4.loading import load_dequantized
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    quant = load_dequantized_reference(ckpt, dtype=torch.float32)
+    quant = load_dequantized(ckpt, dtype=torch.float32)
     total = 0.0
     with torch.no_grad():
         for ids in texts:
@@ -308,19 +309,16 @@ def test_missing_calibration_data_is_a_clear_error(llama_dir, tmp_path, monkeypa
     )
 
 
-GSM8K = Path("/work/shared/data")
-
-
-@pytest.mark.skipif(
-    not (GSM8K / "gsm8k" / "train.jsonl").is_file(), reason="no GSM8K copy at /work/shared/data"
-)
+@needs_shared
 def test_gsm8k_calibration_pairs_hold_the_worked_solutions():
-    pairs, label = calibration_pairs("auto", 5, 0, DataConfig(root=str(GSM8K)))
+    pairs, label = calibration_pairs("auto", 5, 0, DataConfig(root=str(SHARED_DATA)))
     assert label == "gsm8k/train" and len(pairs) == 5
     assert all("####" in a and len(a) > 20 for _, a in pairs)
-    assert pairs != calibration_pairs("gsm8k", 5, 1, DataConfig(root=str(GSM8K)))[0]
+    assert pairs != calibration_pairs("gsm8k", 5, 1, DataConfig(root=str(SHARED_DATA)))[0]
     held = frozenset(q for q, _ in pairs[:2])
-    assert not {q for q, _ in calibration_pairs("auto", 5, 0, DataConfig(root=str(GSM8K)), held)[0]} & held
+    assert (
+        not {q for q, _ in calibration_pairs("auto", 5, 0, DataConfig(root=str(SHARED_DATA)), held)[0]} & held
+    )
 
 
 def test_calibration_leaves_the_runs_validation_questions_out():

@@ -13,14 +13,14 @@ import torch
 from qerl.kernels.nvfp4_reference import dequantize_nvfp4
 from qerl.pipeline.data.heldout import held_out_texts
 from qerl.pipeline.nvfp4 import quality
+from qerl.pipeline.nvfp4.loading import load_dequantized
 from qerl.pipeline.nvfp4.quality import QualityConfig, logit_metrics, relative_error
 from qerl.pipeline.nvfp4.quality_report import quality_brief, quality_line, quality_table
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.stages import quality as quality_stage
 from qerl.stages import quantize as stage
-
-GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+from shared_data import SHARED_DATA, needs_shared
 
 
 def test_logit_metrics_match_hand_derived_values():
@@ -59,9 +59,12 @@ def test_relative_error_by_hand():
 def test_held_out_arithmetic_is_the_test_split_and_fixed():
     label, items, digest = held_out_texts("arithmetic", 8)
     assert label == "arithmetic/test" and len(items) == 8
-    from qerl.pipeline.data.arithmetic import split_of
+    from qerl.pipeline.data.arithmetic import ARITHMETIC_LEVELS, arithmetic_problems
 
-    assert all(split_of(it["messages"][0]["content"]) == "test" for it in items)
+    test = {
+        p["question"] for p in arithmetic_problems(8, seed=0, split="test", levels=list(ARITHMETIC_LEVELS))
+    }
+    assert {it["messages"][0]["content"] for it in items} == test
     assert all(it["completion"].startswith("<answer>") for it in items)
     assert held_out_texts("arithmetic", 8)[2] == digest
     assert held_out_texts("arithmetic", 7)[2] != digest
@@ -76,12 +79,10 @@ def test_held_out_gsm8k_needs_its_file(tmp_path, monkeypatch):
         held_out_texts("gsm8k-train", 4)
 
 
-@pytest.mark.skipif(
-    not (GSM8K_DIR / "gsm8k" / "test.jsonl").is_file(), reason="no GSM8K copy in ../shared/data"
-)
+@needs_shared
 def test_held_out_gsm8k_are_test_solutions():
-    label, items, _ = held_out_texts("auto", 3, str(GSM8K_DIR))
-    rows = [json.loads(line) for line in (GSM8K_DIR / "gsm8k" / "test.jsonl").open()][:3]
+    label, items, _ = held_out_texts("auto", 3, str(SHARED_DATA))
+    rows = [json.loads(line) for line in (SHARED_DATA / "gsm8k" / "test.jsonl").open()][:3]
     assert label == "gsm8k/test"
     assert [it["completion"] for it in items] == [r["answer"].strip() for r in rows]
     assert [it["messages"][0]["content"] for it in items] == [r["question"].strip() for r in rows]
@@ -224,12 +225,12 @@ def test_quality_line_and_table():
 def _plain_reference(src: Path, ckpt: Path, items: list[dict], prompt: str) -> dict[str, float]:
     """The metrics with whole-sequence logits from each model's ordinary forward and
     torch.nn.functional.kl_div: no chunking, no spill, no hidden-state path."""
-    from qerl.pipeline.nvfp4.loading import load_dequantized_reference
+    from qerl.pipeline.nvfp4.loading import load_dequantized
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(src)
     base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    quant = load_dequantized_reference(ckpt, dtype=torch.float32).eval()
+    quant = load_dequantized(ckpt, dtype=torch.float32).eval()
     kl = agree = nll_b = nll_q = n = 0.0
     for it in items:
         q = it["messages"][0]["content"]
@@ -299,7 +300,9 @@ def test_model_metrics_match_a_plain_reference(built, tiny_model_dir, monkeypatc
     _, items, _ = held_out_texts("arithmetic", 6)
     monkeypatch.setattr(quality, "_LOGIT_BUDGET", 3 * 1000)  # a few rows per chunk: the chunk loop runs
     monkeypatch.setattr(quality, "_BATCH_TOKENS", batch_tokens)
-    m = quality.model_metrics(tiny_model_dir, ckpt.dir, items, max_tokens=1024, prompt=prompt)
+    m = quality.model_metrics(
+        tiny_model_dir, ckpt.dir, items, max_tokens=1024, prompt=prompt, load=load_dequantized
+    )
     ref = _plain_reference(tiny_model_dir, ckpt.dir, items, prompt)
     for key in ("kl", "top1", "ppl_base", "ppl_quant"):
         assert m[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), key
@@ -331,9 +334,22 @@ def test_quality_settings_and_texts_key_the_report_never_the_checkpoint(built, t
     quantized = stage.run(QuantizeConfig(quality=cfg), tiny_model_dir, store)
     first = _measured(cfg, quantized, tiny_model_dir, store)
     assert first.key == a.key  # the same checkpoint, settings and texts: the same report
-    for other in (QualityConfig(enabled=False), QualityConfig(source="arithmetic", texts=3)):
+    from qerl.flows.run_record import run_id_for, with_resources
+    from qerl.pipeline.planning.run_config import load_run_config
+    from qerl.stages import dequantize
+
+    twin = dequantize.run(QuantizeConfig(quality=cfg), quantized, store)
+    for other in (
+        QualityConfig(enabled=False),
+        QualityConfig(source="arithmetic", texts=3, dtype="bfloat16"),
+    ):
         again, cached = stage.run_with_status(QuantizeConfig(quality=other), tiny_model_dir, store)
         assert cached and again.key == quantized.key  # a quality setting never re-quantizes
+        assert dequantize.run(QuantizeConfig(quality=other), again, store).key == twin.key  # nor re-twins
+    # nor is it another run: a resume takes the fix the quality stage's own errors suggest
+    demo = load_run_config(None)
+    fixed = with_resources(demo, None, ["quantize.quality.dtype=bfloat16", "quantize.quality.enabled=false"])
+    assert run_id_for(fixed) == run_id_for(demo) and fixed.quantize.quality.dtype == "bfloat16"
     fewer = _measured(QualityConfig(source="arithmetic", texts=3), quantized, tiny_model_dir, store)
     assert fewer.key != first.key and fewer.extra["quality"]["texts"]["count"] == 3
     weights_only = _measured(QualityConfig(texts=0), quantized, tiny_model_dir, store)
@@ -355,8 +371,10 @@ def test_bfloat16_halves_the_model_and_a_gpu_without_room_is_refused(built, tiny
         quality.check_device_room(tiny_model_dir, torch.float32, "cuda")
     quality.check_device_room(tiny_model_dir, torch.bfloat16, "cuda")  # half fits
     _, items, _ = held_out_texts("arithmetic", 6)
-    half = quality.model_metrics(tiny_model_dir, ckpt.dir, items, max_tokens=1024, dtype="bfloat16")
-    full = quality.model_metrics(tiny_model_dir, ckpt.dir, items, max_tokens=1024)
+    half = quality.model_metrics(
+        tiny_model_dir, ckpt.dir, items, max_tokens=1024, dtype="bfloat16", load=load_dequantized
+    )
+    full = quality.model_metrics(tiny_model_dir, ckpt.dir, items, max_tokens=1024, load=load_dequantized)
     assert half["kl"] == pytest.approx(full["kl"], rel=0.5) and half["tokens"] == full["tokens"]
 
 

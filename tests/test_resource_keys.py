@@ -40,6 +40,14 @@ RESOURCE_SETTINGS = {
     "train.deterministic": "flip",
     "registry.lock_timeout_s": 5.0,
     "loop.deadline_h": 20.0,
+    # the quality report's settings: its own key holds them, no checkpoint, twin or adapter depends on them
+    "quantize.quality.enabled": "flip",
+    "quantize.quality.source": "arithmetic",
+    "quantize.quality.data_root": "/data",
+    "quantize.quality.texts": 8,
+    "quantize.quality.prompt": "chat",
+    "quantize.quality.max_tokens": 512,
+    "quantize.quality.dtype": "bfloat16",
 }
 RESULT_SETTINGS = {
     "rollout.n_samples": 3,
@@ -55,15 +63,23 @@ RESULT_SETTINGS = {
 }
 
 
+def _get(cfg: object, dotted: str) -> object:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 def _set(cfg: RunConfig, dotted: str, value: object) -> RunConfig:
-    section, key = dotted.split(".")
     if value == "flip":
-        value = not getattr(getattr(cfg, section), key)
-    extra: dict = {section: {key: value}}
+        value = not _get(cfg, dotted)
+    *path, key = dotted.split(".")
+    extra: dict = {key: value}
     if dotted == "rollout.tensor_parallel_size":
-        extra[section]["in_process"] = False  # an in-process engine has one worker
+        extra["in_process"] = False  # an in-process engine has one worker
+    for part in reversed(path):
+        extra = {part: extra}
     changed = apply_overrides(cfg, extra)
-    assert getattr(getattr(changed, section), key) != getattr(getattr(cfg, section), key), dotted
+    assert _get(changed, dotted) != _get(cfg, dotted), dotted
     return changed
 
 

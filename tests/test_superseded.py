@@ -69,12 +69,12 @@ def test_a_copy_is_kept_unless_a_whole_current_artifact_holds_its_bytes(tmp_path
     current = fake_base(store, "new", b"weights")
     other_bytes = fake_base(store, "older", b"weights moved by the code change")
     same_bytes = fake_base(store, "oldest", b"weights")
-    found = retention.plan(tmp_path, current_code={"quantize": "new"}).deletions
+    found = retention.plan(tmp_path, current_code={"quantize": {"new"}}).deletions
     assert [(d.kind, d.key) for d in found] == [("remove", same_bytes.key)]
     assert other_bytes.key not in {d.key for d in found}  # the only record of what earlier runs trained on
     # a current artifact with pruned files holds nothing to fall back on
     store.prune("quantize", current.key, ["model.safetensors"], "test")
-    assert not retention.plan(tmp_path, current_code={"quantize": "new"}).deletions
+    assert not retention.plan(tmp_path, current_code={"quantize": {"new"}}).deletions
     # without the installed code versions (the flow's own prunes) nothing is superseded
     assert not retention.plan(tmp_path).deletions
 
@@ -86,10 +86,10 @@ def test_a_live_run_keeps_every_superseded_copy(tmp_path):
     now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     record = {"run_id": "night", "status": "running", "steps": [], "evaluations": [], "updated_at": now}
     atomic_write_json(tmp_path / "runs" / "night" / "run.json", record)
-    gc_plan = retention.plan(tmp_path, current_code={"quantize": "new"})
+    gc_plan = retention.plan(tmp_path, current_code={"quantize": {"new"}})
     assert not gc_plan.deletions and old.dir.is_dir()
     assert any("superseded" in n and "run night is live" in n for n in gc_plan.notes), gc_plan.notes
     record["status"] = "failed"  # once it is over, the copy goes
     atomic_write_json(tmp_path / "runs" / "night" / "run.json", record)
-    gc_plan = retention.plan(tmp_path, current_code={"quantize": "new"})
+    gc_plan = retention.plan(tmp_path, current_code={"quantize": {"new"}})
     assert retention.apply(tmp_path, gc_plan) > 0 and not old.dir.exists()

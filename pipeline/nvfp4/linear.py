@@ -23,7 +23,7 @@ Departures: the paper's trainer uses a fused Marlin-style FP4 GEMM; here the deq
 CPU (the PyTorch reference if numba is missing) and qerl.kernels.nvfp4_triton's Triton dequantizer on GPU,
 with a dense matmul after, so the fast paths save memory but not FLOPs. The weight is dequantized to
 the activation dtype, which is exactly what a bf16 model loaded with the dequantized weights holds
-(see ``qerl.pipeline.nvfp4.loading.load_dequantized_reference``).
+(see ``qerl.pipeline.nvfp4.loading.load_dequantized``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
-"""Loading an NVFP4A16 checkpoint for LoRA training, and its dequantized reference.
+"""NVFP4's decoding module (``qerl.pipeline.schemes``): an NVFP4A16 checkpoint read back, for LoRA
+training, as its dequantized twin's weights and as its dequantized reference.
 
-What: ``load_quantized_for_training`` builds a Hugging Face causal LM from the quantize stage's
+What: ``quantized_linears`` and ``state_tensors`` read which linears a checkpoint holds quantized
+(``<m>.weight_packed`` with its scales) and their shapes from the safetensors headers;
+``dequantized_linears`` decodes each with ``qerl.kernels`` (the twin's and the quality report's
+weights); ``load_for_training`` builds a Hugging Face causal LM from the quantize stage's
 checkpoint with every quantized Linear replaced by a packed ``NVFP4Linear`` (``qerl.pipeline.nvfp4.linear``),
-all parameters frozen. ``load_dequantized_reference`` builds the same checkpoint as an ordinary HF model
+all parameters frozen. ``load_dequantized`` builds the same checkpoint as an ordinary HF model
 whose Linear weights hold ``dequant(W)``: the independent reference the tests compare against.
 
 How: the model skeleton is built on the meta device (``accelerate.init_empty_weights``, buffers such
@@ -16,41 +20,35 @@ config) because it would decompress the weights.
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from qerl.pipeline.nvfp4.linear import NVFP4Linear, dequantize_weight
+from qerl.pipeline.nvfp4.linear import NVFP4Linear, dequantize_weight, register_with_peft
 from qerl.pipeline.nvfp4.recipe import QUANT_SUFFIXES
-from safetensors import safe_open
+from qerl.pipeline.nvfp4.safetensors_io import (
+    TensorSpec,
+    empty_model,
+    finish_loading,
+    iter_quantized_linears,
+    read_tensors,
+)
 from torch import nn
 
 log = logging.getLogger("qerl.qlinear")
 
-__all__ = ["load_dequantized_reference", "load_quantized_for_training", "quantized_linear_names"]
+__all__ = [
+    "dequantized_linears",
+    "load_dequantized",
+    "load_for_training",
+    "quantized_linear_names",
+    "quantized_linears",
+    "register_with_peft",
+    "state_tensors",
+]
 
 _PACKED, _SCALE, _GSCALE = QUANT_SUFFIXES
-
-
-def _weight_files(ckpt_dir: Path) -> list[Path]:
-    index = ckpt_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [ckpt_dir / s for s in shards]
-    single = ckpt_dir / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {ckpt_dir}")
-    return [single]
-
-
-def read_tensors(ckpt_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in _weight_files(ckpt_dir):
-        with safe_open(str(path), framework="pt", device=str(device)) as fh:
-            for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
-                tensors[key] = fh.get_tensor(key)
-    return tensors
 
 
 def quantized_linear_names(tensors: dict[str, torch.Tensor] | list[str]) -> list[str]:
@@ -59,38 +57,27 @@ def quantized_linear_names(tensors: dict[str, torch.Tensor] | list[str]) -> list
     return sorted(k[: -len(suffix)] for k in tensors if k.endswith(suffix))
 
 
-def empty_model(ckpt_dir: Path, dtype: torch.dtype):  # noqa: ANN202
-    """The HF model skeleton: parameters on meta (no allocation), buffers such as RoPE real."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(ckpt_dir)
-    if hasattr(config, "quantization_config"):
-        # We load the packed tensors ourselves; transformers must not apply compressed-tensors.
-        del config.quantization_config
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.config._name_or_path = str(ckpt_dir)
-    return model
+def quantized_linears(specs: dict[str, TensorSpec]) -> dict[str, tuple[int, int]]:
+    """Each NVFP4 linear's module name -> its unquantized [out, in] shape (two codes a byte)."""
+    out_in = {name: specs[f"{name}.{_PACKED}"].shape for name in quantized_linear_names(list(specs))}
+    return {name: (int(shape[0]), int(shape[1]) * 2) for name, shape in out_in.items()}
 
 
-def finish_loading(
-    model: nn.Module, tensors: dict[str, torch.Tensor], ckpt_dir: Path, dtype: torch.dtype
-) -> None:
-    float_tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    result = model.load_state_dict(float_tensors, strict=False, assign=True)
-    if result.unexpected_keys:
-        raise ValueError(f"{ckpt_dir}: tensors the model has no place for: {result.unexpected_keys[:10]}")
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
-    if missing:
-        raise ValueError(f"{ckpt_dir}: no tensor for {missing[:10]}")
-    for param in model.parameters():
-        param.requires_grad_(False)
+def state_tensors(specs: dict[str, TensorSpec], module: str) -> list[str]:
+    """The tensors that hold NVFP4 linear ``module``: its codes first, then its block and global scales."""
+    return [f"{module}.{suffix}" for suffix in QUANT_SUFFIXES if f"{module}.{suffix}" in specs]
 
 
-def load_quantized_for_training(
+def dequantized_linears(
+    ckpt_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(module, weight in ``dtype``) of every NVFP4 linear of ``ckpt_dir``, decoded by ``qerl.kernels``
+    in ``dtype``, one at a time in natural module order."""
+    for module, (packed, scale, gscale) in iter_quantized_linears(ckpt_dir):
+        yield module, dequantize_weight(packed, scale, gscale, dtype)
+
+
+def load_for_training(
     ckpt_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
 ) -> nn.Module:
     """The HF causal LM of an NVFP4A16 checkpoint with packed NVFP4Linear layers, all frozen."""
@@ -130,7 +117,7 @@ def load_quantized_for_training(
     return model
 
 
-def load_dequantized_reference(
+def load_dequantized(
     ckpt_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
 ) -> nn.Module:
     """The same checkpoint as an ordinary HF model whose Linear weights hold dequant(W) in ``dtype``.

@@ -20,7 +20,7 @@ device's free memory is checked first), on the GPU where there is one (two fp32 
 are hours of CPU), else on the CPU. The base model (its own weights, upcast) runs first; its completion-position logits
 are spilled to a float32 temporary file (written and read back in order), so only one model is ever
 resident (a 7B model's two fp32 copies would not fit beside each other). Then the quantized model (the
-checkpoint's dequantized weights, ``load_dequantized_reference``, fp32) runs and each chunk of
+checkpoint's dequantized weights, ``load_dequantized``, fp32) runs and each chunk of
 positions is compared with the spilled rows. Texts run in right-padded batches of about
 ``_BATCH_TOKENS`` tokens (few forward calls for a small model, bounded activations for a large one);
 the LM head is applied to the decoder's hidden states a chunk of positions at a time (``_chunk_rows``:
@@ -47,12 +47,12 @@ import math
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from types import ModuleType
+from typing import Any
 
-import qerl.kernels.nvfp4_dispatch as nvfp4_dispatch
 import torch
-from pydantic import Field
-from qerl.pipeline.config import StrictModel
+from qerl.pipeline.nvfp4.quality_config import QualityConfig
+from qerl.pipeline.nvfp4.safetensors_io import read_tensor, safetensors_index
 from qerl.pipeline.runtime.device import default_device
 from qerl.pipeline.store.files import free_bytes, human_bytes
 
@@ -78,50 +78,6 @@ _BATCH_TOKENS = 4096  # padded tokens per forward: few calls for small models, b
 _ROUND = 6
 
 
-class QualityConfig(StrictModel):
-    """What the quality stage measures (``quantize.quality``)."""
-
-    enabled: bool = Field(
-        default=True,
-        description="measure what quantization costs (per-linear weight error, and with texts > 0 KL, "
-        "top-1 and perplexities) as the quality stage, after the checkpoint is written; false: not measured",
-    )
-    source: Literal["auto", "validation", "gsm8k", "arithmetic"] = Field(
-        default="auto",
-        description="held-out texts: validation (a run's validation split with reference completions: the "
-        "arithmetic set's answers, GSM8K's worked solutions), gsm8k (GSM8K test problems with their "
-        "reference solutions, from data_root or $QERL_DATA_DIR), arithmetic (the procedural set's test "
-        "split); auto: validation in a run that has one and whose data has reference completions, else "
-        "gsm8k when its test file is there, else arithmetic",
-    )
-    data_root: str | None = Field(
-        default=None,
-        description="data directory holding gsm8k/test.jsonl (None: a run's data.root, else $QERL_DATA_DIR)",
-    )
-    texts: int = Field(
-        default=64,
-        ge=0,
-        description="held-out prompt + completion texts the model metrics are measured on; 0: weight "
-        "errors only (no model is loaded)",
-    )
-    prompt: Literal["plain", "chat"] = Field(
-        default="plain",
-        description="how a text's question is put before its completion: plain (the question and a newline) "
-        "or chat (the tokenizer's chat template, user turn, generation prompt added)",
-    )
-    max_tokens: int = Field(
-        default=1024,
-        ge=8,
-        description="tokens of one text (prompt + completion) at most; a longer completion is cut at its end",
-    )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        default="float32",
-        description="what both models run in: float32 (the measure of record) or bfloat16 (half the memory, "
-        "for a model whose float32 copy does not fit the GPU: from about 14B on 80 GB; a GPU without room "
-        "for the model in this dtype is refused with the numbers before it loads)",
-    )
-
-
 # --- per-linear weight error ------------------------------------------------------------------
 
 
@@ -143,22 +99,9 @@ def relative_error(w: torch.Tensor, d: torch.Tensor, chunk_elements: int = 1 << 
     return math.sqrt(e2 / w2)
 
 
-def nvfp4_linears(ckpt_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(module, float32 weight) of every NVFP4 linear of ``ckpt_dir``, decoded by ``qerl.kernels``."""
-    from qerl.pipeline.nvfp4.safetensors_io import iter_quantized_linears
-
-    for module, (packed, scale, gscale) in iter_quantized_linears(ckpt_dir):
-        yield module, nvfp4_dispatch.dequantize(packed, scale, gscale, dtype=torch.float32)
-
-
-def weight_errors(
-    src_dir: str | Path, ckpt_dir: str | Path, linears: Linears = nvfp4_linears
-) -> dict[str, float]:
+def weight_errors(src_dir: str | Path, ckpt_dir: str | Path, linears: Linears) -> dict[str, float]:
     """Relative weight error of every quantized linear of ``ckpt_dir`` (``linears`` decodes them) against
     ``src_dir``, in natural module order; one linear in memory at a time."""
-    # imported here: recipe.py imports this module for QualityConfig, and safetensors_io imports recipe
-    from qerl.pipeline.nvfp4.safetensors_io import read_tensor, safetensors_index
-
     specs = safetensors_index(src_dir)
     out: dict[str, float] = {}
     for module, deq in linears(ckpt_dir):
@@ -293,18 +236,10 @@ def _load_base(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
-def _nvfp4_model(ckpt_dir: str | Path, dtype: torch.dtype) -> torch.nn.Module:
-    from qerl.pipeline.nvfp4.loading import load_dequantized_reference
-
-    return load_dequantized_reference(ckpt_dir, dtype=dtype)
-
-
 def check_device_room(base_dir: str | Path, dtype: torch.dtype, device: str) -> int:
     """The bytes one model takes in ``dtype`` (every tensor of the source's safetensors); on a GPU,
     raises ``MemoryError`` naming both numbers and ``quantize.quality.dtype`` when the device has
     less free memory than that, before a model loads (the CPU's memory is not checked)."""
-    from qerl.pipeline.nvfp4.safetensors_io import safetensors_index
-
     numel = sum(math.prod(spec.shape) for spec in safetensors_index(base_dir).values())
     need = numel * torch.empty((), dtype=dtype).element_size()
     if device == "cuda":
@@ -326,12 +261,13 @@ def model_metrics(
     prompt: str = "plain",
     spill_dir: str | Path | None = None,
     dtype: str = "float32",
-    load: Callable[..., torch.nn.Module] | None = None,
+    *,
+    load: Callable[..., torch.nn.Module],
 ) -> dict[str, Any]:
     """KL(base||quant) nats/token, top-1 agreement, both perplexities over the completion tokens of
     ``items``; one model resident at a time, in ``dtype``, the base's logits spilled under ``spill_dir``
     (None: the system's temporary folder; see the module docstring). ``load(dir, dtype=)``: the
-    quantized checkpoint as a plain model with its dequantized weights (None: NVFP4's)."""
+    quantized checkpoint as a plain model with its dequantized weights (its scheme's)."""
 
     device = default_device()  # a GPU where there is one: two fp32 passes of a 7B model are hours of CPU
     encoded, truncated = encode_items(text_tokenizer(base_dir), items, max_tokens, prompt)
@@ -347,7 +283,7 @@ def model_metrics(
         for chunk in _completion_logits(base, encoded):
             spill.write(chunk.numpy().tobytes())
         del base
-        quant = (load or _nvfp4_model)(quant_dir, dtype=torch_dtype).eval().to(device)
+        quant = load(quant_dir, dtype=torch_dtype).eval().to(device)
         spill.seek(0)
         row = 0
         for chunk in _completion_logits(quant, encoded):
@@ -409,23 +345,32 @@ def quality_section(
     src_dir: str | Path,
     ckpt_dir: str | Path,
     texts: tuple[str, list[dict[str, Any]], str] | None,
-    spill_dir: str | Path | None = None,
-    linears: Linears = nvfp4_linears,
-    load: Callable[..., torch.nn.Module] | None = None,
+    spill_dir: str | Path | None,
+    decoder: ModuleType,
 ) -> dict[str, Any]:
     """The quality section for checkpoint ``ckpt_dir`` quantized from ``src_dir``.
 
     ``texts``: (label, items, digest) of ``qerl.pipeline.data.heldout``; None (with ``cfg.texts ==
     0``) measures the weight errors only. ``spill_dir``: where the base's logits are spilled.
-    ``linears`` and ``load`` read another format than NVFP4 (``weight_errors``, ``model_metrics``)."""
-    errors = weight_errors(src_dir, ckpt_dir, linears)
+    ``decoder``: the checkpoint's scheme's decoding module (``qerl.pipeline.schemes``), which reads
+    its linears for ``weight_errors`` and the whole model for ``model_metrics``."""
+    errors = weight_errors(src_dir, ckpt_dir, lambda d: decoder.dequantized_linears(d, torch.float32))
     if not errors:
         raise ValueError(f"{ckpt_dir}: no quantized linears to measure")
     worst = max(errors, key=errors.__getitem__)  # the first in module order among equals
     section: dict[str, Any] = {}
     if texts is not None and cfg.texts > 0:
         label, items, digest = texts
-        m = model_metrics(src_dir, ckpt_dir, items, cfg.max_tokens, cfg.prompt, spill_dir, cfg.dtype, load)
+        m = model_metrics(
+            src_dir,
+            ckpt_dir,
+            items,
+            cfg.max_tokens,
+            cfg.prompt,
+            spill_dir,
+            cfg.dtype,
+            load=decoder.load_dequantized,
+        )
         section["texts"] = {"source": label, "count": len(items), "digest": digest, "prompt": m["prompt"],
                             "max_tokens": cfg.max_tokens, "truncated": m["truncated"]}  # fmt: skip
         if cfg.dtype != "float32":  # the measure of record is float32's; another says so

@@ -32,7 +32,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 from qerl.pipeline.config import StrictModel, resource_field
-from qerl.pipeline.nvfp4.quality import QualityConfig
+from qerl.pipeline.nvfp4.quality_config import QualityConfig
+from qerl.pipeline.schemes import TWIN_MODE, UNQUANTIZED_MODE
 
 __all__ = [
     "KNOWN_PROJECTIONS",
@@ -48,12 +49,9 @@ __all__ = [
     "quantization_config",
     "quantized_module_targets",
     "read_model_config",
+    "twin_dtype",
 ]
 
-# The manifest mode of the dequantize stage's output (stages/dequantize.py builds it, the engines check it)
-TWIN_MODE = "nvfp4-dequantized-twin"
-# the quantize stage with ``scheme: none``: the base as is (floats cast to the twin dtype), no NVFP4
-UNQUANTIZED_MODE = "unquantized"
 # The linear projections of a decoder layer in the supported architectures: one not in
 # ``QuantizeConfig.targets`` is kept in full precision; a linear outside this list is refused.
 KNOWN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -144,8 +142,10 @@ class QuantizeConfig(StrictModel):
     calibration: CalibrationConfig = Field(
         default_factory=CalibrationConfig, description="calibration of quantize.method gptq"
     )
-    quality: QualityConfig = Field(
-        default_factory=QualityConfig, description="quantize manifest's quality section"
+    # a resource field here: the settings change the quality stage's report (whose key holds them),
+    # never the checkpoint, its twin or an adapter, so they stay out of those keys and the run id
+    quality: QualityConfig = resource_field(
+        default_factory=QualityConfig, description="what the quality stage measures (its own key holds it)"
     )
     max_shard_mb: float = resource_field(
         default=4096, gt=0, description="largest output shard, MiB (the files' layout, not the weights)"
@@ -172,6 +172,11 @@ class QuantizeConfig(StrictModel):
             if entry.startswith(("first:", "last:")) and not (layers and int(layers[2]) > 0):
                 raise ValueError(f"quantize.keep entry '{entry}': first:N / last:N takes a positive N")
         return self
+
+
+def twin_dtype(cfg: QuantizeConfig) -> str:
+    """The twin's dtype: the configured one (a run derives it from train.dtype), else bfloat16."""
+    return cfg.twin_dtype or "bfloat16"
 
 
 class UnsupportedModelError(ValueError):

@@ -23,13 +23,18 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import struct
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from qerl.pipeline.nvfp4.recipe import QUANT_SUFFIXES, UnsupportedModelError
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
 
 __all__ = [
     "DTYPE_NAMES",
@@ -39,6 +44,14 @@ __all__ = [
     "natural_key",
     "read_tensor",
     "safetensors_index",
+    "Progress",
+    "copy_aux_files",
+    "copy_producer",
+    "empty_model",
+    "finish_loading",
+    "read_tensors",
+    "tensor_bar",
+    "weight_files",
     "write_sharded",
 ]
 
@@ -57,6 +70,7 @@ _DTYPES = {
 }
 DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _COPY_CHUNK = 64 << 20
+Progress = Callable[[int, int], None]  # (done, total): a build's progress, for a console's own bar
 
 
 def natural_key(name: str) -> list:
@@ -264,3 +278,95 @@ def iter_quantized_linears(
                 raise UnsupportedModelError(f"{ckpt_dir}: '{module}' has weight_packed but no {suffix}")
             parts.append(read_tensor(spec))
         yield module, (parts[0], parts[1], parts[2])
+
+
+@contextmanager
+def tensor_bar(total: int, desc: str, progress: Progress | None) -> Iterator[Callable[[int], None]]:
+    """``advance(n)``: n more tensors written, on tqdm's bar (stderr: the log under a console) and
+    to the caller's ``progress(done, total)`` (a console's own bar)."""
+    done = 0
+    with tqdm(total=total, desc=desc, unit="tensor", disable=None) as bar:
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            bar.update(n)
+            if progress is not None:
+                progress(done, total)
+
+        yield advance
+
+
+# --- a model directory as a whole -------------------------------------------------------------
+
+# Files never copied from a source model: weights are rewritten, pickles are not read.
+_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".msgpack", ".h5", ".onnx")
+_SKIP_NAMES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def copy_aux_files(src: Path, dst: Path) -> list[str]:
+    """Copy the model's other files (tokenizer, generation config; never weights or pickles) from
+    ``src`` to ``dst``; their names."""
+    copied = []
+    for p in sorted(src.iterdir()):
+        if not p.is_file() or p.name.startswith(".") or p.name in _SKIP_NAMES or p.suffix in _SKIP_SUFFIXES:
+            continue
+        shutil.copy2(p, dst / p.name)
+        copied.append(p.name)
+    return copied
+
+
+def copy_producer(spec: TensorSpec) -> Callable[[], dict[str, RawSlice]]:
+    """A ``write_sharded`` producer that copies one tensor's bytes unchanged."""
+    return lambda: {spec.name: RawSlice(spec.path, spec.offset, spec.nbytes)}
+
+
+def weight_files(ckpt_dir: Path) -> list[Path]:
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [ckpt_dir / s for s in shards]
+    single = ckpt_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {ckpt_dir}")
+    return [single]
+
+
+def read_tensors(ckpt_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(ckpt_dir):
+        with safe_open(str(path), framework="pt", device=str(device)) as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                tensors[key] = fh.get_tensor(key)
+    return tensors
+
+
+def empty_model(ckpt_dir: Path, dtype: torch.dtype) -> nn.Module:
+    """The HF model skeleton: parameters on meta (no allocation), buffers such as RoPE real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ckpt_dir)
+    if hasattr(config, "quantization_config"):
+        # We load the packed tensors ourselves; transformers must not apply compressed-tensors.
+        del config.quantization_config
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config._name_or_path = str(ckpt_dir)
+    return model
+
+
+def finish_loading(
+    model: nn.Module, tensors: dict[str, torch.Tensor], ckpt_dir: Path, dtype: torch.dtype
+) -> None:
+    float_tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    result = model.load_state_dict(float_tensors, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ValueError(f"{ckpt_dir}: tensors the model has no place for: {result.unexpected_keys[:10]}")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if missing:
+        raise ValueError(f"{ckpt_dir}: no tensor for {missing[:10]}")
+    for param in model.parameters():
+        param.requires_grad_(False)

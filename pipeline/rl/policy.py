@@ -1,8 +1,8 @@
 """The policy being trained: the (NVFP4) base with peft LoRA on top, AdamW and its schedule.
 
-``init_state`` builds the policy at step 0: the NVFP4 base from ``qerl.pipeline.nvfp4.linear``, an NF4
-base as QLoRA loads it (``qerl.pipeline.nf4.checkpoint``: bitsandbytes' ``Linear4bit``, under peft's
-own LoRA layer for it), or a plain HF base, LoRA initialised from ``cfg.seed`` (or, for a warm start, loaded from an adapter folder
+``init_state`` builds the policy at step 0: the base through its scheme's training loader
+(``qerl.pipeline.schemes``: NVFP4's packed ``NVFP4Linear`` layers, or an NF4 base as QLoRA loads it,
+bitsandbytes' ``Linear4bit`` under peft's own LoRA layer for it), or a plain HF base, LoRA initialised from ``cfg.seed`` (or, for a warm start, loaded from an adapter folder
 whose rank, alpha and targets must match the config), AdamW and a warmup + cosine schedule.
 
 Device settings (``optimizer_impl``, ``qerl.pipeline.rl.logprobs.logprob_chunk_elements`` and
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from qerl.pipeline.rl.train_config import TrainConfig
+from qerl.pipeline.schemes import checkpoint_scheme, scheme_module
 from safetensors.torch import load_file
 
 __all__ = [
@@ -50,11 +51,7 @@ class TrainState:
 
 
 def is_nvfp4_checkpoint(model_dir: str | Path) -> bool:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    qc = config.get("quantization_config") or {}
-    return qc.get("format") == "nvfp4-pack-quantized" or any(
-        g.get("format") == "nvfp4-pack-quantized" for g in (qc.get("config_groups") or {}).values()
-    )
+    return checkpoint_scheme(model_dir) == "nvfp4"
 
 
 def _lr_lambda(cfg: TrainConfig):  # noqa: ANN202
@@ -72,23 +69,18 @@ def _lr_lambda(cfg: TrainConfig):  # noqa: ANN202
 
 def _build_model(base_dir: Path, cfg: TrainConfig, device: str) -> tuple[Any, str]:
     from peft import LoraConfig, get_peft_model
-    from qerl.pipeline.nf4.checkpoint import is_nf4_checkpoint
-    from qerl.pipeline.nf4.checkpoint import load_for_training as load_nf4_for_training
-    from qerl.pipeline.nvfp4.linear import register_with_peft
-    from qerl.pipeline.nvfp4.loading import load_quantized_for_training
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, cfg.dtype)
-    if is_nvfp4_checkpoint(base_dir):
-        model = load_quantized_for_training(base_dir, dtype=dtype, device=device)
-        base_format = "nvfp4"
-    elif is_nf4_checkpoint(base_dir):  # QLoRA: peft puts its own LoRA layer on bitsandbytes' Linear4bit
-        model = load_nf4_for_training(base_dir, dtype=dtype, device=device)
-        base_format = "nf4"
-    else:
+    scheme = checkpoint_scheme(base_dir)
+    if scheme == "none":
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device)
         model.requires_grad_(False)
         base_format = "hf"
+    else:  # NVFP4Linear layers, or (QLoRA) bitsandbytes' Linear4bit, under peft's own LoRA layer for it
+        loader = scheme_module(scheme, training=True)  # the train stage keys its code (training_module)
+        model = loader.load_for_training(base_dir, dtype=dtype, device=device)
+        base_format = scheme
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(
@@ -99,7 +91,8 @@ def _build_model(base_dir: Path, cfg: TrainConfig, device: str) -> tuple[Any, st
         bias="none",
         task_type="CAUSAL_LM",
     )
-    register_with_peft(lora)
+    if base_format == "nvfp4":
+        loader.register_with_peft(lora)
     with warnings.catch_warnings():
         # peft warns for every layer type it does not know; NVFP4Linear is registered above on purpose
         warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)

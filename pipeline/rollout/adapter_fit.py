@@ -3,7 +3,9 @@ with the base's input and output sizes, and every linear of the base of a kind t
 (``q_proj`` in any layer, say) must carry one. Read from the safetensors headers of both (no weights
 loaded), so an adapter of another model is refused before an engine starts, naming what differs;
 without it a smaller adapter loads into a larger model and gives a meaningless accuracy (a 2-layer
-model's adapter on a 4-layer base of the same width fits every shape, and covers half the layers)."""
+model's adapter on a 4-layer base of the same width fits every shape, and covers half the layers).
+A quantized linear's shape is its scheme's to read (``qerl.pipeline.schemes``): NVFP4 packs two codes
+a byte, and NF4 stores its codes flat, ``[numel/2, 1]``, with the shape in its quantization state."""
 
 from __future__ import annotations
 
@@ -12,18 +14,30 @@ from pathlib import Path
 
 from qerl.pipeline.nvfp4.safetensors_io import safetensors_index
 from qerl.pipeline.rollout.protocol import EngineError, check_adapter_dir
+from qerl.pipeline.schemes import checkpoint_scheme, scheme_module
 
-__all__ = ["adapter_mismatches", "check_adapter_fits"]
+__all__ = ["adapter_mismatches", "check_adapter_fits", "linear_shapes"]
 
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
 _SHOWN = 5  # mismatches named in the error; the count says how many more
 _LAYER_INDEX = re.compile(r"\.\d+\.")
-_BASE_LINEAR = re.compile(r"^(?P<module>.+)\.(?:weight|weight_packed)$")
+
+
+def linear_shapes(base_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every linear-like weight of the base: module name -> its unquantized [out, in] shape."""
+    specs = safetensors_index(base_dir)
+    shapes = {
+        n[: -len(".weight")]: s.shape for n, s in specs.items() if n.endswith(".weight") and len(s.shape) == 2
+    }
+    scheme = checkpoint_scheme(base_dir)
+    if scheme != "none":
+        shapes.update(scheme_module(scheme).quantized_linears(specs))
+    return shapes
 
 
 def adapter_mismatches(adapter_dir: str | Path, base_dir: str | Path) -> list[str]:
     """What does not fit, one line per LoRA tensor (empty when the adapter fits the base)."""
-    base = safetensors_index(base_dir)
+    base = linear_shapes(base_dir)
     problems = []
     adapter = safetensors_index(adapter_dir)
     for name, spec in sorted(adapter.items()):
@@ -31,24 +45,18 @@ def adapter_mismatches(adapter_dir: str | Path, base_dir: str | Path) -> list[st
         if match is None:
             continue
         module, ab = match["module"], match["ab"]
-        layer = base.get(f"{module}.weight") or base.get(f"{module}.weight_packed")
-        if layer is None:
+        if module not in base:
             problems.append(f"{module}: the base has no such linear")
             continue
-        out_features = layer.shape[0]
-        in_features = layer.shape[1] * (
-            2 if layer.name.endswith("weight_packed") else 1
-        )  # 2 FP4 codes a byte
+        out_features, in_features = base[module]
         if ab == "A" and spec.shape[1] != in_features:
             problems.append(f"{module}.lora_A: {spec.shape[1]} inputs, the base's linear has {in_features}")
         if ab == "B" and spec.shape[0] != out_features:
             problems.append(f"{module}.lora_B: {spec.shape[0]} outputs, the base's linear has {out_features}")
     covered = {m["module"] for name in adapter if (m := _LORA_KEY.match(name))}
     kinds = {_LAYER_INDEX.sub(".N.", module) for module in covered}
-    for name in sorted(base):
-        linear = _BASE_LINEAR.match(name)
-        module = linear and linear["module"]
-        if module and module not in covered and _LAYER_INDEX.sub(".N.", module) in kinds:
+    for module in sorted(base):
+        if module not in covered and _LAYER_INDEX.sub(".N.", module) in kinds:
             problems.append(f"{module}: the base's linear has no LoRA pair, as the adapter's other layers do")
     return problems
 

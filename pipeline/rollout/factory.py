@@ -33,11 +33,10 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from qerl.pipeline.nf4.checkpoint import NF4_MODE, NF4_TWIN_MODE
-from qerl.pipeline.nvfp4.recipe import TWIN_MODE, UNQUANTIZED_MODE
 from qerl.pipeline.rollout.config import RolloutConfig
 from qerl.pipeline.rollout.protocol import EngineError, RolloutEngine
 from qerl.pipeline.runtime import device
+from qerl.pipeline.schemes import MARLIN_MODE, NF4_CUDA_MODE, NF4_TWIN_MODE, TWIN_MODE, mode_scheme
 from qerl.pipeline.store.manifest import Manifest
 
 __all__ = [
@@ -53,8 +52,6 @@ __all__ = [
 
 log = logging.getLogger("qerl.engines")
 
-MARLIN_MODE = "vllm-nvfp4-marlin"  # CUDA: vLLM serves the NVFP4 checkpoint on FP4 Marlin
-NF4_CUDA_MODE = "vllm-nf4-bitsandbytes"  # CUDA: vLLM serves the NF4 checkpoint through bitsandbytes
 # the twin's mode for each quantized scheme
 _TWIN_MODES = {"nvfp4": TWIN_MODE, "nf4": NF4_TWIN_MODE}
 
@@ -68,8 +65,7 @@ IMPLEMENTATIONS = {
 
 def base_scheme(quantized: Manifest | None) -> str:
     """The ``quantize.scheme`` the quantize stage's artifact was made with (``nvfp4`` when none is given)."""
-    mode = quantized.mode if quantized is not None else None
-    return {UNQUANTIZED_MODE: "none", NF4_MODE: "nf4"}.get(mode or "", "nvfp4")
+    return mode_scheme(quantized.mode if quantized is not None else None)
 
 
 def planned_mode(cfg: RolloutConfig, scheme: str = "nvfp4") -> tuple[str, str]:

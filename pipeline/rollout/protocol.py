@@ -28,13 +28,23 @@ is untouched), which is reproducible for the same inputs but samples different t
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from qerl.pipeline.runtime.seeds import derive_seed
 
-__all__ = ["Completion", "EngineError", "RolloutEngine", "SamplingSpec", "check_adapter_dir", "sample_seed"]
+__all__ = [
+    "Completion",
+    "EngineError",
+    "RolloutEngine",
+    "SamplingSpec",
+    "check_adapter_dir",
+    "engine_module",
+    "sample_seed",
+]
 
 
 class EngineError(RuntimeError):
@@ -85,6 +95,12 @@ class RolloutEngine(Protocol):
     ) -> list[list[Completion]]: ...
 
     def close(self) -> None: ...
+
+
+def engine_module(engine: Any) -> ModuleType:
+    """The module that implements ``engine`` (a wrapper's ``implementation_module``, which names the
+    engine it will start): what a stage generating with it keys besides its own code."""
+    return importlib.import_module(getattr(engine, "implementation_module", None) or type(engine).__module__)
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:

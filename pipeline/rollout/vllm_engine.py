@@ -43,7 +43,6 @@ from typing import Any
 
 from qerl.pipeline.rollout.aqn import check_realised, realised_sigma
 from qerl.pipeline.rollout.config import RolloutConfig
-from qerl.pipeline.rollout.factory import MARLIN_MODE, NF4_CUDA_MODE
 from qerl.pipeline.rollout.prompt_encoding import encode_prompt
 from qerl.pipeline.rollout.protocol import (
     Completion,
@@ -54,6 +53,7 @@ from qerl.pipeline.rollout.protocol import (
 )
 from qerl.pipeline.runtime.device import cuda_available
 from qerl.pipeline.runtime.threads import restore, snapshot
+from qerl.pipeline.schemes import MARLIN_MODE, NF4_CUDA_MODE
 
 log = logging.getLogger("qerl.engines.vllm")
 

@@ -15,12 +15,23 @@ The key changes when what a stage computes changes, and only then:
 
 - Each module enters the hash as its *normalised source*: its syntax tree with docstrings removed,
   written back as source (``ast.unparse``). Comments, docstrings, blank lines and formatting change
-  nothing; any change to a statement, a constant or a name does.
+  nothing; any change to a statement, a constant or a name does, with three exceptions that only
+  people read (``_Messages``): the strings of ``raise`` statements (an error message; its type and
+  any other argument still count), ``assert`` messages, and statements that only log or warn
+  (``log.info(...)``, ``run.logger.warning(...)``, ``logging.getLogger(name).setLevel(...)``,
+  ``warnings.warn(...)``) and loggers' names. A stage must not compute inside a logging call's
+  arguments, and never does: what is logged is computed before.
 - Packages that compute no stage output are left out below the roots (``SKIP_PACKAGES``): the
   orchestration (``qerl.flows``), the artifact store (where outputs are kept, not what they are),
-  the registry (MLflow bookkeeping) and the config machinery (``qerl.pipeline.config``: the values it
-  validates are in the key already, as the stage's config). A stage that is itself in one of them
-  (the warm-start copy in ``qerl.pipeline.registry.adapters``) is still hashed, its own module only.
+  the registry (MLflow bookkeeping), the config machinery (``qerl.pipeline.config``: the values it
+  validates are in the key already, as the stage's config) and the quality report's settings (the
+  quantize config holds them as a section no checkpoint depends on). A stage that is itself in one of
+  them (the warm-start copy in ``qerl.pipeline.registry.adapters``) is still hashed, its own module only.
+- Other stage modules (``qerl.stages``) are left out too: a stage that imports another dispatches to
+  it (``quantize`` to ``quantize_nf4``) or composes it, and each keys its own code. What two stages
+  compute with lives in ``qerl.pipeline``, in both closures. So an edit of the NF4 quantizer keeps
+  the NVFP4 checkpoint's key, and the other way round; code chosen at run time (the engine, a
+  scheme's decoding module, ``qerl.pipeline.schemes``) is passed by the stage as another root.
 - The installed qerl version is not hashed: a release whose computing code is unchanged keeps every
   cache. Neither are the dependencies' versions: a patch release of transformers would otherwise
   re-run GPTQ. Both are recorded in every manifest instead (``dependency_versions``), and ``qerl
@@ -48,13 +59,21 @@ from types import ModuleType
 from qerl.pipeline.store.manifest import ArtifactError
 
 ROOT_PACKAGE = "qerl"
-SKIP_PACKAGES = ("qerl.flows", "qerl.pipeline.store", "qerl.pipeline.registry", "qerl.pipeline.config")
+SKIP_PACKAGES = (
+    "qerl.flows", "qerl.pipeline.store", "qerl.pipeline.registry", "qerl.pipeline.config", "qerl.stages",
+    "qerl.pipeline.nvfp4.quality_config",
+)  # fmt: skip
 # what moves a stage's numbers or formats when it is upgraded: recorded beside every artifact
 DEPENDENCIES = (
     "torch", "transformers", "tokenizers", "safetensors", "compressed-tensors", "vllm", "numpy", "numba",
     "triton", "math-verify", "peft", "bitsandbytes",
 )  # fmt: skip
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+# what only logs (``_Messages``): a logger's methods, on a receiver named as loggers are here
+_LOG_METHODS = frozenset(
+    ("debug", "info", "warning", "warn", "error", "exception", "critical", "log", "setLevel", "disable")
+)
+_LOGGER_NAMES = frozenset(("log", "logger", "_log", "_logger", "LOG", "LOGGER"))
 
 # (root, module, path) -> (size, mtime_ns, the root's modules its imports name, normalised digest)
 _PARSED: dict[tuple[str, str, str], tuple[int, int, tuple[str, ...], str]] = {}
@@ -153,6 +172,57 @@ def _without_docstrings(tree: ast.AST) -> ast.AST:
     return tree
 
 
+def _root_name(node: ast.AST) -> str | None:
+    """The name a call chain starts from (``logging`` for ``logging.getLogger(x).setLevel``)."""
+    while isinstance(node, ast.Attribute | ast.Call | ast.Subscript):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _is_logging(call: ast.AST) -> bool:
+    """A call that only logs or warns: ``log.info(...)``, ``self.logger.warning(...)``,
+    ``logging.getLogger(name).setLevel(...)``, ``warnings.warn(...)``."""
+    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
+        return False
+    receiver, method = call.func.value, call.func.attr
+    if _root_name(call.func) in ("logging", "warnings") and (method in _LOG_METHODS or method == "warn"):
+        return True
+    name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", None)
+    return name in _LOGGER_NAMES and method in _LOG_METHODS
+
+
+class _Blank(ast.NodeTransformer):
+    """Every string of a subtree blanked, f-strings whole (what they compute is only shown)."""
+
+    def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        return ast.Constant("") if isinstance(node.value, str) else node
+
+    def visit_JoinedStr(self, node: ast.JoinedStr) -> ast.AST:
+        return ast.Constant("")
+
+
+class _Messages(ast.NodeTransformer):
+    """Blank what people read and no output holds: the text of ``raise`` and ``assert`` statements,
+    logger names, and statements that only log or warn (module docstring)."""
+
+    def visit_Raise(self, node: ast.Raise) -> ast.AST:
+        node.exc, node.cause = (None if n is None else _Blank().visit(n) for n in (node.exc, node.cause))
+        return node
+
+    def visit_Assert(self, node: ast.Assert) -> ast.AST:
+        node.msg = None
+        return self.generic_visit(node)
+
+    def visit_Expr(self, node: ast.Expr) -> ast.AST | None:
+        # dropped, not replaced: a log line added or removed leaves the same text (only hashed, never run)
+        return None if _is_logging(node.value) else self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "getLogger":
+            node.args = [ast.Constant("") for _ in node.args]
+        return self.generic_visit(node)
+
+
 def _parsed(name: str, path: str, is_package: bool, root: str) -> tuple[tuple[str, ...], str]:
     """(the root's modules the file's imports name, the digest of its normalised source)."""
     stat = Path(path).stat()
@@ -161,7 +231,7 @@ def _parsed(name: str, path: str, is_package: bool, root: str) -> tuple[tuple[st
         return hit[2], hit[3]
     tree = ast.parse(Path(path).read_bytes(), filename=path)
     found = tuple(sorted(_import_names(tree, name, is_package, root)))
-    normalised = ast.unparse(_without_docstrings(tree))
+    normalised = ast.unparse(_Messages().visit(_without_docstrings(tree)))
     digest = hashlib.sha256(normalised.encode()).hexdigest()
     _PARSED[(root, name, path)] = (stat.st_size, stat.st_mtime_ns, found, digest)
     return found, digest

@@ -47,6 +47,7 @@ GC_LOG = "gc.jsonl"
 DIGESTS_MEMO = "digests.json"
 
 # ---- stages and files read across modules ---------------------------------------------------------
+QUANTIZE_STAGE = "quantize"
 TRAIN_STAGE = "train"
 REGISTER_STAGE = "register"
 WARM_START_STAGE = "warm-start"

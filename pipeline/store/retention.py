@@ -71,7 +71,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,14 +148,14 @@ def plan(
     overrides: dict[str, Any] | None = None,
     now: _dt.datetime | None = None,
     only_run: str | None = None,
-    current_code: dict[str, str] | None = None,
+    current_code: Mapping[str, Collection[str]] | None = None,
     releasing: Sequence[releases.Release] = (),
 ) -> GcPlan:
     """What gc would delete under ``work`` (nothing is touched).
 
     ``overrides`` replace RetentionConfig fields for every run; ``only_run`` restricts pruning to that
     run's steps and treats it as not live (the flow pruning its own past steps) and skips the sweeps;
-    ``current_code`` (stage -> the installed code version) adds the superseded base artifacts
+    ``current_code`` (stage -> the installed code versions, one per scheme) adds the superseded base artifacts
     (``qerl.pipeline.store.superseded``), unless a run is live. ``releasing``: versions to release
     first (``qerl.pipeline.registry.release``); their runs' adapters and warm-start copies are
     planned as if released, each deletion naming the release it waits for (``Deletion.release``).
@@ -204,7 +204,7 @@ def plan(
 
 
 def _superseded(
-    store: ArtifactStore, current: dict[str, str], live: list[str], notes: list[str]
+    store: ArtifactStore, current: Mapping[str, Collection[str]], live: list[str], notes: list[str]
 ) -> list[Deletion]:
     found = superseded.superseded(store, current, notes)
     if found and live:

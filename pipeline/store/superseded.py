@@ -27,11 +27,14 @@ nothing is removed, because it may be an older qerl's run, reading the old copy 
 
 ``qerl.pipeline.store.retention`` plans and applies the removal: renamed into trash, then deleted,
 under the key's lock, ``removed`` in ``gc.jsonl``. The caller names the installed code versions
-(``current``: stage -> version). The store layer does not import the stages (data flows one way),
+(``current``: stage -> its versions, one per scheme: an NF4 base's quantize stage has other code
+than an NVFP4 one's). The store layer does not import the stages (data flows one way),
 so ``qerl gc`` computes them (``qerl.flows.tool_commands``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Mapping
 
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.layout import MANIFEST, OBJECTS_DIR
@@ -53,17 +56,20 @@ def _manifests(store: ArtifactStore, stage: str, notes: list[str]) -> list[Manif
     return out
 
 
-def superseded(store: ArtifactStore, current: dict[str, str], notes: list[str]) -> list[tuple[Manifest, str]]:
-    """Each superseded artifact (module docstring) with why: the current artifact that holds its bytes."""
+def superseded(
+    store: ArtifactStore, current: Mapping[str, Collection[str]], notes: list[str]
+) -> list[tuple[Manifest, str]]:
+    """Each superseded artifact (module docstring) with why: the current artifact that holds its
+    bytes. ``current``: stage -> the installed qerl's code versions for it (one per scheme)."""
     out = []
     for stage in BASE_STAGES:
         if stage not in current:
             continue
         manifests = _manifests(store, stage, notes)
-        holders = {m.digest: m for m in manifests if m.code_version == current[stage] and not m.pruned}
+        holders = {m.digest: m for m in manifests if m.code_version in current[stage] and not m.pruned}
         for m in manifests:
             holder = holders.get(m.digest)
-            if m.code_version != current[stage] and holder is not None:
+            if m.code_version not in current[stage] and holder is not None:
                 why = f"superseded: built by an older qerl (code {m.code_version}); {holder.key} holds the same bytes"
                 out.append((m, why))
     return out

@@ -10,8 +10,8 @@ What, on one CUDA GPU (``scripts/gpu/gpu_validate.sh`` runs it through ``gpu_che
    split into the Hessians and forwards (linear in tokens) and GPTQ itself, and the GPU's peak memory.
    A 7B model's GPTQ is about 28 times the per-layer time (the benchmark on the CPU,
    ``benchmarks/bench_gptq_shapes.py``, states the same split for the CPU).
-2. The quality report: the quantize stage (RTN, its quality section on, ``--texts`` held-out
-   arithmetic texts) on the same model, on the GPU, with the peak of ``torch.cuda.max_memory_allocated``
+2. The quality report: the quality stage (``qerl.stages.quality``, on an RTN checkpoint of the same
+   model, ``--texts`` held-out arithmetic texts), on the GPU, with the peak of ``torch.cuda.max_memory_allocated``
    over the stage. The quality section holds one fp32 model at a time, so the peak is one model's fp32
    weights and a batch's activations: the whole 7B's is the measured peak plus the fp32 bytes of the
    layers and the vocabulary rows this model leaves out (``projected_peak_gib``, Qwen2.5-7B's 28
