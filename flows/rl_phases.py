@@ -159,7 +159,7 @@ def prepare_base(run: Run) -> tuple[Manifest, Manifest | None]:
     """The base model, its quantized checkpoint and, where the engine needs one, the dequantized twin."""
     cfg, store, ui = run.cfg, run.store, run.ui
     t0 = time.perf_counter()
-    src = base_task(cfg, store)
+    src = base_task(cfg, store, frozenset(p["group"] for p in run.held_out if p.get("group")))
     ui.stage("base", src, time.perf_counter() - t0)
     if (Path(src) / "config.json").is_file():  # the demo's and the catalogue's are known only now
         check_model(cfg.rollout, read_json(Path(src) / "config.json"))

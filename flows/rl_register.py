@@ -13,21 +13,22 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 from prefect.runtime import flow_run
 from qerl.flows.rl_phases import Run
 from qerl.flows.rl_tasks import evaluate_task, register_task, warm_start_task
 from qerl.flows.run_record import earlier_registration
-from qerl.pipeline.config import config_hash
 from qerl.pipeline.nvfp4.quality_report import quality_metrics
 from qerl.pipeline.planning.errors import RunPlanError
-from qerl.pipeline.registry import live, promotion, tracking
-from qerl.pipeline.registry.adapters import base_lineage_digest
+from qerl.pipeline.registry import heldout, live, promotion, tracking
+from qerl.pipeline.registry.adapters import base_lineage_digest, base_recipe, is_legacy_recipe
 from qerl.pipeline.registry.protocol import log_protocol, protocol_of
 from qerl.pipeline.rollout.lazy import LazyEngine
 from qerl.pipeline.store import releases
 from qerl.pipeline.store.code_version import package_version
-from qerl.pipeline.store.manifest import Manifest
+from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR
+from qerl.pipeline.store.manifest import ArtifactError, Manifest
 
 
 def register_final(
@@ -38,7 +39,8 @@ def register_final(
     rec = run.record
     lineage = {
         "base_digest": base_lineage_digest(quantized),
-        "quant_recipe": config_hash(quantized.extra.get("recipe", {}))[:16],
+        "quant_recipe": base_recipe(quantized),
+        "base_checkpoint": quantized.digest,  # the exact checkpoint, which qerl eval evaluates on
         "dataset_digest": rec["data"]["dataset_digest"],
         "code_version": package_version(),
         "flow_run_id": str(flow_run.get_id()),
@@ -63,16 +65,14 @@ def register_final(
         detail = f"{before.get('model_name')} v{before['version']}, {released}: not registered again"
         run.ui.stage("register", detail, time.perf_counter() - t0, True)
         return
-    registered_before = bool(before.get("version"))
-    champion = (
-        None
-        if run.ablation is not None or registered_before
-        else _champion_evaluation(run, quantized, engine)
-    )
-    if run.ablation is None and not registered_before and not run.validation:
-        champion = NO_VALIDATION
-    elif champion is None and run.ablation is None and not registered_before:
-        champion = _base_evaluation(run, quantized, engine)
+    champion = None
+    if run.ablation is None and not before.get("version"):  # a candidate: its evidence
+        if not run.validation:  # promotion never decides on the test set: nothing to evaluate
+            champion = NO_VALIDATION
+        else:
+            champion = _champion_evaluation(run, quantized, engine) or _base_evaluation(
+                run, quantized, engine
+            )
     reg = register_task(
         run.cfg, final, final_eval, lineage, history, run.work, run.store, run.ablation, champion,
         rec.get(live.RECORD_KEY),
@@ -99,14 +99,29 @@ def register_final(
 
 def _heldout(run: Run) -> dict[str, str]:
     """The lineage's validation items: this run's (``validation_digest``) and those no run of its
-    lineage trained on (``promotion.HELDOUT_TAG``, read through the warm start's version tags)."""
-    items = run.record["data"]["validation"]["digest"] if run.validation else promotion.NO_HELDOUT
+    lineage trained on (``heldout.HELDOUT_TAG``, read through the warm start's version tags)."""
+    items = run.record["data"]["validation"]["digest"] if run.validation else heldout.NO_HELDOUT
     warm = (run.record["plan"].get("warm_start") or {}).get("version")
     tags = None
     if warm is not None:
         tracking.connect(run.cfg.registry, run.work)
         tags = promotion.version_info(run.cfg.registry, str(warm))["tags"]
-    return {"validation_digest": items, promotion.HELDOUT_TAG: promotion.heldout_lineage(items, tags)}
+    return {"validation_digest": items, heldout.HELDOUT_TAG: heldout.heldout_lineage(items, tags)}
+
+
+def _recipe_of(run: Run, tags: dict[str, str]) -> str:
+    """A registered version's base recipe: its ``quant_recipe`` tag, or for a version an older qerl
+    registered (a bare hash, which RTN and GPTQ bases share: ``is_legacy_recipe``) the recipe of the
+    checkpoint its run's record names, where that run and checkpoint are in this work directory."""
+    recipe = str(tags.get("quant_recipe"))
+    if not is_legacy_recipe(recipe):
+        return recipe
+    path = run.work / RUNS_DIR / str(tags.get("run_id")) / RUN_RECORD
+    try:
+        checkpoint = Manifest.load(Path(json.loads(path.read_text())["quantize"]["manifest"]))
+    except (OSError, ValueError, KeyError, TypeError, ArtifactError):
+        return f"{recipe} (an older qerl's hash, and its run's checkpoint is not in this work directory)"
+    return base_recipe(checkpoint)
 
 
 def _log_quantize_quality(run: Run, mlflow_run_id: str) -> None:
@@ -141,17 +156,24 @@ def _champion_evaluation(
     run: Run, quantized: Manifest, engine: LazyEngine
 ) -> tuple[str, Manifest] | str | None:
     """(champion version, its evaluation under this run's protocol and validation items); a reason
-    when the champion cannot be evaluated here (another base or LoRA shape); None: no champion."""
+    when the champion cannot be evaluated here (another base, recipe or LoRA shape); None: no champion."""
     try:
         champ = warm_start_task(run.cfg, run.work, run.store, base_lineage_digest(quantized), None)
     except RunPlanError as err:
         return f"it cannot be evaluated under this run's protocol ({err})"
     if champ is None:
         return None
+    tags = promotion.version_info(run.cfg.registry, str(champ.extra["version"]))["tags"]
+    theirs, ours = _recipe_of(run, tags), base_recipe(quantized)
+    if theirs != ours:  # its adapter on this checkpoint is not the champion: not evaluated at all
+        return (
+            f"champion v{champ.extra['version']} was trained on base recipe {theirs}, this run on {ours}: "
+            "a champion is evaluated only on its own base (qerl policy and qerl promote decide by hand)"
+        )
     registered = champ.inputs.get("registered_adapter")
     digest = registered if registered not in (None, "unknown") else champ.digest
     t0 = time.perf_counter()
-    ev = evaluate_task(run.cfg, quantized, champ, run.store, engine, run.validation or None, digest)
+    ev = evaluate_task(run.cfg, quantized, champ, run.store, engine, run.validation, digest)
     version = str(champ.extra["version"])
     run.ui.stage("evaluate", f"champion v{version} under this run's protocol", time.perf_counter() - t0,
                  run.cached(ev))  # fmt: skip

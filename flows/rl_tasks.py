@@ -55,9 +55,10 @@ RETRY_OPTS: dict[str, Any] = {
 
 
 @task(name="base-model", **RETRY_OPTS)
-def base_task(cfg: RunConfig, store: ArtifactStore) -> str:
+def base_task(cfg: RunConfig, store: ArtifactStore, exclude: frozenset[str] = frozenset()) -> str:
+    """The base model's directory; the demo's warm-up leaves out the groups in ``exclude``."""
     if cfg.model.source == "demo":
-        return str(demo_base.run(cfg.model.demo, store).dir)
+        return str(demo_base.run(cfg.model.demo, store, exclude).dir)
     return fetch_model.resolve_base(cfg.model.source, store)  # a catalogue name, a directory or a hub id
 
 

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 
 def work_dir(args: argparse.Namespace) -> str:
@@ -185,8 +185,9 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> tuple[Any, Any]:
     from qerl.pipeline.evaluation.eval_config import EvalConfig
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.planning.engine_setup import eval_rollout_config, needs_twin
+    from qerl.pipeline.planning.registered import run_protocol
     from qerl.pipeline.rollout.adapter_fit import check_adapter_fits
-    from qerl.pipeline.rollout.factory import build_engine
+    from qerl.pipeline.rollout.factory import base_scheme, build_engine
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.pipeline.store.layout import STORE_DIR
     from qerl.stages import evaluate
@@ -197,30 +198,36 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> tuple[Any, Any]:
     }
     own = [s for s in args.set if not s.startswith(tuple(f"{name}." for name in sections))]
     registered = _registered_adapter(args.adapter, sets["registry"], work_dir(args))
-    run_cfg = None if registered is None or args.config else _registering_run(registered, work_dir(args), ui)
-    recipe = (
-        load_config(QuantizeConfig, None, sets["quantize"], prefix="quantize") if sets["quantize"] else None
-    )
-    run_recipe = None
-    if run_cfg is None:
+    protocol = None if registered is None else run_protocol(registered, work_dir(args))
+    if registered is not None:
+        _say_protocol(ui, registered, protocol, work_dir(args), bool(args.config))
+    if protocol is None or args.config:
         cfg = load_config(EvalConfig, args.config, own)
         reward = load_config(RewardConfig, None, sets["reward"], prefix="reward")
-    else:  # the protocol the version was evaluated under and the recipe its adapter was trained on
-        run_eval, run_reward, run_recipe = run_cfg
-        cfg = apply_overrides(run_eval, own)
-        reward = apply_overrides(run_reward, sets["reward"], "reward")
-        recipe = recipe and apply_overrides(run_recipe, sets["quantize"], "quantize")
+    else:  # the protocol the version was evaluated under
+        cfg = apply_overrides(protocol.eval, own)
+        reward = apply_overrides(protocol.reward, sets["reward"], "reward")
+    base_recipe = None if protocol is None else protocol.quantize  # what its adapter was trained on
+    recipe = None
+    if sets["quantize"]:
+        start = base_recipe or QuantizeConfig()
+        recipe = apply_overrides(start, sets["quantize"], "quantize")
     if args.benchmark:
         cfg = apply_overrides(cfg, {"benchmark": {"dataset": args.benchmark}})
-    engine_sets = sets["rollout"]
     for benchmark in (cfg.benchmark, *cfg.also):  # read before the base is built: a missing file fails now
         load_problems(benchmark)
     store = ArtifactStore(Path(work_dir(args)) / STORE_DIR)
-    quantized, twin = _eval_base(args.base, needs_twin(args.engine), recipe, store, ui, run_recipe)
+    scheme = (recipe or base_recipe or QuantizeConfig()).scheme
+    need_twin = needs_twin(args.engine, scheme)
+    quantized, twin = _eval_base(args.base, need_twin, recipe, store, ui, registered, protocol, base_recipe)
     adapter = _eval_adapter(args.adapter, registered, quantized, store, ui)
     adapter = None if adapter is None else check_adapter_fits(adapter, quantized.dir)
     digest = None if adapter is None else store.source_digest(adapter)
-    rollout_cfg = eval_rollout_config(cfg, args.engine, quantized.dir, adapter, engine_sets)
+    if twin is None and needs_twin(args.engine, base_scheme(quantized)):  # the scheme is known only now
+        from qerl.stages import dequantize
+
+        twin = dequantize.run(recipe or base_recipe or QuantizeConfig(), quantized, store)
+    rollout_cfg = eval_rollout_config(cfg, args.engine, quantized.dir, adapter, sets["rollout"])
     t0 = time.perf_counter()
     engine = build_engine(rollout_cfg, quantized, twin)
     try:
@@ -236,102 +243,69 @@ def _evaluate(args: argparse.Namespace, ui: Any) -> tuple[Any, Any]:
     return manifest, registered
 
 
-def _registering_run(version: Any, work: str, ui: Any) -> tuple[Any, Any, Any] | None:
-    """The (eval, reward, quantize) sections of the run that registered ``version``: from its record
-    in this work dir (its ``run_id`` tag), else from the ``protocol.json`` its registration logged on
-    the version's MLflow run (``qerl.pipeline.registry.protocol``), else None (the defaults). A console
-    line says which: ``qerl eval`` then evaluates under that run's protocol and quantizes a plain base
-    by its recipe."""
-    import json
+def _say_protocol(ui: Any, version: Any, protocol: Any, work: str, own_config: bool) -> None:
+    """The console line saying whose sections ``qerl eval`` of a registered version runs under."""
+    from qerl.pipeline.store.layout import RUNS_DIR
 
-    from qerl.pipeline.registry.protocol import read_protocol
-    from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR
-
-    run_id = version.tags.get("run_id")
-    path = Path(work) / RUNS_DIR / str(run_id) / RUN_RECORD
-    if run_id and path.is_file():
-        where = f"run record {path}"
-        try:
-            config = json.loads(path.read_text())["config"]
-        except (ValueError, KeyError, TypeError) as err:
-            _bad_protocol(where, err)
-        sections = _protocol_sections(config, where)
-        ui.stage("protocol", f"run {run_id}'s eval, reward and quantize sections (--config for another)")
-        return sections
-    try:
-        logged = read_protocol(version)
-    except ValueError as err:
-        _bad_protocol(f"MLflow run {version.run_id}", err)
-    if logged is None:
+    if own_config:
+        return
+    if protocol is None:
+        run_id = version.tags.get("run_id")
         where = f"run {run_id}'s record is not in {Path(work) / RUNS_DIR}" if run_id else "it names no run"
         ui.stage(
             "protocol", f"the defaults ({where}, nor a protocol.json in its MLflow run; --config for another)"
         )
-        return None
-    sections = _protocol_sections(logged, f"MLflow run {version.run_id}'s protocol.json")
-    ui.stage(
-        "protocol",
-        f"run {logged.get('run_id')}'s eval, reward and quantize sections, from its MLflow run's "
-        "protocol.json (--config for another)",
-    )
-    return sections
-
-
-def _protocol_sections(config: Any, where: str) -> tuple[Any, Any, Any]:
-    """``config``'s eval, reward and quantize sections, validated; a ConfigError naming ``where``."""
-    from qerl.pipeline.data.rewards import RewardConfig
-    from qerl.pipeline.evaluation.eval_config import EvalConfig
-    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
-
-    models = {"eval": EvalConfig, "reward": RewardConfig, "quantize": QuantizeConfig}
-    try:
-        return tuple(model.model_validate(config[name]) for name, model in models.items())  # type: ignore[return-value]
-    except (ValueError, KeyError, TypeError) as err:  # one of an older or newer qerl
-        _bad_protocol(where, err)
-
-
-def _bad_protocol(where: str, err: Exception) -> NoReturn:
-    from qerl.pipeline.config import ConfigError
-
-    raise ConfigError(
-        f"{where}: no valid eval, reward and quantize sections ({err}); pass --config FILE"
-    ) from err
+    elif protocol.where.startswith("run record"):
+        ui.stage(
+            "protocol", f"run {protocol.run_id}'s eval, reward and quantize sections (--config for another)"
+        )
+    else:
+        ui.stage(
+            "protocol",
+            f"run {protocol.run_id}'s eval, reward and quantize sections, from its MLflow run's "
+            "protocol.json (--config for another)",
+        )
 
 
 def _eval_base(
-    spec: str, need_twin: bool, recipe: Any, store: Any, ui: Any, run_recipe: Any = None
-) -> tuple[Any, Any]:
-    """``qerl eval --base``: the model (a catalogue name is fetched), its NVFP4 checkpoint (a plain
-    model is quantized, with a progress bar, by ``recipe``, else ``run_recipe``: the adapter's run's)
-    and the twin where the engine needs one; a console line for the model and one for the checkpoint,
-    as a run shows them."""
+    spec: str, need_twin: bool, recipe: Any, store: Any, ui: Any, registered: Any, protocol: Any,
+    run_recipe: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    """``qerl eval --base``: the model (a catalogue name is fetched), its quantized checkpoint (for a
+    registered version the exact one it trained on, ``qerl.stages.base.registered_base``; else a
+    plain model quantized by ``recipe``, else by ``run_recipe``, with a progress bar) and the twin
+    where the engine needs one; a console line for the model and one for the checkpoint, as a run
+    shows them. No quality report: the evaluation does not need one."""
     import time
 
     from qerl.flows.console import quantize_progress
-    from qerl.pipeline.nvfp4.quality_report import quality_brief
-    from qerl.pipeline.nvfp4.recipe import UNQUANTIZED_MODE, QuantizeConfig
-    from qerl.stages import evaluate, fetch_model
+    from qerl.pipeline.schemes import mode_scheme
+    from qerl.stages import base as bases
+    from qerl.stages import fetch_model
 
     t0 = time.perf_counter()
     base = fetch_model.resolve_base(spec, store)  # a catalogue name becomes its directory
     ui.stage("base", str(base), time.perf_counter() - t0)
-    if recipe is None and not evaluate.is_checkpoint(base):
-        recipe = run_recipe
     t0, written = time.perf_counter(), []  # a build reports its tensors; a cache hit reports nothing
-    qcfg = recipe or QuantizeConfig()  # what a build of a plain base runs (evaluate.base_artifacts)
     shown = quantize_progress(ui)
 
     def progress(done: int, total: int) -> None:
         written.append(done)
         shown(done, total)
 
-    quantized, twin = evaluate.base_artifacts(base, store, need_twin, recipe, progress=progress)
-    what = "unquantized base" if quantized.mode == UNQUANTIZED_MODE else "NVFP4 checkpoint"
-    section = None
-    if quantized.mode != UNQUANTIZED_MODE and not evaluate.is_checkpoint(base):  # quantized here
-        section = measured_quality(qcfg, quantized, str(base), store)
-    detail = f"{what} {quantized.dir} ({quantized.mode}){quality_brief(section)}"
-    ui.stage("quantize", detail, time.perf_counter() - t0, cached=not written)
+    how = ""
+    if registered is not None:
+        tags = dict(registered.tags)
+        quantized, twin, how = bases.registered_base(base, store, tags, protocol, recipe, need_twin, progress)
+        how = f": {how}"
+    else:
+        plain = recipe if recipe is not None or bases.is_checkpoint(base) else run_recipe
+        quantized, twin = bases.base_artifacts(base, store, need_twin, plain, progress=progress)
+    what = {"none": "unquantized base", "nf4": "NF4 checkpoint"}.get(
+        mode_scheme(quantized.mode), "NVFP4 checkpoint"
+    )
+    ui.stage("quantize", f"{what} {quantized.dir} ({quantized.mode}){how}", time.perf_counter() - t0,
+             cached=not written)  # fmt: skip
     return quantized, twin
 
 

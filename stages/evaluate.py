@@ -43,7 +43,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qerl.pipeline.config import key_payload
 from qerl.pipeline.data import prompts
@@ -53,16 +53,12 @@ from qerl.pipeline.evaluation import eval_config
 from qerl.pipeline.evaluation.eval_config import EvalConfig, benchmark_id
 from qerl.pipeline.evaluation.statistics import per_item, summarize
 from qerl.pipeline.planning.prompt_fit import EVAL_LIMIT, PromptFit, fit_prompts, load_tokenizer
-from qerl.pipeline.rollout.protocol import Completion, RolloutEngine, SamplingSpec
+from qerl.pipeline.rollout.protocol import Completion, RolloutEngine, SamplingSpec, engine_module
 from qerl.pipeline.runtime.seeds import derive_seed
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
-from qerl.pipeline.store.layout import MANIFEST
-from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
+from qerl.pipeline.store.manifest import BuildResult, Manifest
 from qerl.pipeline.store.retention_inputs import require_adapter
-
-if TYPE_CHECKING:
-    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 
 log = logging.getLogger("qerl.stages.evaluate")
 
@@ -289,7 +285,8 @@ def run(
         (val,), (val_fit,) = _fit_to_context([val], tokenizer, limit)
         inputs["validation"] = problems_digest(val[1])
         config["validation_template"] = val[0].template
-    code = code_version(sys.modules[__name__])  # the import closure: prompts, rewards, statistics
+    # the import closure (prompts, rewards, statistics) and the engine's implementation
+    code = code_version(sys.modules[__name__], engine_module(engine))
     sampling, n = _sampling(cfg), cfg.n_samples
     total = sum(len(p) for _, p in benches) + (len(val[1]) if val is not None else 0)
     engine = _ChunkedEngine(engine, total, progress)  # type: ignore[assignment]  # generates in chunks
@@ -322,60 +319,6 @@ def run(
     if cached:
         log.info("evaluate %s: cached (%s)", bench, manifest.dir)
     return manifest
-
-
-def is_checkpoint(base: str | Path) -> bool:
-    """Whether ``base`` is a ``qerl quantize`` checkpoint (its manifest's stage), not a model to quantize."""
-    from qerl.stages import quantize
-
-    path = Path(base)
-    return (path / MANIFEST).is_file() and Manifest.load(path).stage == quantize.STAGE
-
-
-def base_artifacts(
-    base: str | Path,
-    store: ArtifactStore,
-    need_twin: bool = True,
-    recipe: QuantizeConfig | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> tuple[Manifest, Manifest | None]:
-    """(quantized, twin) for a base given as a ``qerl quantize`` export or as a plain HF model dir.
-
-    An export carries its manifest: it is checked against its files and used as is (a ``recipe`` is
-    then an error: the base is quantized already). A plain model directory is quantized with
-    ``recipe`` (default: the default recipe; a cached stage, so a repeat is a lookup); so is a store
-    artifact that is one (a catalogue model's ``fetch-model`` directory, which ``--base NAME``
-    resolves to, or the ``demo-base``). The twin (what CPU serving needs) is derived through the
-    dequantize stage, also cached. ``progress(done, total)``: the quantize's tensors, when it builds.
-    """
-    from qerl.pipeline.nvfp4.recipe import QuantizeConfig
-    from qerl.stages import demo_base, dequantize, fetch_model, quantize
-
-    base = Path(base)
-    if not base.is_dir():
-        raise ArtifactError(f"--base {base} is not a directory")
-    stage = Manifest.load(base).stage if (base / MANIFEST).is_file() else None
-    if stage == quantize.STAGE:
-        quantized = Manifest.load(base)
-        if recipe is not None:
-            raise ArtifactError(
-                f"--base {base} is a quantized checkpoint (method {quantized.config.get('method', 'rtn')}); "
-                "quantize.* settings apply to a model to quantize: pass its HF directory or catalogue name"
-            )
-        bad = store.problems(quantized)
-        if bad:
-            raise ArtifactError(f"{base} does not match its manifest: {'; '.join(bad)}")
-        qcfg = QuantizeConfig.model_validate(quantized.config)
-    elif stage in (None, fetch_model.STAGE, demo_base.STAGE):
-        qcfg = recipe or QuantizeConfig()
-        quantized = quantize.run(qcfg, base, store, progress=progress)
-    else:
-        raise ArtifactError(
-            f"{base} holds a '{stage}' artifact, not a model: pass a '{quantize.STAGE}' checkpoint, "
-            "a HF model directory or a catalogue name"
-        )
-    twin = dequantize.run(qcfg, quantized, store) if need_twin else None
-    return quantized, twin
 
 
 def validation_id(data_cfg: DataConfig, digest: str, protocol: dict) -> str:

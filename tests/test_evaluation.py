@@ -458,7 +458,7 @@ def test_eval_quantizes_a_plain_base_with_the_recipe_it_is_given(tiny_model_dir,
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.pipeline.store.manifest import ArtifactError
-    from qerl.stages.evaluate import base_artifacts
+    from qerl.stages.base import base_artifacts
 
     store = ArtifactStore(tmp_path / "store")
     mse, _ = base_artifacts(tiny_model_dir, store, need_twin=False, recipe=QuantizeConfig(method="mse"))
@@ -483,7 +483,7 @@ def test_eval_base_may_be_a_stored_model_directory(tiny_model_dir, tmp_path, cap
     from qerl.flows.cli import main
     from qerl.pipeline.store.manifest import ArtifactError
     from qerl.stages import fetch_model, quantize
-    from qerl.stages.evaluate import base_artifacts
+    from qerl.stages.base import base_artifacts
 
     store = ArtifactStore(tmp_path / "store")
 

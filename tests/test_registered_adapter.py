@@ -90,7 +90,7 @@ def test_cli_eval_reads_the_champion_from_the_registry(tiny_model_dir, tiny_mode
     evaluation (one store artifact) as the folder it was registered from. A version trained on another
     base is refused before any evaluation, naming both digests."""
     from qerl.flows.cli import main
-    from qerl.stages.evaluate import base_artifacts
+    from qerl.stages.base import base_artifacts
 
     from tests.test_engines import make_adapter
 
@@ -136,7 +136,8 @@ def test_cli_eval_of_a_registered_version_uses_its_runs_protocol(tiny_model_dir,
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.store.files import atomic_write_json
     from qerl.pipeline.store.manifest import Manifest
-    from qerl.stages.evaluate import base_artifacts, load_summary
+    from qerl.stages.base import base_artifacts
+    from qerl.stages.evaluate import load_summary
 
     from tests.test_engines import make_adapter
 
@@ -220,7 +221,7 @@ def test_cli_eval_follows_the_protocol_logged_with_the_version_where_its_run_rec
     from qerl.pipeline.registry.protocol import log_protocol, protocol_of, read_protocol
     from qerl.pipeline.store.files import atomic_write_json
     from qerl.pipeline.store.manifest import Manifest
-    from qerl.stages.evaluate import base_artifacts
+    from qerl.stages.base import base_artifacts
 
     from tests.test_engines import make_adapter
 

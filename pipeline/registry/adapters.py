@@ -26,9 +26,11 @@ import mlflow
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from qerl.pipeline.config import config_hash
 from qerl.pipeline.registry import health
 from qerl.pipeline.registry.lock import LOCK_SUFFIX, RegistryError, backend_kind
 from qerl.pipeline.registry.tracking import RegistryConfig, resolve_uris
+from qerl.pipeline.schemes import mode_scheme
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version
 from qerl.pipeline.store.layout import WARM_START_STAGE
@@ -105,6 +107,23 @@ def base_lineage_digest(quantized: Manifest) -> str:
     """The lineage digest of the model a quantize manifest was made from (the source's digest, which
     a run registers as ``base_digest``): one model quantized by two recipes has one lineage."""
     return str(quantized.extra.get("base_digest", quantized.inputs.get("base")))
+
+
+def base_recipe(quantized: Manifest) -> str:
+    """What the quantize stage computed a base with, as the lineage's ``quant_recipe`` names it:
+    ``<scheme>[-<method>]-<hash>``, the hash over the stage's key config (targets, keep, dtype, the
+    method's settings and, for GPTQ, the calibration source, settings and token digest). Library
+    versions are not in it, and neither is qerl's code: the same recipe keeps its name across
+    upgrades, and an RTN, MSE and GPTQ base of one model have three (``nvfp4-rtn-...``)."""
+    scheme = mode_scheme(quantized.mode)
+    label = f"nvfp4-{quantized.extra.get('method', 'rtn')}" if scheme == "nvfp4" else scheme
+    return f"{label}-{config_hash(quantized.config)[:12]}"
+
+
+def is_legacy_recipe(recipe: str) -> bool:
+    """Whether ``recipe`` is an older qerl's ``quant_recipe``: a bare hash of the checkpoint's
+    ``quantization_config``, which one NVFP4 method shares with every other."""
+    return "-" not in recipe
 
 
 def resolve_model_uri(uri: str, cfg: RegistryConfig, work_dir: str | Path) -> ModelVersion:

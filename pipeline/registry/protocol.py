@@ -4,8 +4,9 @@
 of the run that registered it, so that its figure compares with the registered one. The run's record
 (``<work>/runs/<run_id>/run.json``) holds them, but only in the work dir that ran it: a registry read
 from another machine (a shared tracking server, a copied ``mlflow.db``) has no record to follow. So
-the registration also logs those three sections as ``protocol.json`` on the version's MLflow run,
-where every reader of the registry finds them. Versions registered before this file existed have
+the registration also logs those three sections, with the data and rollout sections a GPTQ base was
+calibrated from, as ``protocol.json`` on the version's MLflow run, where every reader of the
+registry finds them (``qerl.pipeline.planning.registered`` reads them back). Versions registered before this file existed have
 none; ``qerl eval`` then says that the defaults apply.
 
 The file is JSON, parsed and validated by the caller against the installed config models: nothing
@@ -23,12 +24,13 @@ from typing import Any
 from mlflow.tracking import MlflowClient
 
 PROTOCOL_FILE = "protocol.json"
-SECTIONS = ("eval", "reward", "quantize")
+# eval, reward and quantize: the protocol; data and rollout (its template): what GPTQ calibrated on
+SECTIONS = ("eval", "reward", "quantize", "data", "rollout")
 
 
 def protocol_of(config: Mapping[str, Any], run_id: str) -> dict[str, Any]:
-    """The protocol record of a run: its id and its eval, reward and quantize sections (JSON-ready)."""
-    return {"run_id": run_id, **{name: config[name] for name in SECTIONS}}
+    """The protocol record of a run: its id and its ``SECTIONS`` (JSON-ready; those it has)."""
+    return {"run_id": run_id, **{name: config[name] for name in SECTIONS if name in config}}
 
 
 def log_protocol(mlflow_run_id: str, protocol: Mapping[str, Any]) -> None:
