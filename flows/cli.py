@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize(sub)
     _add_promote(sub)
     _add_policy(sub)
+    _add_heldout(sub)
     _add_versions(sub)
     _add_eval(sub)
     _add_run(sub)
@@ -218,6 +219,22 @@ def _add_policy(sub: argparse._SubParsersAction) -> None:
     _config_options(p, "YAML file with registry settings (RegistryConfig)", "override a registry setting")
     _common(p)
     COMMANDS["policy"] = registry_commands.cmd_policy
+
+
+def _add_heldout(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "heldout", help="attest that a version's lineage never trained on its validation items (recorded)"
+    )
+    p.add_argument("name", metavar="NAME", help="registered model name (e.g. qerl-adapter)")
+    p.add_argument("version", metavar="VERSION", help="model version number")
+    p.add_argument(
+        "--reason", required=True, help="why the lineage held them out (kept with the attestation)"
+    )
+    p.add_argument("--items", default=None, metavar="DIGEST",
+                   help="the validation items' digest (default: the version's validation_digest tag)")  # fmt: skip
+    _config_options(p, "YAML file with registry settings (RegistryConfig)", "override a registry setting")
+    _common(p)
+    COMMANDS["heldout"] = registry_commands.cmd_heldout
 
 
 def _add_versions(sub: argparse._SubParsersAction) -> None:

@@ -54,6 +54,29 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_heldout(args: argparse.Namespace) -> int:
+    """``qerl heldout``: restore a lineage's held-out status by hand (``qerl.pipeline.registry.heldout``)."""
+    import getpass
+    import socket
+
+    from qerl.pipeline.registry import adapters, heldout
+    from qerl.pipeline.registry.lock import RegistryError, registry_lock
+
+    cfg = registry_config(args).model_copy(update={"model_name": args.name})
+    uri = adapters.open_registry(cfg, work_dir(args))
+    adapters.require_registered_model(args.name, uri)
+    if adapters.registered_version(args.name, args.version) is None:
+        raise RegistryError(f"model version {args.name} v{args.version} does not exist")
+    by = f"qerl heldout by {getpass.getuser()}@{socket.gethostname()}"
+    with registry_lock(uri, args.name, cfg.lock_timeout_s):
+        record = heldout.attest_heldout(args.name, args.version, args.reason, by, args.items)
+    was = record["was"] or "no tag"
+    print(
+        f"{args.name} v{args.version}: held-out items {record['items'][:12]} (was {was[:12]}), attested {by}"
+    )
+    return 0
+
+
 def _accuracy(tags: dict[str, str], key: str) -> str:
     try:
         return f"{float(tags[key]):.3f}"
@@ -112,7 +135,10 @@ def cmd_policy(args: argparse.Namespace) -> int:
                 raise RegistryError(
                     f"--change {item!r} is not KEY=VALUE (keys: {', '.join(policy.CHANGEABLE)})"
                 )
-            updates[key.strip()] = yaml.safe_load(value)
+            key, fields = key.strip(), policy.PromotionPolicy.model_fields
+            # a text field as typed: YAML would read an all-digit digest as a number
+            text = key in fields and fields[key].annotation is str
+            updates[key] = value.strip() if text else yaml.safe_load(value)
         with registry_lock(uri, name, cfg.lock_timeout_s):
             policy.change_policy(name, updates, f"qerl policy by {getpass.getuser()}")
     current = policy.read_policy(name)

@@ -26,6 +26,8 @@ from pathlib import Path
 TEMPLATE_ENV = "QERL_TEST_PREFECT_TEMPLATE"
 # what an in-process flow's prepare_environment left in this process's environment: not the child's
 _PER_WORK_DIR = ("PREFECT_HOME", "PREFECT_SERVER_MEMO_STORE_PATH")
+_MIGRATED = "migrated"
+_DATABASE = ("prefect.db", "prefect.db-wal", "prefect.db-shm")
 _MIGRATE = (
     "from prefect.server.api.server import SubprocessASGIServer\n"
     "server = SubprocessASGIServer()\n"
@@ -36,14 +38,24 @@ _MIGRATE = (
 
 def make_template(home: Path) -> Path:
     """Start and stop a temporary server on ``home`` (a PREFECT_HOME) in a child process, which leaves
-    a migrated ``prefect.db`` there; returns ``home``."""
-    if (home / "prefect.db").is_file():
+    a migrated ``prefect.db`` there; returns ``home``. ``MIGRATED`` beside it marks a finished
+    migration: a database a killed session left half-migrated is made again."""
+    if (home / _MIGRATED).is_file():
         return home
+    shutil.rmtree(home, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
     env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
     subprocess.run([sys.executable, "-c", _MIGRATE], env=env, check=True, capture_output=True, timeout=300)
+    (home / _MIGRATED).touch()
     return home
+
+
+def _copy_database(template: Path, target: Path) -> None:
+    """The template's sqlite database with its write-ahead log, if one is left: the pages it holds."""
+    for name in _DATABASE:
+        if (template / name).is_file():
+            shutil.copyfile(template / name, target / name)
 
 
 def seeded_env(env: dict[str, str], work: Path) -> dict[str, str]:
@@ -54,9 +66,7 @@ def seeded_env(env: dict[str, str], work: Path) -> dict[str, str]:
     target = work / "prefect"
     if template and not (target / "prefect.db").exists():
         target.mkdir(parents=True, exist_ok=True)
-        for name in ("prefect.db", "prefect.db-wal", "prefect.db-shm"):
-            if (Path(template) / name).is_file():
-                shutil.copyfile(Path(template) / name, target / name)
+        _copy_database(Path(template), target)
     return env
 
 
@@ -68,8 +78,8 @@ def shared_api_url() -> str:
     if not server.running:
         home = Path(tempfile.mkdtemp(prefix="qerl-test-prefect-"))
         template = os.environ.get(TEMPLATE_ENV)
-        if template and (Path(template) / "prefect.db").is_file():
-            shutil.copyfile(Path(template) / "prefect.db", home / "prefect.db")
+        if template:
+            _copy_database(Path(template), home)
         before = os.environ.get("PREFECT_HOME")
         os.environ["PREFECT_HOME"] = str(home)  # the server's database: never the user's ~/.prefect
         try:

@@ -58,12 +58,14 @@ def test_validation_split_is_disjoint_from_the_stream_and_the_test_set(tiny_mode
     # chosen before the base is quantized (GPTQ's calibration leaves these questions out)
     assert [p["id"] for p in run.held_out] == [p["id"] for p in run.validation]
     held = {p["id"] for p in run.validation}
-    assert len(held) == 40 and run.record["data"]["validation"]["n_items"] == 40
-    assert "40 held out for validation" in stages[0]
+    n = len(held)  # whole groups (pairs of numbers) until there are 40: a few less
+    assert 35 <= n <= 40 and run.record["data"]["validation"]["n_items"] == n
+    assert f"{n} held out for validation" in stages[0]
+    assert not {p["group"] for p in run.validation} & {p["group"] for p in stream}  # nor their numbers
     # the stream: every slot of two epochs, none holds a validation problem
     n_slots = 2 * slots_per_epoch(len(stream), 8)
     used = {p["id"] for s in range(n_slots) for p in step_prompts(stream, s, 8, cfg.loop.seed)}
-    assert used and not used & held and len(stream) + 40 == run.record["data"]["kept"]
+    assert used and not used & held and len(stream) + n == run.record["data"]["kept"]
     # the reported test set shares no problem with it
     test = load_problems(cfg.eval.benchmark)
     assert not {p["question"] for p in run.validation} & {p["question"] for p in test}
@@ -72,7 +74,7 @@ def test_validation_split_is_disjoint_from_the_stream_and_the_test_set(tiny_mode
     _, again = validation_split(list(reversed(problems)), ValidationConfig(size=40))
     _, first = validation_split(problems, ValidationConfig(size=40))
     assert {p["id"] for p in again} == {p["id"] for p in first}
-    assert len(validation_split(problems[:20], ValidationConfig(size=40))[1]) == 5
+    assert 1 <= len(validation_split(problems[:20], ValidationConfig(size=40))[1]) <= 5
 
 
 class _V:
@@ -222,6 +224,104 @@ def test_a_protocol_change_never_crowns_a_challenger(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_too_few_paired_items_never_promote():
+    """One item has a standard error of 0, so any gain would clear the margin: the rule needs
+    ``MIN_PAIRED_ITEMS``. With enough items an even gain (no spread, se 0) is evidence."""
+    cfg = reg.RegistryConfig()
+    one = promotion.PairedEvidence("v@x~p", promotion.BASE, 1.0, 0.0, 1, 1.0, 0.0)
+    ok, why = promotion.promotion_decision(cfg, None, "1", "v@x~p", 1.0, True, one)
+    assert not ok and why.startswith("too few items to decide against the base model"), why
+    assert f"at least {promotion.MIN_PAIRED_ITEMS} are needed" in why
+    nine = promotion.PairedEvidence(
+        "v@x~p", promotion.BASE, 0.5, 0.1, promotion.MIN_PAIRED_ITEMS - 1, 1.0, 0.5
+    )
+    assert not promotion.promotion_decision(cfg, None, "1", "v@x~p", 1.0, True, nine)[0]
+    even = promotion.PairedEvidence("v@x~p", promotion.BASE, 0.25, 0.0, 12, 0.75, 0.5)
+    assert promotion.promotion_decision(cfg, None, "1", "v@x~p", 0.75, True, even)[0]
+
+
+def test_a_policy_an_older_qerl_set_names_its_recipe_on_a_paired_comparison(tmp_path):
+    """A policy whose ``quant_recipe`` is an older qerl's bare hash (one for every NVFP4 method)
+    takes the candidate's named recipe once paired evidence exists (the champion was checked to share
+    it), as a recorded change; a policy with a named recipe never moves that way."""
+    from qerl.pipeline.registry import policy
+
+    regcfg = reg.connect(reg.RegistryConfig(model_name="legacy-probe"), tmp_path)
+    old = policy.PromotionPolicy(margin_se=2.0, margin=0.0, benchmark="v@x~p", base_digest="b" * 16,
+                                 quant_recipe="f009be9938a93b23", set_by="an older qerl")  # fmt: skip
+    assert policy.first_policy(regcfg.model_name, old) == old
+    lineage = {"quant_recipe": "nvfp4-gptq-0123456789ab", "run_id": "night-9"}
+    named = promotion._named_recipe(regcfg.model_name, old, _evidence(0.1, 0.02), lineage)
+    assert named.quant_recipe == "nvfp4-gptq-0123456789ab" and named.margin_se == 2.0
+    (change,) = policy.policy_changes(regcfg.model_name)
+    assert (
+        change["from"] == {"quant_recipe": "f009be9938a93b23"} and "champion v1 evaluated on" in change["by"]
+    )
+    again = promotion._named_recipe(
+        regcfg.model_name, named, _evidence(0.1, 0.02), {"quant_recipe": "nvfp4-rtn-x"}
+    )
+    assert again == named and len(policy.policy_changes(regcfg.model_name)) == 1
+
+
+def test_an_operator_restores_a_lineages_held_out_status_with_a_record(tiny_model_dir, tmp_path, capsys):
+    """A version registered before the held-out tag existed (every existing registry's first upgraded
+    night) has no ``heldout_lineage``: its descendants are refused. ``qerl heldout`` sets it to the
+    version's validation items and records who, when, why and what it was."""
+    from qerl.flows.cli import main
+    from qerl.pipeline.registry import heldout
+    from test_engines import make_adapter
+    from test_registered_adapter import _register
+
+    _register(tmp_path, make_adapter(tiny_model_dir, tmp_path / "adapter"), "base-A")
+    client = promotion.MlflowClient()
+    client.set_model_version_tag("qerl-adapter", "1", "validation_digest", "v" * 64)
+    tags = promotion.MlflowClient().get_model_version("qerl-adapter", "1").tags
+    assert heldout.heldout_lineage("v" * 64, tags) == heldout.NO_HELDOUT  # a descendant of v1: none
+    with pytest.raises(SystemExit):  # a reason is required
+        main(["heldout", "qerl-adapter", "1", "--work-dir", str(tmp_path)])
+    capsys.readouterr()
+    argv = [
+        "heldout",
+        "qerl-adapter",
+        "1",
+        "--reason",
+        "pre-tag lineage, one split",
+        "--work-dir",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
+    assert "held-out items vvvvvvvvvvvv (was no tag), attested qerl heldout by" in capsys.readouterr().out
+    tags = promotion.MlflowClient().get_model_version("qerl-adapter", "1").tags
+    record = json.loads(tags[heldout.ATTESTED_TAG])
+    assert record["reason"] == "pre-tag lineage, one split" and record["was"] is None and record["by"]
+    assert heldout.heldout_lineage("v" * 64, tags) == "v" * 64  # its descendants hold the items out again
+    assert main(["heldout", "qerl-adapter", "7", "--reason", "x", "--work-dir", str(tmp_path)]) == 2
+
+
+def test_a_policy_change_keeps_an_all_digit_digest_as_text(tmp_path, capsys):
+    """``qerl policy --change base_digest=0123...`` sets the text as typed (YAML would read a number)."""
+    from qerl.flows.cli import main
+    from qerl.pipeline.registry import policy
+
+    regcfg = reg.connect(reg.RegistryConfig(), tmp_path)
+    first = policy.PromotionPolicy(margin_se=2.0, margin=0.0, benchmark="v@x~p", base_digest="b" * 16,
+                                   quant_recipe="nvfp4-rtn-0", set_by="test")  # fmt: skip
+    policy.first_policy(regcfg.model_name, first)
+    digits = "0123456789012345"
+    argv = [
+        "policy",
+        "--change",
+        f"base_digest={digits}",
+        "--change",
+        "quant_recipe=1e5",
+        "--change",
+        "margin_se=3",
+    ]
+    assert main([*argv, "--work-dir", str(tmp_path)]) == 0
+    now = policy.read_policy(regcfg.model_name)
+    assert (now.base_digest, now.quant_recipe, now.margin_se) == (digits, "1e5", 3.0)
+
+
 def test_the_registered_model_owns_its_promotion_policy(tiny_model_dir, tmp_path):
     """The first candidate must beat the base model and sets the policy from its config; a later
     candidate's own margin, its validation items or protocol, and its base change nothing of it; only

@@ -15,7 +15,6 @@ which an untied (randomly initialised) head in either could not give.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -33,8 +32,8 @@ from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.manifest import Manifest
 from qerl.stages import dequantize, evaluate, fetch_model, quantize, rollout, score, train
 from safetensors import safe_open
+from shared_data import SHARED_DATA
 
-SHARED_DATA = Path(os.environ.get("QERL_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 SMOL = CATALOGUE["smollm2-135m-instruct"]
 # the rollout stage's arguments for an RL run's first step: no adapter yet, no noise
 FIRST_STEP = {"adapter_dir": None, "adapter_digest": None, "sigma": 0.0, "step": 0}
@@ -98,9 +97,9 @@ def test_tied_embeddings_agree_everywhere(tiny_model_factory, tmp_path):
         assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
         assert json.loads((art.dir / "config.json").read_text())["tie_word_embeddings"] is True
     # the trainer's model shares one matrix (qlinear ties it after loading the packed checkpoint)
-    from qerl.pipeline.nvfp4.loading import load_quantized_for_training
+    from qerl.pipeline.nvfp4.loading import load_for_training
 
-    loaded = load_quantized_for_training(quantized.dir)
+    loaded = load_for_training(quantized.dir)
     assert loaded.get_output_embeddings().weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()
     del loaded
 
@@ -175,7 +174,7 @@ def test_smollm2_end_to_end(tmp_path, monkeypatch):
     assert quantized.extra["marlin"] == {"blocks": 6_635_520, "zeroed_blocks": 0, "zeroed_layers": {}}
     assert json.loads((quantized.dir / "qerl-provenance.json").read_text())["gguf_sha256"] == SMOL.gguf_sha256
 
-    if (SHARED_DATA / "gsm8k" / "test.jsonl").is_file():
+    if SHARED_DATA is not None:
         bench = BenchmarkConfig(dataset="gsm8k", root=str(SHARED_DATA), limit=2, template="number")
     else:  # a user's checkout has no published copy: the procedural set stands in (said in the summary)
         bench = BenchmarkConfig(dataset="arithmetic", levels=[1], arithmetic_size=2, template="number")

@@ -10,9 +10,13 @@ on the registered model as the tag ``promotion_policy`` (JSON):
 - ``benchmark``: the decision split's id, which carries the validation items' digest and the
   evaluation protocol's (``name@items~protocol``): a candidate evaluated on other items or under
   another protocol is not compared;
-- ``base_digest`` and ``quant_recipe``: the base the model's versions are trained and evaluated on;
-  a candidate on another base (an RTN-trained LoRA against a GPTQ-based champion) is not compared,
-  so a champion is only ever evaluated on its own base.
+- ``base_digest`` and ``quant_recipe``: the base the model's versions are trained and evaluated on
+  (the source model's digest, and the recipe the quantize stage computed it with,
+  ``qerl.pipeline.registry.adapters.base_recipe``); a candidate on another base (an RTN-trained LoRA
+  against a GPTQ-based champion) is not compared, and the register stage does not evaluate a
+  champion on a checkpoint of another recipe, so a champion is only ever evaluated on its own base.
+  A policy an older qerl set holds a bare hash there, which every NVFP4 method shared: the first
+  paired comparison on a named recipe names it (a recorded change).
 
 The first complete candidate with a validation split sets it from its config and evaluation
 (``set_by``). From then on only ``qerl policy NAME --change key=value`` changes it; each change is kept
@@ -52,7 +56,7 @@ class PromotionPolicy(BaseModel):
     margin: float = Field(ge=0.0, description="absolute accuracy difference to beat")
     benchmark: str = Field(description="the decision split: name@validation-items~protocol")
     base_digest: str = Field(description="lineage digest of the base every version is trained on")
-    quant_recipe: str = Field(description="hash of the base's quantization recipe")
+    quant_recipe: str = Field(description="the base's quantization recipe (adapters.base_recipe)")
     set_by: str = Field(default="", description="who set it: a run, or a qerl policy change")
 
 

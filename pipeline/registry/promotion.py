@@ -12,7 +12,8 @@ Promotion rule: a version becomes champion only when its run is complete and it 
 champion, or the base model without an adapter when there is no champion yet, in a *paired*
 comparison (``PairedEvidence``): both evaluated on the same items under the same protocol (the
 benchmark id carries the items and the protocol), the mean per-item difference (challenger minus
-champion) above ``margin_se`` standard errors of that difference and above ``margin`` (absolute).
+champion) above ``margin_se`` standard errors of that difference and above ``margin`` (absolute),
+on at least ``MIN_PAIRED_ITEMS`` items (on fewer the standard error is no bar: 0 for one item).
 The margins, the decision split and the base are the registered model's promotion policy
 (``qerl.pipeline.registry.policy``), which the first candidate sets and only ``qerl policy``
 changes; a candidate it does not fit is not compared. The register stage builds the evidence: the
@@ -53,13 +54,19 @@ import mlflow
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from qerl.pipeline.registry.adapters import registered_version
+from qerl.pipeline.registry.adapters import is_legacy_recipe, registered_version
+from qerl.pipeline.registry.heldout import HELDOUT_TAG, NO_HELDOUT, heldout_conflict, heldout_lineage
 from qerl.pipeline.registry.lock import RegistryError, registry_lock
-from qerl.pipeline.registry.policy import PromotionPolicy, first_policy, mismatch
+from qerl.pipeline.registry.policy import PromotionPolicy, change_policy, first_policy, mismatch
 from qerl.pipeline.registry.tracking import RegistryConfig, tag_value
 from qerl.pipeline.store.files import sha256_file
 
 log = logging.getLogger("qerl.registry")
+
+__all__ = [
+    "BASE", "HELDOUT_TAG", "MIN_PAIRED_ITEMS", "NO_HELDOUT", "PairedEvidence", "find_version", "heldout_conflict",
+    "heldout_lineage", "maybe_promote", "promote", "promotion_decision", "register_adapter", "version_info",
+]  # fmt: skip
 
 LINEAGE_KEYS = ("base_digest", "quant_recipe", "dataset_digest", "code_version", "flow_run_id")
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -192,40 +199,10 @@ class PairedEvidence:
     champion_accuracy: float
 
 
+# the fewest paired items the rule decides on: with one its standard error is 0, and with a handful
+# it is too noisy to be a bar (a tiny validation split is promoted by hand, qerl promote)
+MIN_PAIRED_ITEMS = 10
 BASE = "base"  # PairedEvidence.champion_version of a comparison with the base model, no adapter
-HELDOUT_TAG = "heldout_lineage"  # the validation items every run of a version's lineage held out
-NO_HELDOUT = "none"
-
-
-def heldout_lineage(validation_digest: str, warm_start_tags: Mapping[str, str] | None) -> str:
-    """The digest of the validation items that no run of a version's lineage trained on: its run's
-    ``validation_digest`` when the run started from the bare base (``warm_start_tags`` None) or from a
-    version whose lineage held out the same items; else ``NO_HELDOUT`` (some run of the lineage held
-    out other items, or none, and may have trained on these)."""
-    if validation_digest == NO_HELDOUT or warm_start_tags is None:
-        return validation_digest
-    return validation_digest if warm_start_tags.get(HELDOUT_TAG) == validation_digest else NO_HELDOUT
-
-
-def heldout_conflict(champion: ModelVersion | None, lineage: Mapping[str, Any]) -> str | None:
-    """Why paired evidence on the candidate's validation items would be unfair (None: it is not):
-    the candidate's lineage, or the champion's, may have trained on them."""
-    items = str(lineage.get("validation_digest", NO_HELDOUT))
-    if items == NO_HELDOUT:
-        return "it held out no validation items"
-    if lineage.get(HELDOUT_TAG) != items:
-        return (
-            f"its lineage may have trained on its own validation items ({items[:12]}): it warm-started "
-            "from a version whose lineage held out other items (qerl promote decides by hand)"
-        )
-    held = None if champion is None else champion.tags.get(HELDOUT_TAG)
-    if champion is not None and held != items:
-        what = f"held out {held[:12]}" if held and held != NO_HELDOUT else "records no held-out items"
-        return (
-            f"champion v{champion.version}'s lineage {what}, not these validation items ({items[:12]}): "
-            "it may have trained on them, which would favour it (qerl promote decides by hand)"
-        )
-    return None
 
 
 def _margins(cfg: RegistryConfig, policy: PromotionPolicy | None) -> tuple[float, float]:
@@ -254,6 +231,11 @@ def _paired_decision(
         f"{ev.champion_accuracy:.4f}, difference {ev.diff:+.4f} (se {ev.se:.4f}); "
         f"margin max({margin_se} se, {margin}) = {need:.4f}"
     )
+    if ev.n_items < MIN_PAIRED_ITEMS:  # se is 0 for one item: any gain would pass the margin
+        return (
+            False,
+            f"too few items to decide against {against} {text}: at least {MIN_PAIRED_ITEMS} are needed",
+        )
     if math.isfinite(ev.diff) and ev.diff > need:
         return True, f"beats {against} {text}"
     return False, f"does not beat {against} {text}"
@@ -324,6 +306,7 @@ def maybe_promote(
         policy = None
         if lineage is not None and complete and isinstance(evidence, PairedEvidence):
             policy = first_policy(cfg.model_name, _proposed_policy(cfg, evidence.benchmark, lineage))
+            policy = _named_recipe(cfg.model_name, policy, evidence, lineage)
             evidence = (
                 mismatch(policy, evidence.benchmark, lineage)
                 or heldout_conflict(champion, lineage)
@@ -337,6 +320,23 @@ def maybe_promote(
         client.set_model_version_tag(cfg.model_name, str(version), "promotion", reason[:5000])
     log.info("%s v%s: %s (%s)", cfg.model_name, version, "promoted" if promote_it else "not promoted", reason)
     return promote_it
+
+
+def _named_recipe(
+    name: str, policy: PromotionPolicy, evidence: PairedEvidence, lineage: Mapping[str, Any]
+) -> PromotionPolicy:
+    """``policy`` with its base recipe named, when an older qerl set it as a bare hash that every NVFP4
+    method shared (``is_legacy_recipe``): paired evidence means the register stage evaluated the
+    champion (or the base) on this candidate's base after checking that the champion was trained on
+    the same recipe, so the policy takes the candidate's name for it, as a recorded change."""
+    recipe = str(lineage.get("quant_recipe"))
+    if not is_legacy_recipe(policy.quant_recipe) or is_legacy_recipe(recipe):
+        return policy
+    against = (
+        "the base model" if evidence.champion_version == BASE else f"champion v{evidence.champion_version}"
+    )
+    by = f"qerl, run {lineage.get('run_id')}: {against} evaluated on base recipe {recipe} (an older qerl's hash named)"
+    return change_policy(name, {"quant_recipe": recipe}, by)[1]
 
 
 def _proposed_policy(cfg: RegistryConfig, benchmark: str, lineage: Mapping[str, Any]) -> PromotionPolicy:

@@ -203,7 +203,7 @@ for n in "${ITEMS[@]}"; do
   fi
   outcome=passed
   rc=0
-  ran=0
+  ran=0 worst=0
   while IFS='|' read -r call args; do
     left=$((DEADLINE - SECONDS))
     if ((left < MIN_S)); then
@@ -227,7 +227,9 @@ for n in "${ITEMS[@]}"; do
       5|124|137) [[ "$outcome" == passed ]] && outcome=cut ;;
       *) outcome=failed ;;
     esac
+    if ((rc != 0 && worst == 0)); then worst=$rc; fi  # the record's exit: the first call that did not pass
   done <<<"$calls"
+  rc=$worst
   ((ran)) || outcome="not started"
   summary=$(summary_of "$dir"; cat "$dir"/*.not-started 2>/dev/null)
   [[ "$outcome" == failed ]] && FAILED=1
