@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from fractions import Fraction
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,6 +12,7 @@ import pytest
 from qerl.pipeline.config import ConfigError, load_config
 from qerl.pipeline.data.arithmetic import arithmetic_problems, split_of
 from qerl.pipeline.data.datasets import DataConfig, dataset_name, load_problems, problems_digest
+from shared_data import SHARED_DATA, needs_shared
 
 
 def _solve(question: str) -> Fraction:
@@ -33,7 +32,7 @@ def _solve(question: str) -> Fraction:
     return Fraction(a + b)  # "+", "plus", "Add", "Sum", "make"
 
 
-@pytest.mark.parametrize("level", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("level", [1, 2, 3, 4, 5, 6])
 def test_arithmetic_answers_are_exact(level):
     problems = arithmetic_problems(60, seed=3, split="train", levels=[level])
     assert len(problems) == 60 and len({p["question"] for p in problems}) == 60
@@ -57,10 +56,38 @@ def test_splits_are_disjoint_and_reproducible():
     test_b = arithmetic_problems(100, seed=2, split="test", levels=levels)  # another seed: still disjoint
     train_q = {p["question"] for p in train}
     assert not train_q & {p["question"] for p in test_a + test_b}
-    assert all(split_of(p["question"]) == "test" for p in test_a)
+    assert all(split_of(p["group"]) == "test" for p in test_a)
+    assert not {p["group"] for p in train} & {p["group"] for p in test_a + test_b}  # nor their numbers
     assert arithmetic_problems(400, seed=1, split="train", levels=levels) == train
     assert problems_digest(test_a) != problems_digest(test_b)
     assert problems_digest(test_a) == problems_digest(list(test_a))
+
+
+def test_the_demos_held_out_problems_share_no_numbers_with_what_it_learns_from():
+    """The demo preset's test and validation problems share no pair of numbers with its training
+    problems or the demo base's warm-up, in any order or phrasing (the warm-up leaves the validation
+    pairs out). The split before went by the question's text: 99 of the 100 test items had their pair
+    in training."""
+    from qerl.pipeline.evaluation.eval_config import validation_split
+    from qerl.pipeline.planning.run_config import load_run_config
+
+    def pairs(problems: list) -> set[frozenset[int]]:
+        return {frozenset(int(x) for x in re.findall(r"\d+", p["question"])) for p in problems}
+
+    cfg = load_run_config(None)  # the embedded demo
+    train, held = validation_split(load_problems(cfg.data, "train"), cfg.eval.validation)
+    test = load_problems(cfg.eval.benchmark)
+    warm = cfg.model.demo
+    warmup = arithmetic_problems(
+        warm.n_train, warm.seed, "train", warm.levels, exclude=frozenset(p["group"] for p in held)
+    )
+    assert 90 <= len(held) <= 100 and len(test) == 100 and len(warmup) == warm.n_train
+    for seen in (train, warmup):
+        assert not pairs(seen) & pairs(test) and not pairs(seen) & pairs(held)
+    assert len(pairs(test)) >= 50 and len(pairs(held)) >= 50
+    # level 1, whose 55 unordered pairs split the same way: 11 of them make the test split
+    ones = arithmetic_problems(100, seed=0, split="test", levels=[1])
+    assert len(pairs(ones)) == 11 and not pairs(ones) & pairs(arithmetic_problems(400, 0, "train", [1]))
 
 
 def test_exhausted_space_is_a_clear_error():
@@ -168,11 +195,6 @@ def test_config_validation():
 
 
 # ---- the published benchmark files (../shared/data beside the checkout; absent on a user's machine) --
-SHARED_DATA = Path(os.environ.get("QERL_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
-needs_shared = pytest.mark.skipif(
-    not (SHARED_DATA / "gsm8k" / "test.jsonl").is_file(),
-    reason=f"the published benchmark files are not at {SHARED_DATA} (set QERL_DATA_DIR to a copy)",
-)
 
 
 def _raw(name: str, split: str) -> list[dict]:

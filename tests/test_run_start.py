@@ -117,12 +117,12 @@ def test_an_unreadable_benchmark_fails_the_flow_before_anything_is_built(tiny_mo
     from qerl.flows import runner
     from qerl.pipeline.config import apply_overrides
 
-    # level 1 has 112 test problems
+    # level 1 has 120 test problems (11 pairs of digits in six phrasings, both orders)
     cfg = apply_overrides(
         _config(tiny_model_dir), ["eval.benchmark.levels=[1]", "eval.benchmark.arithmetic_size=500"]
     )
     work = tmp_path / "work"
-    with pytest.raises(ValueError, match=r"only 112 distinct test problems found at levels \[1\]"):
+    with pytest.raises(ValueError, match=r"only 120 distinct test problems found at levels \[1\]"):
         runner.run(cfg, work)
     assert _built_stages(work) == []
 

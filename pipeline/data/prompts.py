@@ -87,12 +87,19 @@ def answer_format(template: str) -> str:
 
 
 class Problem(dict):
-    """One math problem: ``id``, ``question``, ``answer`` (gold, as text), ``source`` and optional ``level``.
+    """One math problem: ``id``, ``question``, ``answer`` (gold, as text), ``source``, optional
+    ``level`` and, where the data has one, ``group``: what makes two problems the same one for held-out
+    splits (the arithmetic set's numbers, whatever the phrasing); without one, each problem is its own.
 
     A plain dict subclass so it round-trips through JSON/parquet rows without conversion code.
     """
 
     REQUIRED = ("id", "question", "answer")
 
-    def __init__(self, id: str, question: str, answer: str, source: str = "", level: int | None = None):
+    def __init__(
+        self, id: str, question: str, answer: str, source: str = "", level: int | None = None,
+        group: str | None = None,
+    ):  # fmt: skip
         super().__init__(id=str(id), question=question, answer=str(answer), source=source, level=level)
+        if group is not None:  # absent otherwise: the rows (and digests) of other data stay as they were
+            self["group"] = group

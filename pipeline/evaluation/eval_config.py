@@ -125,13 +125,27 @@ def benchmark_id(cfg: DataConfig, digest: str, protocol: Mapping[str, Any] | Non
 
 def validation_split(problems: Sequence[Any], cfg: ValidationConfig) -> tuple[list[Any], list[Any]]:
     """(training, validation): ``cfg.size`` problems (at most a quarter of them) held out, chosen by
-    a seeded hash of their ids, both lists in their original order."""
+    a seeded hash of their ids, both lists in their original order. Problems that share a ``group``
+    (the arithmetic set's numbers) are held out together, whole groups in hash order as long as they
+    fit that size: no validation problem is a training problem phrased otherwise."""
     n = min(cfg.size, len(problems) // 4)
     if n == 0:
         return list(problems), []
 
-    def rank(p: Any) -> str:
-        return hashlib.sha256(f"qerl-validation-{cfg.seed}-{p['id']}".encode()).hexdigest()
+    def group(p: Any) -> str:
+        return str(p.get("group") or p["id"])
 
-    held = {id(p) for p in sorted(problems, key=rank)[:n]}
-    return [p for p in problems if id(p) not in held], [p for p in problems if id(p) in held]
+    members: dict[str, int] = {}
+    for p in problems:
+        members[group(p)] = members.get(group(p), 0) + 1
+    ranked = sorted(
+        members, key=lambda g: hashlib.sha256(f"qerl-validation-{cfg.seed}-{g}".encode()).hexdigest()
+    )
+    held_groups, count = set(), 0
+    for g in ranked:
+        if count + members[g] <= n:  # a group that would pass the size is skipped, never split
+            held_groups.add(g)
+            count += members[g]
+    return [p for p in problems if group(p) not in held_groups], [
+        p for p in problems if group(p) in held_groups
+    ]
