@@ -38,7 +38,7 @@ at 7B's matrix shapes for a fraction of a 7B arm's build, load and compile (minu
 tokens/s are not 7B's.
 
 Run: ``python benchmarks/bench_vllm.py [--models 0.5b,7b] [--layers N] [--prompts 16 --n 8 --max-new-tokens 256]``
-(on the GPU machine through ``scripts/gpu/gpu_check.sh``, which puts the vLLM bundle on the path).
+(on the GPU machine through ``scripts/gpu/gpu_check.sh``, in the GPU install's environment).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The GPU install a user gets is the one that ran: the README's GPU install (requirements/gpu.txt,
-through `QERL_ENV=gpu make venv`) and the GPU kit (the vLLM bundle, on the GPU image's torch) pin the
-same vLLM and torch, the docs name those versions, and a newer set is offered only labelled untested.
-Every version is read from the files, none is written here."""
+through `QERL_ENV=gpu make venv`), whose versions the docs name, and a newer set offered only labelled
+untested. Every version is read from the files, none is written here. (That the maintainers' transfer
+kit carries the same vLLM and torch is tests/tools/test_gpu_bundle.py's.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GPU_REQS = ROOT / "requirements" / "gpu.txt"
 UNTESTED = ROOT / "requirements" / "gpu-untested-vllm032.txt"
-KIT = ROOT / "scripts" / "gpu"
 
 
 def pins(path: Path) -> dict[str, str]:
@@ -28,21 +27,6 @@ def readme_gpu_section() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Install on a GPU machine\n")
     return text[start : text.index("\n## ", start + 1)]
-
-
-def test_the_gpu_install_and_the_kit_pin_the_same_vllm_and_torch():
-    install = pins(GPU_REQS)
-    bundle = pins(KIT / "gpu_vllm_requirements.txt")  # the vLLM the kit carries
-    image = pins(KIT / "gpu_replica_requirements.txt")  # the GPU image's torch, which the kit runs on
-    assert install["vllm"] == bundle["vllm"], (install["vllm"], bundle["vllm"])
-    for dist in ("torch", "torchvision", "torchaudio", "triton", "transformers"):
-        assert install[dist] == image[dist], (dist, install[dist], image[dist])
-    # the bundle's header says which torch its vLLM pins: the same
-    header = (KIT / "gpu_vllm_requirements.txt").read_text()
-    assert f"torch=={install['torch']}" in header
-    # pins the bundle and the install share are the same versions (pydantic: both on one sys.path)
-    for dist in set(install) & set(bundle):
-        assert install[dist] == bundle[dist], (dist, install[dist], bundle[dist])
 
 
 def test_the_readmes_gpu_install_is_requirements_gpu_txt_and_names_its_versions():

@@ -1,11 +1,11 @@
-"""vLLM on the GPU (issue 23): the engine mode ``vllm-nvfp4-marlin``, served by the vLLM bundle.
+"""vLLM on the GPU (issue 23): the engine mode ``vllm-nvfp4-marlin``.
 
-These tests run against vLLM 0.26.0, the release a GPU install gets (requirements/gpu.txt) and the kit
-carries (the CPU environment has 0.32; where the two APIs differ, they follow 0.26); what they
+These tests run against vLLM 0.26.0, the release a GPU install gets (requirements/gpu.txt) and the
+maintainers' transfer tools (tools/gpu_transfer/) carry (the CPU environment has 0.32; where the two APIs differ, they follow 0.26); what they
 measured is in BENCHMARKS.md's GPU kit section. They are marked ``gpu`` and skip, with the reason,
 without CUDA or without an importable vLLM. On a GPU machine, ``scripts/gpu/gpu_validate.sh`` runs
-them through ``scripts/gpu/gpu_check.sh`` (``--vllm-only`` runs the vLLM files alone); without network,
-vLLM comes from the chunked bundle (docs/guide/gpu-offline.md).
+them through ``scripts/gpu/gpu_check.sh`` (``--vllm-only`` runs the vLLM files alone); a machine
+without network installs the same set from a wheelhouse (docs/guide/gpu-offline.md).
 
 The model: Qwen2-shaped with random weights, built there by ``build_tiny_model`` (no download), sized
 for FP4 Marlin's tiles (every projection's output a multiple of 64 and input a multiple of 128:
@@ -49,7 +49,7 @@ CUDA = torch.cuda.is_available()
 SIZES = {"hidden_size": 512, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 1024, "num_layers": 2}
 PROMPTS = ["1 + 2 =", "What is 7 - 3?", "Name a colour.", "Count to five:"]
 DIGEST = "ab" * 32  # the adapter's version (any 64 hex digits)
-# the engine's RolloutConfig (scripts/gpu/gpu_replica_check.py starts the same one on the CPU replica)
+# the engine's RolloutConfig (tools/gpu_transfer/gpu_replica_check.py starts the same one on the CPU replica)
 ENGINE = dict(
     engine="vllm",
     temperature=1.0,
@@ -79,10 +79,11 @@ def _skip_unless_vllm_on_cuda() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         pytest.fail("TRITON_INTERPRET=0 is needed: run the gpu tests through scripts/gpu/gpu_check.sh")
     if importlib.util.find_spec("vllm") is None:
-        state = os.environ.get(
-            "QERL_VLLM_BUNDLE_STATE", "no vLLM bundle (scripts/gpu/fetch_gpu_wheels.sh --vllm)"
+        # what the caller that prepared the environment said of it (gpu_check.sh's QERL_GPU_ENV_NOTE)
+        note = os.environ.get("QERL_GPU_ENV_NOTE", "").split("\n")[0]
+        pytest.skip(
+            f"vLLM is not importable here: {note or 'requirements/gpu.txt has it (QERL_ENV=gpu make venv)'}"
         )
-        pytest.skip(f"vLLM is not importable here: {state}")
 
 
 def kit_dir(tmp_path_factory, name: str) -> Path:

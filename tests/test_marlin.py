@@ -2,7 +2,7 @@
 
 The reference is vLLM's own conversion of the block scales for its Marlin kernel
 (``nvfp4_marlin_process_scales``, plain PyTorch, the same function in this environment's vLLM 0.32 as
-in the GPU's 0.26), decoded back by the replica's weights check (``scripts/gpu/gpu_replica_weights.py``):
+in the GPU's 0.26), decoded back by the replica's weights check (``tools/gpu_transfer/gpu_replica_weights.py``):
 the count of zeroed blocks must be exactly the blocks vLLM's bytes decode to zero, and every other
 block must decode to its stored scale.
 """
@@ -21,7 +21,7 @@ from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.stages import quantize
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "gpu_transfer"))
 import gpu_replica_weights as grw  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU kit's runner: the GPU tests and benchmarks on one CUDA machine, one call, one report.
+# The GPU validation's runner: the GPU tests and benchmarks on one CUDA machine, one call, one report.
 # What a user runs is scripts/gpu/gpu_validate.sh (every check, in priority order, each under its own
 # time limit); it calls this script once an item. Run this one directly for a part on its own.
 #
@@ -9,9 +9,11 @@
 #   bash scripts/gpu/gpu_check.sh --dry-run    the same on a CPU at tiny shapes, in about a minute (CI):
 #                                              the gpu tests skip, the benchmarks run their tiny CPU shapes
 #
-# Where: a GPU install (.venv from requirements/gpu.txt; PYTHON=.venv/bin/python), or an offline GPU
-# machine with the carried bundles (.gpu-vllm/, .gpu-run/: docs/guide/gpu-offline.md), which this
-# script stages, checks (sha256) and extracts after the machine's own site-packages before any part.
+# Where: the environment it is given. The Python is $PYTHON, else .venv/bin/python (the GPU install:
+# `QERL_ENV=gpu make venv` fills .venv from requirements/gpu.txt), else python3; the repository root
+# goes on PYTHONPATH after what is there already, for tests/ and benchmarks/. A caller that prepared
+# the environment itself says how in $QERL_GPU_ENV_NOTE (lines; the first names what a part that
+# cannot start is missing), which the report quotes.
 #
 # Results go to $OUT (default qerl-work/gpu-check): gpu-check.md (the report: mode, environment, parts,
 # each test's outcome, benchmark tables), gpu-check.log (everything, pytest's output included),
@@ -33,11 +35,10 @@
 #          --vllm-arms nvfp4,bf16[,nvfp4-aqn]  (bench_vllm.py's arms, in order; nvfp4-aqn: what exact AQN
 #                        noise costs, the engine built for AQN with its norms fp32 from the load)
 #          --no-bench-gpu  the benchmark part without bench_gpu.py
-#          --no-vllm      the kit without the vLLM parts (its tests and bench_vllm.py)
+#          --no-vllm      the parts without the vLLM ones (its tests and bench_vllm.py)
 #          --vllm-only    only the vLLM tests
 #          --test-files F[,F...]  these GPU test files in place of the parts' list, in this order
-#          --exec-py "FILE ARGS"  only this kit script, as a part (e.g. scripts/gpu/gpu_quantize_7b.py)
-#          --stage-only   stage the carried bundle chunks (extract when complete), report, stop
+#          --exec-py "FILE ARGS"  only this script, as a part (e.g. scripts/gpu/gpu_quantize_7b.py)
 #          --budget-s N   the seconds this call may spend: the parts run in the order below, each under
 #                        what is left (SIGINT, so pytest still writes its summary and the benchmarks keep
 #                        every finished arm); one that would get under 45 s is not started. The
@@ -49,21 +50,13 @@
 # `qerl run --config CFG` with --run-e2e (default the demo-gpu preset, in a fresh .gpu-run-work);
 # (3) benchmarks/bench_vllm.py (Marlin NVFP4 vs bf16 tokens/s); (4) benchmarks/bench_gpu.py (a GRPO
 # update at 7B/14B/32B, kernels); --exec-py's script.
-#
-# Bundles: .gpu-NAME/part-NN + manifest.json (NAME vllm or run, built by
-# scripts/gpu/fetch_gpu_wheels.sh) are moved into .gpu-NAME-chunks/ (kept), and once all chunks are
-# there and sound the archive is reassembled, its sha256 checked and extracted into .gpu-NAME-site/,
-# which goes on sys.path AFTER the machine's site-packages (.gpu-src/sitecustomize.py appends it:
-# vLLM uses the machine's torch). A missing chunk is named ("MISSING 1 of 2 chunks: part-02"), a
-# corrupt one too ("CORRUPT chunk ...: carry it again"); the vLLM parts are then skipped, saying so.
-# Checked before a GPU is at hand: `bash scripts/gpu/gpu_replica.sh` (a CPU replica of the GPU image).
+# no -e: each part's exit status is collected for the report, not fatal
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 
 DRY=0
 TESTS=1
-STAGE_ONLY=0
 VLLM_ONLY=0
 NO_VLLM=0
 BENCH=1
@@ -85,7 +78,6 @@ while (($#)); do
     --dry-run) DRY=1; shift ;;
     --tests-only) BENCH=0; shift ;;
     --bench-only) TESTS=0; shift ;;
-    --stage-only) STAGE_ONLY=1; shift ;;
     --vllm-only) VLLM_ONLY=1; BENCH=0; shift ;;
     --no-vllm) NO_VLLM=1; shift ;;
     --no-bench-gpu) BENCH_GPU=0; shift ;;
@@ -116,139 +108,37 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/gpu-check.log"
 : >"$LOG"
-rm -f "$LOG".vllm "$LOG".run  # the bundles' staging output, kept apart while it runs
 say() { echo "[gpu_check] $*" | tee -a "$LOG" >&2; }
 
 PY=${PYTHON:-}
 if [[ -z "$PY" ]]; then
-  if ((DRY)) && [[ -x .venv/bin/python ]]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi
+  if [[ -x .venv/bin/python ]]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi
 fi
 MODE=$( ((DRY)) && echo dry-run || echo cuda)
 say "mode: $MODE, python: $PY ($("$PY" --version 2>&1)), results: $OUT"
+NOTE=${QERL_GPU_ENV_NOTE:-}
+WHY=${NOTE%%$'\n'*}  # the note's first line, for a part that cannot start
+[[ -n "$NOTE" ]] && say "environment prepared by the caller: $WHY"
 
-# 0. the bundles: carried chunks -> .gpu-NAME-chunks (kept between calls) -> .gpu-NAME-site (standard
-# library only: a --stage-only call imports nothing else and takes seconds). NAME is vllm (the engine)
-# or run (what `qerl run` adds: Prefect, MLflow, math-verify); each is staged when its chunks are carried.
-stage_bundle() {  # stage_bundle NAME LABEL: prints the bundle's state (one line)
-  local name=$1 label=$2 rc
-  if ((DRY)) && ((!STAGE_ONLY)); then
-    echo "dry run: the $label bundle is not unpacked (the CPU environment has everything)"
-    return
-  fi
-  if [[ ! -f ".gpu-$name/manifest.json" && ! -f ".gpu-$name-chunks/manifest.json" ]]; then
-    echo "no $label bundle carried (see --help: scripts/gpu/fetch_gpu_wheels.sh --$name, one chunk a call)"
-    return
-  fi
-  "$PY" scripts/gpu/gpu_bundle.py stage --from ".gpu-$name" --to ".gpu-$name-chunks" >>"$LOG.$name" 2>&1
-  rc=$?
-  if ((rc == 0)); then
-    if "$PY" scripts/gpu/gpu_bundle.py unpack --dir ".gpu-$name-chunks" --dest ".gpu-$name-site" >>"$LOG.$name" 2>&1; then
-      echo "$label bundle extracted in .gpu-$name-site"
-    else
-      echo "$label part skipped: the bundle did not extract (see $LOG)"
-    fi
-  elif ((rc == 3)); then
-    echo "$label part skipped: chunks missing: $(grep -o 'MISSING.*' "$LOG.$name" | tail -1)"
-  elif ((rc == 4)); then
-    echo "$label part skipped: a chunk is corrupt: $(grep -o 'CORRUPT.*' "$LOG.$name" | tail -1)"
-  else  # a Python error, not the chunks: say so rather than blame a chunk
-    echo "$label part skipped: staging failed (exit $rc): $(tail -1 "$LOG.$name")"
-  fi
-}
-VLLM_STATE=$(stage_bundle vllm vLLM)
-RUN_STATE=$(stage_bundle run run)
-for b in vllm run; do [[ -f "$LOG.$b" ]] && { tee -a "$LOG" <"$LOG.$b" >&2; rm -f "$LOG.$b"; }; done
-say "$VLLM_STATE"
-say "$RUN_STATE"
-export QERL_VLLM_BUNDLE_STATE="$VLLM_STATE"  # the vLLM tests' skip reason names it
-if ((!DRY)); then
-  # after the image's site-packages, not before (the image's torch must win): .gpu-src/sitecustomize.py
-  # appends these paths; the vLLM bundle also brings pydantic, so qerl imports without .gpu-wheels
-  AFTER=()
-  for b in vllm run; do [[ -f ".gpu-$b-site/.bundle-sha256" ]] && AFTER+=("$ROOT/.gpu-$b-site"); done
-  if ((${#AFTER[@]})); then
-    QERL_SYS_PATH_AFTER=$(IFS=:; echo "${AFTER[*]}")
-    export QERL_SYS_PATH_AFTER
-    export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1  # nothing outside the machine can be reached
-  fi
+# 1. the repository root on the path, after the environment's own entries, for tests/ and benchmarks/
+# (the tests import `benchmarks`); qerl itself comes from the environment (the GPU install's .venv)
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT"
+if ! "$PY" -c "import qerl.kernels, qerl.pipeline.runtime, qerl.stages" 2>>"$LOG"; then
+  say "qerl is not importable by $PY (see $LOG): QERL_ENV=gpu make venv installs it into .venv"
+  exit 1
 fi
+if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)" 2>/dev/null; then
+  VLLM_STATE="vLLM importable by $PY"
+else
+  VLLM_STATE="no vLLM importable by $PY (${WHY:-requirements/gpu.txt has it: QERL_ENV=gpu make venv})"
+fi
+say "$VLLM_STATE"
 export OUT  # the vLLM tests write vllm-gap.json there
 # as `qerl` sets it at start-up (qerl.pipeline.runtime.determinism): cuBLAS reads it once, at its first
 # use in a process, and the determinism test runs after other CUDA tests in the same pytest process
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
-# the vLLM bundle leaves FlashInfer out (scripts/gpu/gpu_vllm_requirements.txt), and vLLM's sampler imports
-# it at engine start unless told not to (vllm/v1/sample/ops/topk_topp_sampler.py), so the engine would
-# not start ("No module named 'flashinfer'"). With it off, vLLM's own PyTorch top-k/top-p sampling
-# runs (qerl's defaults, top_p 1 and top_k -1, use neither).
-export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
-if ((STAGE_ONLY)); then
-  # what the machine is, for the call's output (seconds; the next call does the rest)
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG" >&2
-  [[ "$VLLM_STATE$RUN_STATE" == *corrupt* ]] && exit 4
-  [[ "$VLLM_STATE$RUN_STATE" == *"staging failed"* ]] && exit 1
-  exit 0
-fi
 
-# 1. the qerl package from this tree, with no installer (scripts/gpu/gpu_src.sh: the GPU image may have no
-# setuptools); its sitecustomize puts the bundles AFTER the image's site-packages (the image's torch
-# must win) in every process started here. It goes first on sys.path in the dry run too, so the CPU
-# run exercises the same import path.
-bash scripts/gpu/gpu_src.sh .gpu-src
-# the repository root too, for tests/ and benchmarks/ (the kit imports `benchmarks`)
-export PYTHONPATH="$ROOT/.gpu-src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "import qerl.kernels, qerl.pipeline.runtime, qerl.stages" 2>>"$LOG"; then
-  say "qerl is not importable from .gpu-src (see $LOG)"
-  exit 1
-fi
-
-# 2. carried wheels -> .gpu-site (a target folder first on sys.path; the image's own packages untouched)
-if ((DRY)); then
-  say "dry run: carried wheels not installed (the CPU environment has everything)"
-elif compgen -G ".gpu-wheels/*.whl" >/dev/null; then
-  rm -rf .gpu-site
-  if "$PY" -m pip install --quiet --no-index --no-deps --disable-pip-version-check --target .gpu-site \
-    .gpu-wheels/*.whl >>"$LOG" 2>&1; then
-    say "installed $(ls .gpu-wheels/*.whl | wc -l) carried wheels into .gpu-site with pip"
-  else
-    # no pip (or one that refuses): a wheel is a zip laid out for site-packages (ours have no data/scripts)
-    say "pip could not install .gpu-wheels (see $LOG): unpacking them into .gpu-site instead"
-    rm -rf .gpu-site
-    "$PY" -c "import sys, zipfile; [zipfile.ZipFile(w).extractall('.gpu-site') for w in sys.argv[1:]]" \
-      .gpu-wheels/*.whl || exit 1
-  fi
-  export PYTHONPATH="$ROOT/.gpu-site:$PYTHONPATH"
-  "$PY" -c "import pydantic, pytest" 2>>"$LOG" || { say "pydantic/pytest still not importable (see $LOG)"; exit 1; }
-else
-  say "no .gpu-wheels/*.whl here: using the image's packages only (run scripts/gpu/fetch_gpu_wheels.sh and carry .gpu-wheels)"
-fi
-
-# 2b. the extracted vLLM bundle goes on sys.path after the image's site-packages
-VLLM_IMPORTS=""
-# A later call of the same lease reuses a clean check (importing vLLM's roots takes tens of seconds):
-# the stamp names the roots list it checked, and a new bundle is extracted into a fresh folder,
-# without the stamp. Written aside, then renamed: a call cut off mid-write leaves no half stamp.
-IMPORTS_STAMP=.gpu-vllm-site/.imports-ok
-ROOTS_SUM=$(sha256sum scripts/gpu/gpu_vllm_roots.txt | cut -d' ' -f1)
-if [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* && -f "$IMPORTS_STAMP" \
-  && "$(head -1 "$IMPORTS_STAMP")" == "$ROOTS_SUM" ]]; then
-  VLLM_IMPORTS="$(tail -n +2 "$IMPORTS_STAMP"), by an earlier call on this machine"
-  say "vLLM $VLLM_IMPORTS"
-elif [[ "${QERL_SYS_PATH_AFTER:-}" == *.gpu-vllm-site* ]]; then
-  PAIRED=1
-  if ! "$PY" -c "import torch, vllm, sys; sys.exit('.gpu-vllm-site' in torch.__file__ or '.gpu-vllm-site' not in vllm.__file__)" 2>>"$LOG"; then
-    say "vLLM from .gpu-vllm-site is not importable next to the image's torch (see $LOG)"
-    PAIRED=0
-  fi
-  # every root of the bundle's import scan, each on its own: all the modules the scan missed show in
-  # this call, not only the first one an engine start hits
-  if VLLM_IMPORTS=$("$PY" scripts/gpu/gpu_import_roots.py scripts/gpu/gpu_vllm_roots.txt 2>>"$LOG") && ((PAIRED)); then
-    printf '%s\n%s\n' "$ROOTS_SUM" "$(grep -m1 '^imports:' <<<"$VLLM_IMPORTS")" >"$IMPORTS_STAMP.tmp"
-    mv -f "$IMPORTS_STAMP.tmp" "$IMPORTS_STAMP"
-  fi
-  say "vLLM $VLLM_IMPORTS"
-fi
-
-# 3. environment
+# 2. the environment, for the report
 ENV_TXT=$("$PY" - <<'EOF' 2>&1
 import importlib, platform
 print(f"python {platform.python_version()} on {platform.machine()}")
@@ -278,12 +168,12 @@ if ((!DRY)) && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_availa
   exit 2
 fi
 
-# 4-5. the parts, in the order of what they are worth to a short lease: the vLLM tests (issue 23), the
-# kernel and trainer tests, the benchmark. With --budget-s each runs under what is left of the budget
+# 3. the parts, in the order of what they are worth when time is short: the vLLM tests, the kernel and
+# trainer tests, the benchmarks. With --budget-s each runs under what is left of the budget
 # (SIGINT first: pytest then still writes its summary and junit file; bench_gpu.py has already written
 # every finished arm), and one that would get under PART_MIN_S seconds is not started.
 PARTS=()
-SCRATCH=$(mktemp -d)  # pytest's output, junit files, the run's console: the tool brings back only 8 files from $OUT
+SCRATCH=$(mktemp -d)  # pytest's output, junit files, the run's console: $OUT keeps to the reports (8 files at most)
 run_part() {  # run_part NAME CMD...: appends "NAME|seconds|outcome" to PARTS, returns the command's status
   local name=$1 left t0 rc
   shift
@@ -326,11 +216,11 @@ if ((TESTS)); then
   : >"$SCRATCH/gpu-tests.txt"
   # the vLLM modules share their checkpoint: the AQN engine then starts where the plain one compiled
   export QERL_GPU_KIT_DIR="$SCRATCH/kit"
-  # qerl's configs need pydantic, which only the vLLM bundle brings to the image: without it every
-  # test would error at setup, so the tests are reported not started, with the bundle's state
+  # qerl's configs need pydantic (importing qerl does not): without it every test would error at setup,
+  # so the tests are reported not started, with what the caller said of the environment
   if ((!DRY)) && ! "$PY" -c "import pydantic" 2>/dev/null; then
-    for f in "${TEST_FILES[@]}"; do PARTS+=("$(basename "$f" .py)|0|not started: no pydantic (the vLLM bundle is not extracted: $VLLM_STATE)"); done
-    say "tests: not started: qerl needs pydantic, which the vLLM bundle brings ($VLLM_STATE)"
+    for f in "${TEST_FILES[@]}"; do PARTS+=("$(basename "$f" .py)|0|not started: no pydantic${WHY:+ ($WHY)}"); done
+    say "tests: not started: qerl needs pydantic, which $PY cannot import${WHY:+ ($WHY)}"
     TEST_FILES=()
     TEST_RC=124
   fi
@@ -351,12 +241,18 @@ fi
 
 # the `qerl run` part (--run-e2e): the user's own command, end to end on this machine, in a fresh work
 # folder: every stage builds (the demo base, quantize on the GPU, vLLM on FP4 Marlin with CUDA graphs,
-# the Triton trainer, evaluation, the MLflow registration). Needs the run bundle here (or a GPU
-# install's own Prefect and MLflow); the dry run runs --run-config on the CPU.
+# the Triton trainer, evaluation, the MLflow registration). Needs Prefect, MLflow and math-verify (a
+# GPU install has them); the dry run runs --run-config on the CPU.
 RUN_RC=skipped
 RUN_SUMMARY="not run (no --run-e2e)"
+RUN_STATE="Prefect, MLflow and math-verify importable by $PY"
 if ((RUN_E2E)); then
-  if ((DRY)) || [[ -f .gpu-run-site/.bundle-sha256 ]] || "$PY" -c "import prefect, mlflow, math_verify" 2>/dev/null; then
+  RUN_READY=1
+  if ! "$PY" -c "import prefect, mlflow, math_verify" 2>/dev/null; then
+    RUN_READY=0
+    RUN_STATE="Prefect, MLflow or math-verify is not importable by $PY${WHY:+ ($WHY)}"
+  fi
+  if ((DRY || RUN_READY)); then
     rm -rf .gpu-run-work
     say "qerl run --config $RUN_CONFIG (work folder .gpu-run-work)"
     run_part qerl_run env PREFECT_UI_ENABLED=false "$PY" -m qerl.flows.cli run --config "$RUN_CONFIG" \
@@ -401,10 +297,9 @@ if ((BENCH)) && ((!NO_VLLM)); then
   if ((DRY)); then
     run_part bench_vllm "$PY" benchmarks/bench_vllm.py --dry-run --arms "$VLLM_ARMS" --out-dir "$OUT" >>"$LOG" 2>&1
     VLLM_BENCH_RC=$?
-  elif "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
-    # the carried bundle, or a GPU install's own vLLM (requirements/gpu.txt)
-    # .gpu-bench-work stays while the machine is warm: a later call of the lease reuses its built
-    # models and quantized stores, and its table keeps the arms the earlier calls measured (--merge)
+  elif [[ "$VLLM_STATE" != no\ * ]]; then
+    # .gpu-bench-work stays: a later call on this machine reuses its built models and quantized
+    # stores, and its table keeps the arms the earlier calls measured (--merge)
     run_part bench_vllm "$PY" benchmarks/bench_vllm.py --models "$VLLM_MODELS" "${VLLM_LAYERS[@]}" --arms "$VLLM_ARMS" \
       "${VLLM_SIZE[@]}" --work-dir "$ROOT/.gpu-bench-work" --out-dir "$ROOT/.gpu-bench-work" --merge >>"$LOG" 2>&1
     VLLM_BENCH_RC=$?
@@ -426,8 +321,7 @@ if ((BENCH && BENCH_GPU)); then
   say "benchmark: exit $BENCH_RC"
 fi
 
-# a Python script of the kit as a part of its own (--exec-py "FILE ARGS"; gpu_validate.sh's item 5), with
-# this environment: qerl from .gpu-src, the bundles after the image's site-packages
+# a Python script as a part of its own (--exec-py "FILE ARGS"; gpu_validate.sh's item 5), in this environment
 EXEC_RC=skipped
 if [[ -n "$EXEC_PY" ]]; then
   read -ra EXEC_ARGV <<<"$EXEC_PY"
@@ -439,7 +333,7 @@ if [[ -n "$EXEC_PY" ]]; then
   say "$EXEC_NAME: exit $EXEC_RC"
 fi
 
-# 6. the report (written beside, then renamed: a reader never sees half of it)
+# 4. the report (written beside, then renamed: a reader never sees half of it)
 INCOMPLETE=0
 for p in "${PARTS[@]}"; do [[ "$p" == *"|cut off"* || "$p" == *"|not started"* ]] && INCOMPLETE=1; done
 {
@@ -462,7 +356,7 @@ for p in "${PARTS[@]}"; do [[ "$p" == *"|cut off"* || "$p" == *"|not started"* ]
   echo
   echo "vLLM: $VLLM_STATE"
   echo
-  [[ -n "$VLLM_IMPORTS" ]] && { echo '```'; echo "$VLLM_IMPORTS"; echo '```'; echo; }
+  [[ -n "$NOTE" ]] && { echo "environment prepared by the caller:"; echo; echo '```'; echo "$NOTE"; echo '```'; echo; }
   echo '```'
   echo "$TEST_SUMMARY"
   echo '```'
@@ -470,7 +364,7 @@ for p in "${PARTS[@]}"; do [[ "$p" == *"|cut off"* || "$p" == *"|not started"* ]
   if ((RUN_E2E)); then
     echo "## qerl run --config $RUN_CONFIG"
     echo
-    echo "run bundle: $RUN_STATE"
+    echo "run: $RUN_STATE"
     echo
     echo '```'
     echo "$RUN_SUMMARY"

@@ -40,7 +40,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
-    sys.path.append(str(ROOT))  # after the kit's source folder, which goes first on PYTHONPATH
+    sys.path.append(str(ROOT))  # after what PYTHONPATH puts first (the environment's own qerl)
 
 SHAPE_7B = dict(hidden_size=3584, num_heads=28, num_kv_heads=4, intermediate_size=18944)
 LAYERS_7B, VOCAB_7B = 28, 152064

@@ -6,10 +6,11 @@
 #   bash scripts/gpu/gpu_validate.sh --dry-run   print the items, their limits and commands; run nothing
 #   bash scripts/gpu/gpu_validate.sh --cpu       run the same items on a CPU at tiny shapes (a wiring check)
 #
-# Run it from the repository root of a GPU machine that has either the GPU install (.venv from
-# requirements/gpu.txt: `QERL_ENV=gpu make venv`; it is used when it is there) or, on a machine with no
-# network, the bundles carried to it (.gpu-vllm/ and .gpu-run/: docs/guide/gpu-offline.md). Each item
-# runs scripts/gpu/gpu_check.sh, which finds either.
+# Run it from the repository root of a GPU machine with the GPU install: .venv from requirements/gpu.txt
+# (`QERL_ENV=gpu make venv`; a machine with no network installs the same set from a wheelhouse:
+# docs/guide/gpu-offline.md). It runs in the environment it is given: the Python of --python, else
+# $PYTHON, else .venv/bin/python when it has vLLM, else python3. Each item runs scripts/gpu/gpu_check.sh
+# with that Python.
 #
 # The items, in this order:
 #   1 qerl-run    260 s  `qerl run --config demo-gpu` to its end: the base evaluation, the registration,

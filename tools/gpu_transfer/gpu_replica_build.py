@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""What building the CPU replica of the GPU image computes (scripts/gpu/gpu_replica.sh); standard library.
+"""What building the CPU replica of the GPU image computes (tools/gpu_transfer/gpu_replica.sh); standard library.
 
-``needs``: the replica's requirements. ``scripts/gpu/gpu_replica_requirements.txt`` names the image's
+``needs``: the replica's requirements. ``tools/gpu_transfer/gpu_replica_requirements.txt`` names the image's
 packages that vLLM and qerl read; the bundles were also built to find some of the image's
 distributions there (the vLLM scan's ``image_dists_used``, the run bundle's ``left_out.image``), and
 the replica gets those too, so that it lacks nothing the image has that a bundle relies on.
@@ -15,8 +15,8 @@ driver entry point that the shared objects of a tree link (``cu`` and a capital:
 ``cuda*`` come from the CUDA runtime library) and ``cuInit``, and each answers CUDA_ERROR_NO_DEVICE:
 the extensions load, and any call into the driver fails as it would on a machine without a device.
 
-Usage: python3 scripts/gpu/gpu_replica_build.py needs --out FILE        (the requirement lines)
-       python3 scripts/gpu/gpu_replica_build.py stub --site TREE --out DIR  (DIR/libcuda.so.1; needs cc, nm)
+Usage: python3 tools/gpu_transfer/gpu_replica_build.py needs --out FILE        (the requirement lines)
+       python3 tools/gpu_transfer/gpu_replica_build.py stub --site TREE --out DIR  (DIR/libcuda.so.1; needs cc, nm)
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     if args.cmd == "needs":
         manifests = [ROOT / f".gpu-{b}/manifest.json" for b in ("vllm", "run")]
         lines = image_needs(
-            ROOT / "scripts/gpu/gpu_replica_requirements.txt", [m for m in manifests if m.exists()]
+            ROOT / "tools/gpu_transfer/gpu_replica_requirements.txt", [m for m in manifests if m.exists()]
         )
         args.out.write_text("\n".join(lines) + "\n")
         return 0

@@ -22,7 +22,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-FUTURE_LINE = "from __future__ import annotations  # qerl GPU bundle: deferred (scripts/gpu/gpu_lazy.py)\n"
+FUTURE_LINE = (
+    "from __future__ import annotations  # qerl GPU bundle: deferred (tools/gpu_transfer/gpu_lazy.py)\n"
+)
 
 
 def defers_annotations(tree: ast.Module) -> bool:

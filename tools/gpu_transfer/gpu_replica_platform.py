@@ -1,6 +1,6 @@
 """vLLM's CUDA platform for the CPU replica of the GPU image: an H200's answers without an H200.
 
-``scripts/gpu/gpu_replica.sh`` installs this module into the replica as two vLLM plugins, found by their
+``tools/gpu_transfer/gpu_replica.sh`` installs this module into the replica as two vLLM plugins, found by their
 entry points in every process vLLM starts there:
 - a platform plugin (``vllm.platform_plugins``): it answers what vLLM asks before it touches a
   device (capability 9.0, the name, the memory) as an H200 would; everything else is vLLM's own CUDA

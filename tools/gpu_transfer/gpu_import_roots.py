@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Import every root module of a bundle's import scan in one process, and say which fail and why.
 
-The GPU kit runs this right after it extracts the vLLM bundle (seconds). The static scan
+gpu_offline.sh runs this right after it extracts the vLLM bundle (seconds). The static scan
 (gpu_imports.py) cannot see every import a module runs when imported, and an engine start stops at
 the first one it misses, so each missing module would cost a lease's try. Importing each root on its
 own, failures caught, shows every one in a single call. Standard library only.

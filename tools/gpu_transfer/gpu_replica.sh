@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # A pre-flight for a GPU machine, on a CPU machine: build the CPU replica of the GPU image in
-# .gpu-replica/ (git-ignored) and run scripts/gpu/gpu_replica_check.py in it (what it checks, and where it
+# .gpu-replica/ (git-ignored) and run tools/gpu_transfer/gpu_replica_check.py in it (what it checks, and where it
 # stops: its docstring). Whatever fails here before the GPU is needed would fail there too, and here it
 # costs no GPU time.
 #
 # The replica: a Python 3.12 venv with the image's torch 2.11.0+cu130 and the image's packages that
-# vLLM and qerl read (scripts/gpu/gpu_replica_requirements.txt), less anything pip pulled in that the image
-# lacks (scripts/gpu/gpu_image_packages.txt); the vLLM bundle (.gpu-vllm, from
-# `scripts/gpu/fetch_gpu_wheels.sh --vllm`) and the run bundle (.gpu-run, `--run`), staged and extracted
-# by scripts/gpu/gpu_bundle.py and put after site-packages by the kit's own sitecustomize
-# (scripts/gpu/gpu_src.sh), in every process; a libcuda.so.1 built
-# here whose every entry point answers "no device" (scripts/gpu/gpu_replica_build.py); and
-# scripts/gpu/gpu_replica_platform.py installed as two vLLM plugins (an H200's capability 9.0; a stop at
+# vLLM and qerl read (tools/gpu_transfer/gpu_replica_requirements.txt), less anything pip pulled in that the image
+# lacks (tools/gpu_transfer/gpu_image_packages.txt); the vLLM bundle (.gpu-vllm, from
+# `tools/gpu_transfer/fetch_gpu_wheels.sh --vllm`) and the run bundle (.gpu-run, `--run`), staged and extracted
+# by tools/gpu_transfer/gpu_bundle.py and put after site-packages by gpu_offline.sh's own sitecustomize
+# (tools/gpu_transfer/gpu_src.sh), in every process; a libcuda.so.1 built
+# here whose every entry point answers "no device" (tools/gpu_transfer/gpu_replica_build.py); and
+# tools/gpu_transfer/gpu_replica_platform.py installed as two vLLM plugins (an H200's capability 9.0; a stop at
 # the worker's init_device, where the GPU is first needed).
 #
 # --user-install: the same check on what a user's GPU install gets instead of the image: a Python 3.11
@@ -22,7 +22,7 @@
 # 0.32 on torch 2.13.0, with FlashInfer and Humming, which 0.32 would pick for NVFP4 on an H200 without
 # the engine's linear_backend): as far as that set has been checked, since no GPU has run it.
 #
-# Usage: bash scripts/gpu/gpu_replica.sh [--user-install [--requirements FILE]] [--python PATH] [--rebuild] [--build-only]
+# Usage: bash tools/gpu_transfer/gpu_replica.sh [--user-install [--requirements FILE]] [--python PATH] [--rebuild] [--build-only]
 #   --user-install  check a user's GPU install (requirements/gpu.txt) instead of the GPU image
 #   --requirements FILE  the requirements file --user-install installs (default requirements/gpu.txt);
 #                   the replica is rebuilt when it was built from another file
@@ -80,7 +80,7 @@ if ((REBUILD)) || [[ ! -x "$PY" ]]; then
   fi
 fi
 if ((!USER_INSTALL)) && [[ ! -f .gpu-vllm/manifest.json ]]; then
-  say "no vLLM bundle in .gpu-vllm: build it first with 'bash scripts/gpu/fetch_gpu_wheels.sh --vllm'"
+  say "no vLLM bundle in .gpu-vllm: build it first with 'bash tools/gpu_transfer/fetch_gpu_wheels.sh --vllm'"
   exit 1
 fi
 if ((REBUILD)) || [[ ! -x "$PY" ]]; then
@@ -104,7 +104,7 @@ if ((USER_INSTALL)); then
 else
   # the image's packages: the list, and those the bundles were built to find there (each run: a
   # bundle rebuilt since may need one more)
-  "$PY" scripts/gpu/gpu_replica_build.py needs --out "$REP/requirements.txt"
+  "$PY" tools/gpu_transfer/gpu_replica_build.py needs --out "$REP/requirements.txt"
   if ! "$PY" -m pip install --disable-pip-version-check -r "$REP/requirements.txt" >>"$REP/build.log" 2>&1; then
     tail -5 "$REP/build.log" >&2
     say "pip could not install the image's packages (the whole output: $REP/build.log)"
@@ -115,7 +115,7 @@ else
 import sys
 from importlib.metadata import distributions
 
-sys.path.insert(0, "scripts/gpu")
+sys.path.insert(0, "tools/gpu_transfer")
 from gpu_imports import image_packages, norm
 
 print(" ".join(sorted({norm(d.metadata["Name"]) for d in distributions()} - image_packages() - {"pip"})))
@@ -127,7 +127,7 @@ PYEOF
     "$PY" -m pip uninstall --yes $EXTRA >>"$REP/build.log" 2>&1
   fi
 
-  # the bundles, as the kit stages them (a chunk at a time, then one archive with its sha256 checked)
+  # the bundles, as gpu_offline.sh stages them (a chunk at a time, then one archive with its sha256 checked)
   stage() {  # stage NAME: .gpu-NAME -> $REP/NAME-site, once per archive
     local name=$1 sha
     sha=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["archive"]["sha256"])' ".gpu-$name/manifest.json")
@@ -135,8 +135,8 @@ PYEOF
       rm -rf "$REP/$name-carried" "$REP/$name-chunks" "$REP/$name-site"
       # staging moves what a call carried: it gets links to the chunks (a copy across file systems)
       cp -al ".gpu-$name" "$REP/$name-carried" 2>/dev/null || cp -a ".gpu-$name" "$REP/$name-carried"
-      "$PY" scripts/gpu/gpu_bundle.py stage --from "$REP/$name-carried" --to "$REP/$name-chunks" >&2
-      "$PY" scripts/gpu/gpu_bundle.py unpack --dir "$REP/$name-chunks" --dest "$REP/$name-site" >&2
+      "$PY" tools/gpu_transfer/gpu_bundle.py stage --from "$REP/$name-carried" --to "$REP/$name-chunks" >&2
+      "$PY" tools/gpu_transfer/gpu_bundle.py unpack --dir "$REP/$name-chunks" --dest "$REP/$name-site" >&2
       rm -rf "$REP/$name-carried" "$REP/$name-chunks"
     fi
     AFTER+=("$REP/$name-site")
@@ -145,21 +145,21 @@ PYEOF
   if [[ -f .gpu-run/manifest.json ]]; then
     stage run
   else
-    say "no run bundle in .gpu-run: the check's 'qerl run' part is skipped (scripts/gpu/fetch_gpu_wheels.sh --run)"
+    say "no run bundle in .gpu-run: the check's 'qerl run' part is skipped (tools/gpu_transfer/fetch_gpu_wheels.sh --run)"
   fi
 fi
 
-# qerl and the bundles on sys.path as the kit puts them: .gpu-replica/src first (qerl, and a
+# qerl and the bundles on sys.path as gpu_offline.sh puts them: .gpu-replica/src first (qerl, and a
 # sitecustomize that appends $QERL_SYS_PATH_AFTER after site-packages in every process)
-bash scripts/gpu/gpu_src.sh "$REP/src"
+bash tools/gpu_transfer/gpu_src.sh "$REP/src"
 QERL_SYS_PATH_AFTER=$(IFS=:; echo "${AFTER[*]}")
 
 # the stub driver, for the driver entry points vLLM's extensions link (the bundle's, or the install's)
 if ((USER_INSTALL)); then STUB_SITE=$SITE; else STUB_SITE=$REP/vllm-site; fi
-"$PY" scripts/gpu/gpu_replica_build.py stub --site "$STUB_SITE" --out "$REP/driver" >&2
+"$PY" tools/gpu_transfer/gpu_replica_build.py stub --site "$STUB_SITE" --out "$REP/driver" >&2
 
 # the plugins (the platform, the stop at the GPU): every process vLLM starts finds them by their entry points
-cp scripts/gpu/gpu_replica_platform.py "$SITE/qerl_replica_platform.py"
+cp tools/gpu_transfer/gpu_replica_platform.py "$SITE/qerl_replica_platform.py"
 mkdir -p "$SITE/qerl_replica_platform-0.dist-info"
 printf 'Metadata-Version: 2.1\nName: qerl-replica-platform\nVersion: 0\n' >"$SITE/qerl_replica_platform-0.dist-info/METADATA"
 printf '%s\n' '[vllm.platform_plugins]' 'replica_h200 = qerl_replica_platform:activate' '' \
@@ -170,7 +170,7 @@ say "replica ready: $PY ($(du -sh "$REP" | cut -f1))"
 ((BUILD_ONLY)) && exit 0
 
 # CUDA_VISIBLE_DEVICES="": vLLM then keeps Triton with no active driver (as it would with one) and so
-# picks the model runner the H200 gets. The sampler switch is the kit's (scripts/gpu/gpu_check.sh), not a
+# picks the model runner the H200 gets. The sampler switch is gpu_offline.sh's, for the bundle, not a
 # user's.
 SAMPLER=(VLLM_USE_FLASHINFER_SAMPLER=0)
 ((USER_INSTALL)) && SAMPLER=()
@@ -179,7 +179,7 @@ set +e
 env LD_LIBRARY_PATH="$REP/driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_VISIBLE_DEVICES="" \
   "${SAMPLER[@]}" VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
   PYTHONPATH="$REP/src:$ROOT" QERL_SYS_PATH_AFTER="$QERL_SYS_PATH_AFTER" \
-  "$PY" scripts/gpu/gpu_replica_check.py --report "$REP/report.txt" >"$REP/check.log" 2>&1
+  "$PY" tools/gpu_transfer/gpu_replica_check.py --report "$REP/report.txt" >"$REP/check.log" 2>&1
 RC=$?
 set -e
 if [[ -f "$REP/report.txt" ]]; then cat "$REP/report.txt"; else tail -20 "$REP/check.log"; fi

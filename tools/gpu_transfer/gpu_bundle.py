@@ -198,7 +198,7 @@ def _drop_checked(stage: Path, drop_list: Path) -> tuple[list[str], list[dict]]:
 
 
 def _defer_checked(stage: Path, listing: Path) -> list[str]:
-    """``from __future__ import annotations`` into each listed module (scripts/gpu/gpu_lazy.py), each of
+    """``from __future__ import annotations`` into each listed module (tools/gpu_transfer/gpu_lazy.py), each of
     which must exist, lack it, and use its lazy modules in annotations only."""
     done = []
     for rel in read_list(listing):

@@ -14,9 +14,9 @@ Each external name is classed: "needed" (an unguarded import in a module that un
 reach), "conditional" (under a module-level `if`, or only in modules reached through one: the scan
 reports the condition, a person decides), "optional" (only inside `try` blocks that catch
 ImportError). A module bound lazily (vLLM's ``LazyLoader``) counts as imported where the module uses
-it at import time, in an annotation that Python evaluates, say (scripts/gpu/gpu_lazy.py). A static scan
-cannot see `importlib.import_module(name)` with a computed name; the GPU kit's import of every root
-on the machine (scripts/gpu/gpu_import_roots.py) is the check that it missed nothing.
+it at import time, in an annotation that Python evaluates, say (tools/gpu_transfer/gpu_lazy.py). A static scan
+cannot see `importlib.import_module(name)` with a computed name; gpu_offline.sh's import of every root
+on the machine (tools/gpu_transfer/gpu_import_roots.py) is the check that it missed nothing.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def module_imports(path: Path, modname: str, is_package: bool) -> list[tuple[str
 
     visit(tree.body, "")
     # a lazily bound module that an annotation, decorator or module-level statement uses is imported
-    # when this module is (scripts/gpu/gpu_lazy.py)
+    # when this module is (tools/gpu_transfer/gpu_lazy.py)
     found += [(mod, [], "") for mod in eager_lazy_modules(tree)]
     return found
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Build what an offline GPU machine needs (run on a connected machine; docs/guide/gpu-offline.md says
-# how the bundles are carried, unpacked and checked). With no option: the small wheel set alone, into
-# .gpu-wheels/ (git-ignored), which scripts/gpu/gpu_check.sh installs when it finds it there:
-#   bash scripts/gpu/fetch_gpu_wheels.sh            then carry .gpu-wheels/ with the checkout
+# Build what an offline GPU machine image needs (run on a connected machine; tools/gpu_transfer/README.md
+# says how the bundles are carried, unpacked and checked). With no option: the small wheel set alone, into
+# .gpu-wheels/ (git-ignored), which tools/gpu_transfer/gpu_offline.sh installs when it finds it there:
+#   bash tools/gpu_transfer/fetch_gpu_wheels.sh            then carry .gpu-wheels/ with the checkout
 #
 # The GPU image has Python 3.12, torch (CUDA), triton, transformers, peft, safetensors, accelerate,
 # numpy, pyarrow, pandas, pyyaml and numba, but no pydantic (our configs) and no pytest. Only those
@@ -15,31 +15,31 @@
 #          --extra transformers==5.19.0 if the image's version turns out incompatible)  --list
 #
 # --vllm: build the vLLM bundle instead (issue 23): download the wheels pinned in
-#   scripts/gpu/gpu_vllm_requirements.txt (vllm 0.26.0 and the few distributions the image lacks that an
+#   tools/gpu_transfer/gpu_vllm_requirements.txt (vllm 0.26.0 and the few distributions the image lacks that an
 #   offline LLM(...).generate with LoRA on an NVFP4A16 checkpoint imports, each with its reason) into
 #   .gpu-vllm-build/wheels (kept: a second run downloads nothing), unpack them into a staging folder,
-#   delete what Hopper's dense path never loads (scripts/gpu/gpu_vllm_drop.txt, each with what was
-#   checked), give the modules in scripts/gpu/gpu_vllm_defer_annotations.txt `from __future__ import
-#   annotations` (scripts/gpu/gpu_lazy.py), re-run the static import scan on the staged tree (scripts/gpu/gpu_bundle.py scan, roots in
-#   scripts/gpu/gpu_vllm_roots.txt: it fails if a needed distribution or module is missing), then tar + xz
+#   delete what Hopper's dense path never loads (tools/gpu_transfer/gpu_vllm_drop.txt, each with what was
+#   checked), give the modules in tools/gpu_transfer/gpu_vllm_defer_annotations.txt `from __future__ import
+#   annotations` (tools/gpu_transfer/gpu_lazy.py), re-run the static import scan on the staged tree (tools/gpu_transfer/gpu_bundle.py scan, roots in
+#   tools/gpu_transfer/gpu_vllm_roots.txt: it fails if a needed distribution or module is missing), then tar + xz
 #   it and split it into chunks of at most 50 MiB in .gpu-vllm/ (part-01, part-02, ...) with
 #   .gpu-vllm/manifest.json (each chunk's size and sha256, the archive's, the dependency list, the
-#   dropped files). The chunks can travel one at a time: see docs/guide/gpu-offline.md.
+#   dropped files). The chunks can travel one at a time: see tools/gpu_transfer/README.md.
 #   Options with --vllm: --vllm-dest DIR (default .gpu-vllm)  --chunk-mib N (default 50: a chunk, the
 #   manifest and the working tree fit a transfer of 64 MiB)
 #   --xz-preset N (default 6: 285 MiB -> 74.5 MiB in ~4.5 min on 2 busy cores; 3 gives 78.2 MiB in
 #   2.4 min, the same 2 chunks; the 75 MiB _C extension is already compressed and does not shrink)
 #   --vllm-wheel PATH (an already downloaded vllm wheel: linked, not fetched)
 #   To redo the scan by hand (here, or on the GPU image with --installed instead of the built-in list):
-#     python3 scripts/gpu/gpu_bundle.py scan --tree .gpu-vllm-build/site --roots-file scripts/gpu/gpu_vllm_roots.txt
+#     python3 tools/gpu_transfer/gpu_bundle.py scan --tree .gpu-vllm-build/site --roots-file tools/gpu_transfer/gpu_vllm_roots.txt
 #   (build with --keep-stage via GPU_BUNDLE_KEEP_STAGE=1 to keep .gpu-vllm-build/site).
 #
 # --run: build the run bundle (after --vllm): what `qerl run` needs on the GPU image beyond it and the
-#   vLLM bundle (Prefect, MLflow, math-verify, pinned in scripts/gpu/gpu_run_requirements.txt, which says
+#   vLLM bundle (Prefect, MLflow, math-verify, pinned in tools/gpu_transfer/gpu_run_requirements.txt, which says
 #   why the whole resolved closure travels rather than a scanned one). pip resolves the pins for
 #   Python 3.12 manylinux with the vLLM bundle's versions as constraints, into .gpu-run-build/wheels;
 #   the build leaves out the image's distributions and the vLLM bundle's, drops the web UIs
-#   (scripts/gpu/gpu_run_drop.txt) and packs the rest into .gpu-run/ (part-01, ..., manifest.json).
+#   (tools/gpu_transfer/gpu_run_drop.txt) and packs the rest into .gpu-run/ (part-01, ..., manifest.json).
 #   Options with --run: --run-dest DIR (default .gpu-run), --chunk-mib, --xz-preset as above.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -87,7 +87,7 @@ PLATFORM_ARGS=(--only-binary=:all: --python-version 3.12 --implementation cp --a
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
 
 if ((VLLM)); then
-  REQ=scripts/gpu/gpu_vllm_requirements.txt
+  REQ=tools/gpu_transfer/gpu_vllm_requirements.txt
   BUILD=.gpu-vllm-build
   mkdir -p "$BUILD/wheels"
   if [[ -n "$VLLM_WHEEL" ]]; then
@@ -102,14 +102,14 @@ if ((VLLM)); then
   KEEP=()
   [[ -n "${GPU_BUNDLE_KEEP_STAGE:-}" ]] && KEEP=(--keep-stage)
   # xz over ~300 MiB on a shared machine: be nice to the neighbours
-  exec nice -n 10 "$PY" scripts/gpu/gpu_bundle.py build --wheels "$BUILD/wheels" --requirements "$REQ" \
-    --drop scripts/gpu/gpu_vllm_drop.txt --defer-annotations scripts/gpu/gpu_vllm_defer_annotations.txt \
-    --roots scripts/gpu/gpu_vllm_roots.txt --stage "$BUILD/site" \
+  exec nice -n 10 "$PY" tools/gpu_transfer/gpu_bundle.py build --wheels "$BUILD/wheels" --requirements "$REQ" \
+    --drop tools/gpu_transfer/gpu_vllm_drop.txt --defer-annotations tools/gpu_transfer/gpu_vllm_defer_annotations.txt \
+    --roots tools/gpu_transfer/gpu_vllm_roots.txt --stage "$BUILD/site" \
     --out "$VLLM_DEST" --chunk-mib "$CHUNK_MIB" --preset "$XZ_PRESET" "${KEEP[@]}"
 fi
 
 if ((RUN)); then
-  REQ=scripts/gpu/gpu_run_requirements.txt
+  REQ=tools/gpu_transfer/gpu_run_requirements.txt
   BUILD=.gpu-run-build
   [[ -f "$VLLM_DEST/manifest.json" ]] || {
     echo "fetch_gpu_wheels: build the vLLM bundle first (--vllm): the run bundle leaves out what it carries" >&2
@@ -128,8 +128,8 @@ PYEOF
     -c "$BUILD/constraints.txt" -d "$BUILD/wheels" "${RSPECS[@]}" || exit 1
   KEEP=()
   [[ -n "${GPU_BUNDLE_KEEP_STAGE:-}" ]] && KEEP=(--keep-stage)
-  exec nice -n 10 "$PY" scripts/gpu/gpu_bundle.py build --resolved --provided "$VLLM_DEST/manifest.json" \
-    --wheels "$BUILD/wheels" --requirements "$REQ" --drop scripts/gpu/gpu_run_drop.txt --stage "$BUILD/site" \
+  exec nice -n 10 "$PY" tools/gpu_transfer/gpu_bundle.py build --resolved --provided "$VLLM_DEST/manifest.json" \
+    --wheels "$BUILD/wheels" --requirements "$REQ" --drop tools/gpu_transfer/gpu_run_drop.txt --stage "$BUILD/site" \
     --out "$RUN_DEST" --chunk-mib "$CHUNK_MIB" --preset "$XZ_PRESET" "${KEEP[@]}"
 fi
 

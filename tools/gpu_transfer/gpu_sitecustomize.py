@@ -1,7 +1,7 @@
-"""The GPU kit's ``sitecustomize``: paths that go on ``sys.path`` after the image's site-packages.
+"""The transfer kit's ``sitecustomize``: paths that go on ``sys.path`` after the image's site-packages.
 
-``scripts/gpu/gpu_src.sh`` copies it into the folder that goes first on ``PYTHONPATH`` (``.gpu-src`` in
-the kit, ``.gpu-replica/src`` in the CPU replica), so every Python process started there, vLLM's
+``tools/gpu_transfer/gpu_src.sh`` copies it into the folder that goes first on ``PYTHONPATH`` (``.gpu-src`` in
+gpu_offline.sh, ``.gpu-replica/src`` in the CPU replica), so every Python process started there, vLLM's
 engine-core process and ``qerl run``'s included, appends the folders in ``$QERL_SYS_PATH_AFTER``
 (the extracted bundles): the image's torch must win over anything a bundle brings. It then runs the
 ``sitecustomize`` it shadows (the distribution's), if any. Standard library only.

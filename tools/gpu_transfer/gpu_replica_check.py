@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Before a GPU lease: vLLM's CUDA code paths with qerl's engine, as far as they go without a GPU.
 
-It runs in the CPU replica of the GPU image that ``scripts/gpu/gpu_replica.sh`` builds in ``.gpu-replica``:
+It runs in the CPU replica of the GPU image that ``tools/gpu_transfer/gpu_replica.sh`` builds in ``.gpu-replica``:
 Python 3.12, the image's torch 2.11.0+cu130 and the image's packages that vLLM and qerl read, the
-bundles (vLLM 0.26) appended after them by the kit's own sitecustomize, a ``libcuda.so.1`` whose every entry
-point answers "no device" (``scripts/gpu/gpu_replica_build.py``), and the vLLM plugins of
-``scripts/gpu/gpu_replica_platform.py`` (an H200's capability 9.0; a stop at the worker's ``init_device``). Each check stops where a GPU is
+bundles (vLLM 0.26) appended after them by gpu_offline.sh's own sitecustomize, a ``libcuda.so.1`` whose every entry
+point answers "no device" (``tools/gpu_transfer/gpu_replica_build.py``), and the vLLM plugins of
+``tools/gpu_transfer/gpu_replica_platform.py`` (an H200's capability 9.0; a stop at the worker's ``init_device``). Each check stops where a GPU is
 first needed: whatever fails before that point fails on the lease too, where a try costs minutes of
 a 15-minute budget, while here it costs seconds. With ``--user-install`` the script builds
 ``.gpu-replica-user`` instead: a user's GPU install (``requirements/gpu.txt`` from the registry: vLLM
@@ -35,7 +35,7 @@ the untested vLLM 0.32 on torch 2.13.0+cu130), with the same driver and plugins.
 6. weights: vLLM's own loader fills the model, built on the CPU, from the checkpoint (the kit test's
    Qwen2, then the padded test's SmolLM2-shaped Llama, whose padding comes after loading); every
    parameter is compared with the checkpoint, fused layers' global scales must agree, and Marlin's
-   conversion of the block scales must keep them (``scripts/gpu/gpu_replica_weights.py``).
+   conversion of the block scales must keep them (``tools/gpu_transfer/gpu_replica_weights.py``).
 7. run: ``qerl run --config demo-gpu`` end to end (two steps, the transformers engine) with the run
    bundle: Prefect's temporary server, MLflow's registry and math-verify on the image's Python and
    packages, as the kit's ``--run-only`` part needs them (skipped without the run bundle).
@@ -43,8 +43,8 @@ the untested vLLM 0.32 on torch 2.13.0+cu130), with the same driver and plugins.
 Not checked (a GPU is needed): Marlin's repacking (``gptq_marlin_repack``), CUDA graph capture, the
 sampler, the Triton kernels compiled, anything the kit's tests measure.
 
-Usage: bash scripts/gpu/gpu_replica.sh (builds the replica, then runs this with its environment)
-       .gpu-replica/bin/python scripts/gpu/gpu_replica_check.py [--work DIR] [--report FILE]  (exit 1: findings)
+Usage: bash tools/gpu_transfer/gpu_replica.sh (builds the replica, then runs this with its environment)
+       .gpu-replica/bin/python tools/gpu_transfer/gpu_replica_check.py [--work DIR] [--report FILE]  (exit 1: findings)
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+sys.path.insert(0, str(ROOT / "tools" / "gpu_transfer"))
 log = logging.getLogger("gpu_replica_check")
 REPORT: list[Path] = []  # --report: the lines for people also go there (vLLM's log goes to stdout)
 
@@ -76,7 +76,7 @@ def check_imports() -> list[str]:
     from gpu_bundle import read_list
     from gpu_import_roots import import_each
 
-    failed = import_each(read_list(ROOT / "scripts" / "gpu" / "gpu_vllm_roots.txt"))
+    failed = import_each(read_list(ROOT / "tools" / "gpu_transfer" / "gpu_vllm_roots.txt"))
     return [f"import {name}: {err}" for name, err in failed.items() if err]
 
 
@@ -135,7 +135,7 @@ def check_scheme(model_dir: Path) -> list[str]:
 
 def pretend_cuda() -> None:
     """qerl plans the CUDA mode (vllm-nvfp4-marlin) in this process; vLLM stops at the GPU by itself
-    (the replica's general plugin, scripts/gpu/gpu_replica_platform.py)."""
+    (the replica's general plugin, tools/gpu_transfer/gpu_replica_platform.py)."""
     import qerl.pipeline.rollout.vllm_engine as vllm_engine
     from qerl.pipeline.runtime import device
 
@@ -335,7 +335,7 @@ def check_run(work: Path) -> list[str]:
     import subprocess
 
     if importlib.util.find_spec("prefect") is None:
-        say("  run: skipped (no run bundle in the replica: scripts/gpu/fetch_gpu_wheels.sh --run)")
+        say("  run: skipped (no run bundle in the replica: tools/gpu_transfer/fetch_gpu_wheels.sh --run)")
         return []
     cmd = [
         sys.executable,
@@ -348,7 +348,7 @@ def check_run(work: Path) -> list[str]:
         str(work / "run"),
     ]
     cmd += [arg for setting in RUN_SETTINGS for arg in ("--set", setting)]
-    env = dict(os.environ, PREFECT_UI_ENABLED="false")  # PYTHONPATH as the kit sets it (gpu_replica.sh)
+    env = dict(os.environ, PREFECT_UI_ENABLED="false")  # PYTHONPATH as gpu_replica.sh sets it
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     print(out.stdout + out.stderr, flush=True)  # into the check's log
     records = sorted((work / "run").glob("runs/*/run.json"))
@@ -493,7 +493,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--work", type=Path, help="where the checkpoints go (default: a temporary folder)")
     parser.add_argument("--report", type=Path, help="also write the lines for people here (replaced)")
     args = parser.parse_args(argv)
-    if str(ROOT) not in sys.path:  # gpu_replica.sh puts it on PYTHONPATH after the kit's src folder
+    if str(ROOT) not in sys.path:  # gpu_replica.sh puts it on PYTHONPATH after its src folder
         sys.path.append(str(ROOT))
     if args.report:
         args.report.write_text("")

@@ -1,8 +1,8 @@
-"""The vLLM bundle's machinery (scripts/gpu/gpu_bundle.py), on small synthetic trees, with no network.
+"""The bundles' machinery (tools/gpu_transfer/gpu_bundle.py), on small synthetic trees, with no network.
 
-The split, the staging of carried chunks, the reassembly and the checksum checks: a missing chunk is
-named, a flipped byte is detected and the chunk named, the reassembled archive extracts to the same
-files. The import scan on a tiny synthetic package: module-level imports are found (in `if`, `try`,
+The split, the staging of carried chunks (by gpu_bundle.py, and by gpu_offline.sh --stage-only as the
+GPU machine runs it), the reassembly and the checksum checks: a missing chunk is named, a flipped byte
+is detected and the chunk named, the reassembled archive extracts to the same files. The import scan on a tiny synthetic package: module-level imports are found (in `if`, `try`,
 class bodies), function-level and TYPE_CHECKING imports are not, relative imports resolve, names map to
 distributions (a wheel's top_level.txt, the table), the image's distributions are subtracted. And the
 committed lists the shell script reads stay consistent (exact pins; pydantic equal to the small
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts" / "gpu"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "tools" / "gpu_transfer"
 SCRIPT = SCRIPTS / "gpu_bundle.py"
 sys.path.insert(0, str(SCRIPTS))  # the scripts import their siblings, as they do when run
 import gpu_bundle as gb  # noqa: E402
@@ -147,7 +147,7 @@ def test_stage_collects_one_chunk_per_call_into_the_kept_folder(synthetic, tmp_p
 
 
 KIT_FILES = (
-    "gpu_check.sh",
+    "gpu_offline.sh",
     "gpu_bundle.py",
     "gpu_chunks.py",
     "gpu_imports.py",
@@ -157,25 +157,26 @@ KIT_FILES = (
 
 
 def _device_root(tmp_path: Path, leave_out: str = "") -> tuple[Path, dict]:
-    """A throwaway repository root holding the kit's scripts, and the environment to run it in."""
+    """A throwaway repository root holding the transfer kit's staging scripts, and the environment to
+    run them in."""
     root = tmp_path / "device-root"
-    (root / "scripts" / "gpu").mkdir(parents=True)
+    (root / "tools" / "gpu_transfer").mkdir(parents=True)
     for name in KIT_FILES:
         if name != leave_out:
-            (root / "scripts" / "gpu" / name).write_bytes((SCRIPTS / name).read_bytes())
+            (root / "tools" / "gpu_transfer" / name).write_bytes((SCRIPTS / name).read_bytes())
     return root, {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "results")}
 
 
 def _stage_only(root: Path, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(root / "scripts" / "gpu" / "gpu_check.sh"), "--dry-run", "--stage-only"],
+        ["bash", str(root / "tools" / "gpu_transfer" / "gpu_offline.sh"), "--stage-only"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
 
 
 def test_the_kit_stages_one_chunk_a_call_then_extracts(synthetic, tmp_path):
-    """gpu_check.sh --stage-only as the device calls run it, in a throwaway root holding the kit's
-    scripts: each call carries the manifest and one chunk into .gpu-vllm/; the kit keeps them in
+    """gpu_offline.sh --stage-only as the GPU machine's calls run it, in a throwaway root holding the
+    kit's scripts: each call carries the manifest and one chunk into .gpu-vllm/; the kit keeps them in
     .gpu-vllm-chunks/, names what is missing, and extracts once every chunk is there and sound."""
     _, out, manifest = synthetic
     root, env = _device_root(tmp_path)
@@ -198,74 +199,6 @@ def test_the_kit_stages_one_chunk_a_call_then_extracts(synthetic, tmp_path):
     assert (site / "pkg" / "sub" / "blob.so").is_file() and (
         site / "pkg-1.0.dist-info" / "METADATA"
     ).is_file()
-
-
-FAKE_IMAGE_PYTHON = """#!/usr/bin/env bash
-# the GPU image's python as the kit's probes see it, without CUDA; counts the import checks it runs
-case "$*" in
-  --version) echo "Python 3.12.3" ;;
-  *gpu_import_roots.py*) echo run >>"$IMPORT_CHECKS"; echo "imports: 39 of 39 roots import (9.9 s)" ;;
-  *is_available*) exit 1 ;;
-  -) cat >/dev/null; echo "python 3.12.3 on x86_64" ;;
-  *) exit 0 ;;
-esac
-"""
-
-
-def test_a_clean_vllm_import_check_serves_the_later_calls_of_a_lease(tmp_path):
-    """The roots' import check (tens of seconds a call on a GPU machine) runs once per extracted
-    bundle and roots list: a later call on the same machine reuses a clean result, and a changed list checks again."""
-    root, env = _device_root(tmp_path)
-    for name in ("gpu_src.sh", "gpu_sitecustomize.py", "gpu_vllm_roots.txt"):
-        (root / "scripts" / "gpu" / name).write_bytes((SCRIPTS / name).read_bytes())
-    (root / "qerl").mkdir()
-    (root / "qerl" / "__init__.py").write_bytes((ROOT / "qerl" / "__init__.py").read_bytes())
-    (root / ".gpu-vllm-site").mkdir()
-    (root / ".gpu-vllm-site" / ".bundle-sha256").write_text("ab" * 32 + "\n")  # an extracted bundle
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_IMAGE_PYTHON)
-    fake.chmod(0o755)
-    checks = tmp_path / "import-checks"
-    env = {**env, "PYTHON": str(fake), "IMPORT_CHECKS": str(checks)}
-
-    def call() -> str:
-        proc = subprocess.run(["bash", "scripts/gpu/gpu_check.sh", "--tests-only"], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert proc.returncode == 2 and "no CUDA device" in proc.stderr, proc.stderr  # stops there
-        return proc.stderr
-
-    assert "vLLM imports: 39 of 39 roots import (9.9 s)\n" in call()
-    assert "roots import (9.9 s), by an earlier call on this machine" in call()
-    assert checks.read_text().count("run") == 1
-    with (root / "scripts" / "gpu" / "gpu_vllm_roots.txt").open("a") as roots:
-        roots.write("vllm.extra\n")
-    assert "by an earlier call" not in call()  # another list: checked again
-    assert checks.read_text().count("run") == 2
-
-
-def test_the_kit_does_not_start_the_tests_without_pydantic(tmp_path):
-    """On the image, qerl's configs import pydantic, which only the extracted vLLM bundle brings: the
-    kit says so and names the bundle's state instead of running tests that all error at setup."""
-    root, env = _device_root(tmp_path)
-    for name in ("gpu_src.sh", "gpu_sitecustomize.py", "gpu_vllm_roots.txt"):
-        (root / "scripts" / "gpu" / name).write_bytes((SCRIPTS / name).read_bytes())
-    fake = tmp_path / "python"
-    fake.write_text(
-        FAKE_IMAGE_PYTHON.replace("*is_available*) exit 1 ;;", "*is_available*) exit 0 ;;").replace(
-            "  *) exit 0 ;;",
-            '  *"import pydantic"*) exit 1 ;;\n  *pytest*) echo PYTEST-RAN >>"$IMPORT_CHECKS" ;;\n  *) exit 0 ;;',
-        )
-    )
-    fake.chmod(0o755)
-    checks = tmp_path / "calls"
-    env = {**env, "PYTHON": str(fake), "IMPORT_CHECKS": str(checks)}
-    proc = subprocess.run(["bash", "scripts/gpu/gpu_check.sh", "--tests-only", "--no-vllm"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert "tests: not started: qerl needs pydantic, which the vLLM bundle brings" in proc.stderr, proc.stderr
-    assert not checks.exists() or "PYTEST-RAN" not in checks.read_text()
-    report = (tmp_path / "results" / "gpu-check.md").read_text()
-    assert "| test_gpu | 0 | not started: no pydantic" in report
-    assert proc.returncode == 5  # nothing failed; the kit is incomplete
 
 
 def test_the_kit_stages_the_run_bundle_beside_the_vllm_one(synthetic, tmp_path):
@@ -519,15 +452,32 @@ def test_build_resolved_carries_the_closure_less_the_image_and_the_other_bundle(
 
 
 def test_requirements_are_exact_pins_consistent_with_the_small_wheel_set():
-    reqs = gb.parse_requirements(ROOT / "scripts" / "gpu" / "gpu_vllm_requirements.txt")
+    reqs = gb.parse_requirements(SCRIPTS / "gpu_vllm_requirements.txt")
     pins = {r["dist"]: r["version"] for r in reqs}
     assert pins["vllm"] == "0.26.0" and all(r["reason"] for r in reqs), "each line says why"
     image = gi.image_packages()
     assert not set(pins) & image, "carrying an image package would shadow the image's (torch above all)"
-    small = (ROOT / "scripts" / "gpu" / "fetch_gpu_wheels.sh").read_text()
+    small = (SCRIPTS / "fetch_gpu_wheels.sh").read_text()
     for dist in ("pydantic", "pydantic-core", "annotated-types", "typing-inspection"):
         m = re.search(rf"(?<![-\w]){re.escape(dist)}==([\w.]+)", small)
         assert m and m.group(1) == pins[dist], f"{dist}: both bundles may share one sys.path"
+
+
+def test_the_gpu_install_and_the_kit_pin_the_same_vllm_and_torch():
+    from test_gpu_install import GPU_REQS, pins
+
+    install = pins(GPU_REQS)
+    bundle = pins(SCRIPTS / "gpu_vllm_requirements.txt")  # the vLLM the kit carries
+    image = pins(SCRIPTS / "gpu_replica_requirements.txt")  # the GPU image's torch, which the kit runs on
+    assert install["vllm"] == bundle["vllm"], (install["vllm"], bundle["vllm"])
+    for dist in ("torch", "torchvision", "torchaudio", "triton", "transformers"):
+        assert install[dist] == image[dist], (dist, install[dist], image[dist])
+    # the bundle's header says which torch its vLLM pins: the same
+    header = (SCRIPTS / "gpu_vllm_requirements.txt").read_text()
+    assert f"torch=={install['torch']}" in header
+    # pins the bundle and the install share are the same versions (pydantic: both on one sys.path)
+    for dist in set(install) & set(bundle):
+        assert install[dist] == bundle[dist], (dist, install[dist], bundle[dist])
 
 
 def test_the_image_list_reads_names_and_skips_comments(tmp_path):
@@ -550,7 +500,7 @@ def test_run_bundle_pins_are_the_cpu_environments():
         if "==" in spec:
             name, version = spec.split("==", 1)
             cpu[gi.norm(name.split("[")[0])] = version.strip()
-    reqs = gb.parse_requirements(ROOT / "scripts" / "gpu" / "gpu_run_requirements.txt")
+    reqs = gb.parse_requirements(SCRIPTS / "gpu_run_requirements.txt")
     assert {r["dist"] for r in reqs} == {"prefect", "mlflow", "math-verify", "bitsandbytes"} and all(
         r["reason"] for r in reqs
     )
@@ -559,59 +509,22 @@ def test_run_bundle_pins_are_the_cpu_environments():
 
 
 def test_drop_list_spares_the_extensions_the_dense_path_loads():
-    patterns = gb.read_list(ROOT / "scripts" / "gpu" / "gpu_vllm_drop.txt")
+    patterns = gb.read_list(SCRIPTS / "gpu_vllm_drop.txt")
     import fnmatch
 
     assert "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" in patterns
     for kept in ("vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "vllm/_qutlass_C.abi3.so",
                  "vllm/vllm_flash_attn/flash_attn_interface.py", "vllm/cumem_allocator.abi3.so"):  # fmt: skip
         assert not any(fnmatch.fnmatchcase(kept, p) for p in patterns), kept
-    roots = gb.read_list(ROOT / "scripts" / "gpu" / "gpu_vllm_roots.txt")
+    roots = gb.read_list(SCRIPTS / "gpu_vllm_roots.txt")
     assert "vllm.entrypoints.llm" in roots and "vllm.model_executor.models.qwen2" in roots
 
 
 def test_the_shell_script_exposes_the_vllm_build():
-    text = (ROOT / "scripts" / "gpu" / "fetch_gpu_wheels.sh").read_text()
+    text = (SCRIPTS / "fetch_gpu_wheels.sh").read_text()
     assert "--vllm)" in text and "gpu_bundle.py build" in text
-    check = (ROOT / "scripts" / "gpu" / "gpu_check.sh").read_text()
-    assert "--stage-only)" in check and "gpu_bundle.py stage" in check and "gpu_bundle.py unpack" in check
-
-
-# the kit's files that import vLLM
-VLLM_KIT = (
-    "tests/test_gpu_vllm.py",
-    "tests/test_gpu_vllm_aqn.py",
-    "tests/test_gpu_vllm_padded.py",
-    "benchmarks/bench_vllm.py",
-)
-
-
-def test_the_vllm_kit_names_qerl_modules_and_names_that_exist():
-    """tests/test_gpu_vllm.py and benchmarks/bench_vllm.py run whole only on a GPU: here, on any
-    machine, every `from qerl... import x` in them must resolve (module paths move in refactors; the
-    GPU session should not find out first)."""
-    import ast
-    import importlib
-    import importlib.util
-
-    trees = [ast.parse((ROOT / f).read_text()) for f in VLLM_KIT]
-    wanted = [
-        (node.module, alias.name)
-        for tree in trees
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qerl.")
-        for alias in node.names
-    ]
-    assert len(wanted) >= 10
-    missing = []
-    for module, name in wanted:
-        try:
-            parent = importlib.import_module(module)
-            if not hasattr(parent, name) and importlib.util.find_spec(f"{module}.{name}") is None:
-                missing.append(f"{module}.{name}")  # neither a name in it nor a submodule
-        except ImportError as err:
-            missing.append(f"{module} ({err})")
-    assert not missing, missing
+    check = (SCRIPTS / "gpu_offline.sh").read_text()
+    assert "--stage-only)" in check and 'gpu_bundle.py" stage' in check and 'gpu_bundle.py" unpack' in check
 
 
 def test_the_qerl_side_of_the_vllm_part_needs_only_the_image_and_the_bundle(tmp_path):
@@ -625,6 +538,8 @@ def test_the_qerl_side_of_the_vllm_part_needs_only_the_image_and_the_bundle(tmp_
     (src / "__init__.py").write_bytes((ROOT / "qerl" / "__init__.py").read_bytes())
     for sub in ("pipeline", "stages", "kernels", "flows"):
         (src / sub).symlink_to(ROOT / sub)
+    from test_gpu import VLLM_KIT
+
     trees = [ast.parse((ROOT / f).read_text()) for f in VLLM_KIT]
     roots = sorted(
         {
@@ -639,9 +554,7 @@ def test_the_qerl_side_of_the_vllm_part_needs_only_the_image_and_the_bundle(tmp_
     assert not result["missing"], result["missing"]
     assert len(result["reached"]) > 20
     provided = gi.image_packages()
-    provided |= {
-        r["dist"] for r in gb.parse_requirements(ROOT / "scripts" / "gpu" / "gpu_vllm_requirements.txt")
-    }
+    provided |= {r["dist"] for r in gb.parse_requirements(SCRIPTS / "gpu_vllm_requirements.txt")}
     needed = {
         top: (e["dist"], " > ".join(e["chain"]))
         for top, e in result["externals"].items()
@@ -732,7 +645,7 @@ def test_the_defer_list_names_only_what_the_vllm_wheel_needs_deferred():
     assert listed and all(p.startswith("vllm/") and p.endswith(".py") for p in listed)
     wheels = sorted((ROOT / ".gpu-vllm-build" / "wheels").glob("vllm-*.whl"))
     if not wheels:
-        pytest.skip("no vLLM wheel here (scripts/gpu/fetch_gpu_wheels.sh --vllm downloads it)")
+        pytest.skip("no vLLM wheel here (tools/gpu_transfer/fetch_gpu_wheels.sh --vllm downloads it)")
     with zipfile.ZipFile(wheels[-1]) as zf:
         for rel in listed:
             uses = gpu_lazy.eager_lazy_modules(ast.parse(zf.read(rel)))
@@ -741,15 +654,15 @@ def test_the_defer_list_names_only_what_the_vllm_wheel_needs_deferred():
 
 def test_the_kit_turns_off_the_sampler_that_needs_flashinfer():
     """The bundle leaves FlashInfer out; vLLM's sampler imports it at engine start unless
-    VLLM_USE_FLASHINFER_SAMPLER=0 (the engine failed to start on an H200 without it). The kit sets it,
-    and the vLLM wheel (when it is here) still reads that switch before the import."""
+    VLLM_USE_FLASHINFER_SAMPLER=0 (the engine failed to start on an H200 without it). gpu_offline.sh
+    sets it, and the vLLM wheel (when it is here) still reads that switch before the import."""
     assert (
         "export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}"
-        in (SCRIPTS / "gpu_check.sh").read_text()
+        in (SCRIPTS / "gpu_offline.sh").read_text()
     )
     wheels = sorted((ROOT / ".gpu-vllm-build" / "wheels").glob("vllm-*.whl"))
     if not wheels:
-        pytest.skip("no vLLM wheel here (scripts/gpu/fetch_gpu_wheels.sh --vllm downloads it)")
+        pytest.skip("no vLLM wheel here (tools/gpu_transfer/fetch_gpu_wheels.sh --vllm downloads it)")
     with zipfile.ZipFile(wheels[-1]) as zf:
         src = zf.read("vllm/v1/sample/ops/topk_topp_sampler.py").decode()
     switch, needs = (
@@ -760,8 +673,8 @@ def test_the_kit_turns_off_the_sampler_that_needs_flashinfer():
 
 
 def test_the_root_import_check_names_every_failing_root(tmp_path):
-    """After extracting the bundle the kit imports each root of the scan on its own
-    (scripts/gpu/gpu_import_roots.py), so one call shows every module the scan missed (on the first H200
+    """After extracting the bundle gpu_offline.sh imports each root of the scan on its own
+    (tools/gpu_transfer/gpu_import_roots.py), so one call shows every module the scan missed (on the first H200
     run each missing module cost a try)."""
     pkg = tmp_path / "site" / "fake"
     pkg.mkdir(parents=True)
@@ -793,7 +706,7 @@ def test_the_root_import_check_names_every_failing_root(tmp_path):
 
 
 def test_the_kits_src_folder_puts_qerl_first_and_the_bundles_after_site_packages(tmp_path):
-    """scripts/gpu/gpu_src.sh: qerl imports from the folder, and in every process started with it (a
+    """tools/gpu_transfer/gpu_src.sh: qerl imports from the folder, and in every process started with it (a
     child of a child too: vLLM's engine core, `qerl run`) the bundles come after site-packages."""
     subprocess.run(["bash", str(SCRIPTS / "gpu_src.sh"), str(tmp_path / "src")], check=True)
     bundle = tmp_path / "bundle"
@@ -817,16 +730,24 @@ def test_the_kits_src_folder_puts_qerl_first_and_the_bundles_after_site_packages
     assert bundle_at > site_at
 
 
-def test_the_vllm_modules_share_one_gap_file(tmp_path, monkeypatch):
-    """The AQN and padded modules add their records to vllm-gap.json beside the first module's, so the
-    kit stays within the 8 files the device tool brings back."""
-    from tests.test_gpu_vllm import record_gap
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    (tmp_path / "vllm-gap.json").write_text(json.dumps({"clean": {"tokens": 3}}))
-    record_gap("fp32_norms", {"tokens": 4})
-    record_gap("padded", {"tokens": 5})
-    assert json.loads((tmp_path / "vllm-gap.json").read_text()) == {
-        "clean": {"tokens": 3}, "fp32_norms": {"tokens": 4}, "padded": {"tokens": 5},
-    }  # fmt: skip
-    assert [p.name for p in tmp_path.iterdir()] == ["vllm-gap.json"]
+def test_wheel_script_downloads_and_enforces_the_limit(tmp_path):
+    """One tiny wheel (iniconfig, ~8 KB) from the registry, then the same with a limit it exceeds."""
+    script = SCRIPTS / "fetch_gpu_wheels.sh"
+    proc = subprocess.run(
+        ["bash", str(script), "--dest", str(tmp_path / "w"), "--only", "iniconfig"],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0 and re.search(r"(?i)connection|resolve|network|temporary failure", proc.stderr):
+        pytest.skip(f"package registry unreachable: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wheels = list((tmp_path / "w").glob("iniconfig-*-py3-none-any.whl"))
+    assert len(wheels) == 1
+    manifest = json.loads((tmp_path / "w" / "wheels.json").read_text())
+    assert manifest["total_bytes"] == wheels[0].stat().st_size and manifest["python"] == "3.12"
+    over = subprocess.run(
+        ["bash", str(script), "--dest", str(tmp_path / "w2"), "--only", "iniconfig", "--max-mib", "0.001"],
+        capture_output=True,
+        text=True,
+    )
+    assert over.returncode != 0 and "over the 0.001 MiB limit" in over.stderr

@@ -1,4 +1,4 @@
-"""The CPU replica of the GPU image (``scripts/gpu/gpu_replica.sh``, ``scripts/gpu/gpu_replica_check.py``).
+"""The CPU replica of the GPU image (``tools/gpu_transfer/gpu_replica.sh``, ``tools/gpu_transfer/gpu_replica_check.py``).
 
 The replica itself (6.3 GB: the image's CUDA torch) is a developer's pre-flight before a GPU run and is
 not built here. What is tested here runs without it: the stub driver, the replica's package lists,
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts" / "gpu"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "tools" / "gpu_transfer"
 sys.path.insert(0, str(SCRIPTS))  # the scripts import their siblings, as they do when run
 import gpu_imports as gi  # noqa: E402
 import gpu_replica_build as grb  # noqa: E402
@@ -90,7 +90,9 @@ def test_the_replica_refuses_a_python_other_than_its_targets_before_removing_any
     """The image replica wants the image's Python, the user-install one the GPU set-up's;
     a wrong one is refused before --rebuild removes the venv (/bin/false answers no version)."""
     assert "QERL_ENV=gpu make venv" in (ROOT / "README.md").read_text()
-    assert "PY=${PYTHON:-python3.11}" in (SCRIPTS.parent / "bootstrap.sh").read_text()  # the set-up's Python
+    assert (
+        "PY=${PYTHON:-python3.11}" in (ROOT / "scripts" / "bootstrap.sh").read_text()
+    )  # the set-up's Python
     out = subprocess.run(
         ["bash", str(SCRIPTS / "gpu_replica.sh"), *flags, "--rebuild", "--python", "/bin/false"],
         capture_output=True,
