@@ -15,7 +15,8 @@ test: venv
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not kit"
 
-# The GPU kit's slow CPU checks (dry runs of scripts/gpu/ on the CPU); CI runs them after `make test`.
+# The GPU kit's slow CPU checks (dry runs of scripts/gpu/ and tools/gpu_transfer/ on the CPU, the
+# replica's model and weights checks); CI runs them after `make test`.
 test-kit: venv
 	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m kit
 
