@@ -1,6 +1,6 @@
 """The ablation flow (``qerl ablate``): one ordinary run per (arm, seed), then the comparison.
 
-What. ``ablate_flow`` runs ``qerl.flows.rl.rl_flow`` as a subflow for every (arm, replicate), one after the
+What. ``ablate_flow`` runs ``qerl.flows.run.rl_flow`` as a subflow for every (arm, replicate), one after the
 other (arm configs and seeds: ``qerl.pipeline.evaluation.arms``), then compares them
 (``qerl.pipeline.evaluation.report``): ``report.md`` and
 ``plots/*.png`` under ``<work>/ablations/<ablation id>/``, a Prefect table and markdown artifact, and
@@ -38,15 +38,16 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from qerl.flows import console
-from qerl.flows.rl import rl_flow
-from qerl.flows.run_record import load_run_record, run_id_for
+from qerl.flows.run import rl_flow
 from qerl.pipeline.config import key_payload
 from qerl.pipeline.evaluation.arms import AblationError, ablation_id, arm_config, parse_arms
 from qerl.pipeline.evaluation.report import ArmRuns, table_rows, write_report
 from qerl.pipeline.planning.run_config import RunConfig
+from qerl.pipeline.planning.runs import run_id_for
 from qerl.pipeline.registry import tracking as registry
 from qerl.pipeline.store.files import atomic_write_json, read_json
 from qerl.pipeline.store.layout import ABLATION_DIR, ABLATION_RECORD, default_work_dir
+from qerl.pipeline.store.run_record import load_record
 
 log = logging.getLogger("qerl.ablate")
 
@@ -93,23 +94,21 @@ def _arm_runs(work: Path, planned: list[dict[str, Any]], arms: list[str]) -> lis
 
     out = {arm: ArmRuns(arm, [], [], [], []) for arm in arms}
     for p in planned:
-        record = load_run_record(work, p["run_id"])
-        if record.get("status") != "completed":
-            raise AblationError(f"run {p['run_id']} is {record.get('status')}, not completed")
-        steps = int(record["config"]["loop"]["steps"])
-        final = [e for e in record["evaluations"] if e["adapter"] is not None and e["step"] == steps]
-        if not final:
+        record = load_record(work, p["run_id"])
+        if record.status != "completed":
+            raise AblationError(f"run {p['run_id']} is {record.status}, not completed")
+        steps = int(record.loop["steps"])
+        final = [e for e in record.evaluations if e.adapter is not None and e.step == steps]
+        if not final or final[-1].manifest is None:
             raise AblationError(f"run {p['run_id']} has no evaluation of its final adapter")
-        rows = pq.read_table(Path(final[-1]["manifest"]) / "items.parquet").to_pylist()
+        rows = pq.read_table(Path(final[-1].manifest) / "items.parquet").to_pylist()
         arm = out[p["arm"]]
         arm.run_ids.append(p["run_id"])
-        arm.final_accuracy.append(float(final[-1]["accuracy"]))
+        arm.final_accuracy.append(final[-1].accuracy)
         arm.items.append({str(r["id"]): float(r["rate"]) for r in rows})
-        arm.histories.append([{k: v for k, v in s.items() if k != "manifests"} for s in record["steps"]])
-        arm.base_accuracy += [float(e["accuracy"]) for e in record["evaluations"] if e["adapter"] is None][
-            -1:
-        ]
-        arm.quantize.append(dict(record.get("quantize") or {}))
+        arm.histories.append(record.history())
+        arm.base_accuracy += [e.accuracy for e in record.evaluations if e.adapter is None][-1:]
+        arm.quantize.append(record.quantize.model_dump(exclude_none=True) if record.quantize else {})
     return [out[a] for a in arms]
 
 
@@ -140,9 +139,13 @@ def _driver() -> dict[str, Any]:
 
 @flow(name="qerl-ablate", log_prints=True)
 def ablate_flow(
-    config: dict[str, Any], work_dir: str, arms: list[str], seeds: int, n_boot: int = 10_000,
+    config: dict[str, Any],
+    work_dir: str,
+    arms: list[str],
+    seeds: int,
+    n_boot: int = 10_000,
     ray: dict[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Run every (arm, seed) and compare (see the module docstring); returns the ablation record.
 
     ``ray``: run on a Ray cluster, the plan ``qerl.flows.ray.connection.cluster`` yields (with its task runner on
@@ -156,12 +159,17 @@ def ablate_flow(
     previous = read_json(path) if path.is_file() else {}
     planned = plan_runs(base.model_dump(mode="json"), arms, seeds)
     record: dict[str, Any] = {
-        "id": aid, "arms": arms, "seeds": seeds, "config": base.model_dump(mode="json"), "status": "running",
+        "id": aid,
+        "arms": arms,
+        "seeds": seeds,
+        "config": base.model_dump(mode="json"),
+        "status": "running",
         "runs": [{k: p[k] for k in ("arm", "replicate", "run_id")} for p in planned],
-        "parent_run_id": previous.get("parent_run_id"), "driver": _driver(),
+        "parent_run_id": previous.get("parent_run_id"),
+        "driver": _driver(),
         "ray": None if ray is None else {k: ray[k] for k in ("address", "num_cpus", "num_gpus", "cluster")},
         "started_at": previous.get("started_at") or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-    }  # fmt: skip
+    }
     try:
         parent = _parent_run(base, work, record)
         atomic_write_json(path, record)
@@ -178,9 +186,11 @@ def ablate_flow(
         result, report = write_report(aid, _arm_runs(work, planned, arms), out, n_boot=n_boot)
         _log_parent(base, parent, result, out)
         record.update(
-            status="completed", report=str(report), verdicts=[p.verdict() for p in result["pairs"]],
+            status="completed",
+            report=str(report),
+            verdicts=[p.verdict() for p in result["pairs"]],
             table=table_rows(result),
-        )  # fmt: skip
+        )
         _publish(aid, report.read_text(), record["table"])
     except BaseException as err:
         record.update(status="failed", error=f"{type(err).__name__}: {err}")

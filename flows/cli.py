@@ -1,26 +1,29 @@
 """The ``qerl`` command line: one entry point, a subcommand per user task.
 
 This module is the parser and the dispatch: each ``_add_*`` block declares a subcommand's arguments
-and registers its handler in ``COMMANDS``. The handlers live beside it: ``flow_commands`` (the
-commands that run a Prefect flow: run, resume, schedule, ablate), ``tool_commands`` (the one-shot
-commands), ``registry_commands``, ``store_commands`` and ``run_commands`` (``qerl runs``). They
-import their stage lazily, so ``qerl --help`` stays fast and a missing optional
-backend only fails the command that needs it. An expected failure (a ValueError, FileNotFoundError or
-RuntimeError: bad config, missing artifact, engine error) prints one line and exits 2.
+and names its handler in ``COMMANDS``. The handlers live beside it: ``commands`` (the commands that
+run a flow: run, resume, schedule, ablate; and ``qerl runs``), ``tool_commands`` (the one-shot
+commands), ``registry_commands`` and ``store_commands``. A handler's module is imported when its
+command runs, so ``qerl --help`` stays fast, a missing optional backend only fails the command that
+needs it, and a command that runs a flow has Prefect's environment set before Prefect is imported
+(``_prefect_environment``, the one place it is set). An expected failure (a ValueError,
+FileNotFoundError or RuntimeError: bad config, missing artifact, engine error) prints one line and
+exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 
-from qerl.flows import flow_commands, registry_commands, run_commands, store_commands, tool_commands
 from qerl.pipeline.runtime.determinism import prepare_process
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+# command -> "module:function" of qerl.flows, imported when the command runs (after Prefect's environment)
+COMMANDS: dict[str, str] = {}
 PRESET_HELP = "YAML file or preset name (see pipeline/planning/presets)"
 SET_HELP = "override a setting"
 
@@ -92,7 +95,7 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
         help="with --ray: GPUs each run asks for (default: rollout.tensor_parallel_size if the cluster has GPUs, else 0)",
     )
     _common(p)
-    COMMANDS["ablate"] = flow_commands.cmd_ablate
+    COMMANDS["ablate"] = "commands:cmd_ablate"
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -119,7 +122,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         default="nvfp4",
         help="the base both sides hold (nf4: QLoRA's; bf16: the 16-bit comparison)",
     )
-    COMMANDS["plan"] = tool_commands.cmd_plan
+    COMMANDS["plan"] = "tool_commands:cmd_plan"
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -132,7 +135,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         help="run that night's nightly run by hand (warm start, next data slice), as the schedule would",
     )
     _common(p)
-    COMMANDS["run"] = flow_commands.cmd_run
+    COMMANDS["run"] = "commands:cmd_run"
     p = sub.add_parser("resume", help="continue a recorded run: completed stages are reused")
     p.add_argument("run_id", metavar="RUN", help="run id (see <work>/runs)")
     p.add_argument(
@@ -144,14 +147,14 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "configuration reference); finished steps are still reused",
     )
     _common(p)
-    COMMANDS["resume"] = flow_commands.cmd_resume
+    COMMANDS["resume"] = "commands:cmd_resume"
     p = sub.add_parser(
         "runs", help="list the work dir's runs, newest first: completed, failed, running or interrupted"
     )
     p.add_argument("--limit", type=int, default=20, metavar="N", help="show the newest N (default 20)")
     p.add_argument("--all", action="store_true", help="show every run")
     _common(p)
-    COMMANDS["runs"] = run_commands.cmd_runs
+    COMMANDS["runs"] = "commands:cmd_runs"
     p = sub.add_parser("schedule", help="serve the nightly deployment on a Prefect server")
     p.add_argument("--cron", required=True, help="cron expression, e.g. '0 2 * * *'")
     p.add_argument(
@@ -162,14 +165,14 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     )
     _config_options(p, "YAML file or preset name", SET_HELP)
     _common(p)
-    COMMANDS["schedule"] = flow_commands.cmd_schedule
+    COMMANDS["schedule"] = "commands:cmd_schedule"
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run benchmarks (all, or one by name) and rewrite BENCHMARKS.md")
     p.add_argument("name", nargs="?", default=None, help="quantize, score, rollout, train or contention")
     _common(p)
-    COMMANDS["bench"] = tool_commands.cmd_bench
+    COMMANDS["bench"] = "tool_commands:cmd_bench"
 
 
 def _add_quantize(sub: argparse._SubParsersAction) -> None:
@@ -187,7 +190,7 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
     )
     _config_options(p, "YAML file with quantize settings (QuantizeConfig)", SET_HELP)
     _common(p)
-    COMMANDS["quantize"] = tool_commands.cmd_quantize
+    COMMANDS["quantize"] = "tool_commands:cmd_quantize"
 
 
 def _add_score(sub: argparse._SubParsersAction) -> None:
@@ -198,7 +201,7 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
     )
     _config_options(p, "YAML file with reward settings (RewardConfig)", "override a reward setting")
     _common(p)
-    COMMANDS["score"] = tool_commands.cmd_score
+    COMMANDS["score"] = "tool_commands:cmd_score"
 
 
 def _add_promote(sub: argparse._SubParsersAction) -> None:
@@ -207,18 +210,28 @@ def _add_promote(sub: argparse._SubParsersAction) -> None:
     p.add_argument("version", metavar="VERSION", help="model version number")
     _config_options(p, "YAML file with registry settings (RegistryConfig)", "override a registry setting")
     _common(p)
-    COMMANDS["promote"] = registry_commands.cmd_promote
+    COMMANDS["promote"] = "registry_commands:cmd_promote"
 
 
 def _add_policy(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("policy", help="show a registered model's promotion policy, or change it (recorded)")
-    p.add_argument("name", nargs="?", default=None, metavar="NAME",
-                   help="registered model name (default: registry.model_name)")  # fmt: skip
-    p.add_argument("--change", action="append", default=[], metavar="KEY=VALUE",
-                   help="change a field (margin_se, margin, benchmark, base_digest, quant_recipe); repeatable")  # fmt: skip
+    p.add_argument(
+        "name",
+        nargs="?",
+        default=None,
+        metavar="NAME",
+        help="registered model name (default: registry.model_name)",
+    )
+    p.add_argument(
+        "--change",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change a field (margin_se, margin, benchmark, base_digest, quant_recipe); repeatable",
+    )
     _config_options(p, "YAML file with registry settings (RegistryConfig)", "override a registry setting")
     _common(p)
-    COMMANDS["policy"] = registry_commands.cmd_policy
+    COMMANDS["policy"] = "registry_commands:cmd_policy"
 
 
 def _add_heldout(sub: argparse._SubParsersAction) -> None:
@@ -230,22 +243,31 @@ def _add_heldout(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--reason", required=True, help="why the lineage held them out (kept with the attestation)"
     )
-    p.add_argument("--items", default=None, metavar="DIGEST",
-                   help="the validation items' digest (default: the version's validation_digest tag)")  # fmt: skip
+    p.add_argument(
+        "--items",
+        default=None,
+        metavar="DIGEST",
+        help="the validation items' digest (default: the version's validation_digest tag)",
+    )
     _config_options(p, "YAML file with registry settings (RegistryConfig)", "override a registry setting")
     _common(p)
-    COMMANDS["heldout"] = registry_commands.cmd_heldout
+    COMMANDS["heldout"] = "registry_commands:cmd_heldout"
 
 
 def _add_versions(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "versions", help="list a registered model's versions: aliases, run, accuracies, released or kept"
     )
-    p.add_argument("name", nargs="?", default=None, metavar="NAME",
-                   help="registered model name (default: registry.model_name)")  # fmt: skip
+    p.add_argument(
+        "name",
+        nargs="?",
+        default=None,
+        metavar="NAME",
+        help="registered model name (default: registry.model_name)",
+    )
     _config_options(p, "YAML file with registry settings (RegistryConfig)", "override a registry setting")
     _common(p)
-    COMMANDS["versions"] = registry_commands.cmd_versions
+    COMMANDS["versions"] = "registry_commands:cmd_versions"
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
@@ -280,7 +302,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         ),
     )
     _common(p)
-    COMMANDS["eval"] = tool_commands.cmd_eval
+    COMMANDS["eval"] = "tool_commands:cmd_eval"
 
 
 def _add_gc(sub: argparse._SubParsersAction) -> None:
@@ -291,17 +313,37 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dry-run", action="store_true", help="list what would be deleted and the bytes; delete nothing"
     )
-    p.add_argument("--keep-optimizer-last", type=int, default=None, metavar="K",
-                   help="override every run's store.keep_optimizer_last")  # fmt: skip
-    p.add_argument("--keep-adapters-every", type=int, default=None, metavar="E",
-                   help="override every run's store.keep_adapters_every (0: keep all adapters)")  # fmt: skip
-    p.add_argument("--live-window-h", type=float, default=None, metavar="H",
-                   help="override store.live_window_h: a running run updated within H hours is live")  # fmt: skip
-    p.add_argument("--keep-versions", type=int, default=None, metavar="N",
-                   help="override store.keep_versions: release registered versions older than the newest N "
-                   "(an alias-holding version always stays)")  # fmt: skip
+    p.add_argument(
+        "--keep-optimizer-last",
+        type=int,
+        default=None,
+        metavar="K",
+        help="override every run's store.keep_optimizer_last",
+    )
+    p.add_argument(
+        "--keep-adapters-every",
+        type=int,
+        default=None,
+        metavar="E",
+        help="override every run's store.keep_adapters_every (0: keep all adapters)",
+    )
+    p.add_argument(
+        "--live-window-h",
+        type=float,
+        default=None,
+        metavar="H",
+        help="override store.live_window_h: a running run updated within H hours is live",
+    )
+    p.add_argument(
+        "--keep-versions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="override store.keep_versions: release registered versions older than the newest N "
+        "(an alias-holding version always stays)",
+    )
     _common(p)
-    COMMANDS["gc"] = store_commands.cmd_gc
+    COMMANDS["gc"] = "store_commands:cmd_gc"
 
 
 # runs (their console session moves logging to run.log) and the nightly server: INFO is their record
@@ -326,13 +368,36 @@ def _terminal_logging(command: str, verbose: bool) -> None:
     logging.getLogger("qerl").setLevel(qerl_level)
 
 
+def _prefect_environment(args: argparse.Namespace) -> None:
+    """Prefect's settings for a command that runs a flow, set once, before Prefect is imported (it
+    reads them at import): its state in the work directory, and for ``qerl schedule`` the server's API."""
+    from qerl.flows import orchestration
+    from qerl.pipeline.store.layout import default_work_dir, recorded_run
+
+    work = default_work_dir(args.work_dir)
+    if args.command == "resume":
+        recorded_run(work, args.run_id)  # a mistyped id or --work-dir: an error, and nothing made there
+    if args.command == "schedule":
+        url = args.api_url or os.environ.get("PREFECT_API_URL") or orchestration.LOOPBACK_API_URL
+        os.environ["PREFECT_API_URL"] = url
+    work.mkdir(parents=True, exist_ok=True)
+    orchestration.prepare_environment(work)
+
+
+def _handler(command: str) -> Callable[[argparse.Namespace], int]:
+    module, function = COMMANDS[command].split(":")
+    return getattr(importlib.import_module(f"qerl.flows.{module}"), function)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _terminal_logging(args.command, getattr(args, "verbose", False))
     prepare_process()  # before any CUDA matmul: train.deterministic needs cuBLAS's workspace config
     try:
-        return COMMANDS[args.command](args)
+        if args.command in RUN_COMMANDS:
+            _prefect_environment(args)
+        return _handler(args.command)(args)
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError, RuntimeError) as err:
@@ -347,12 +412,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def entry() -> None:
     """The ``qerl`` command: ``main``, then exit with its status. After a run that lost its Prefect
     server, exit without Prefect's exit handlers, which would retry every queued event and log line
-    against the lost server for minutes (``qerl.flows.orchestrator``); qerl's own files are flushed
+    against the lost server for minutes (``qerl.flows.orchestration``); qerl's own files are flushed
     and closed by then."""
     code = main()
-    from qerl.flows import orchestrator
+    from qerl.flows import orchestration
 
-    if orchestrator.lost():
+    if orchestration.lost():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

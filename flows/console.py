@@ -1,4 +1,4 @@
-"""The console of ``qerl run``/``qerl resume``: a few lines for people, everything else in ``run.log``.
+"""The console of qerl's commands: a few lines for people, everything else in a log file.
 
 What the terminal shows: one line per stage outside the step loop (base, quantize, twin, data,
 warm start, each evaluation, registration), one progress bar over the RL steps whose postfix holds
@@ -15,13 +15,15 @@ of the policy), and leaves out the first built step of the process, whose time a
 first calls' compilation: so no estimate spreads one-time costs over every step. After the first
 built step it shows ``?``.
 
-Where the rest goes: ``<work>/runs/<run-id>/run.log``. ``session`` points file descriptors 1 and 2
-at that file, so vLLM's engine-core and worker processes (which inherit them), C extensions, tqdm bars
-of libraries, Python warnings and Prefect's temporary server all write there, and the console keeps
-its own duplicate of the original stderr. The root logger gets two handlers before Prefect is
-imported: Prefect then keeps them (it installs its own console handler only on a bare root logger),
-and its loggers, httpx's request lines and MLflow's propagate into the file. ``-v`` skips all of this:
-every log line goes to the terminal, and to ``run.log`` too.
+Where the rest goes: a run's ``<work>/runs/<run-id>/run.log``, or a one-shot command's
+``<work>/logs/<command>-<time>-<pid>.log`` (``qerl eval``, ``qerl quantize``). ``session`` points file
+descriptors 1 and 2 at that file, so vLLM's engine-core and worker processes (which inherit them), C
+extensions, tqdm bars of libraries, Python warnings and the run's Prefect server all write there, and
+the console keeps its own duplicate of the original stderr. The root logger gets the file's handler
+before Prefect is imported: Prefect then keeps it (it installs its own console handler only on a bare
+root logger), and its loggers, httpx's request lines and MLflow's propagate into the file. A run keeps
+the descriptors on its log until the process exits; a one-shot command gets them back when its work
+ends and prints its result. ``-v`` shows every log line on the terminal, and writes the log too.
 
 The flow reports through ``current()``; when no session is open (a deployment run under
 ``qerl schedule``) the same lines go to the ``qerl.console`` logger instead, and ``attach_run_log``
@@ -33,6 +35,7 @@ logs and the error that ends a night are there as after ``qerl run``.
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import logging
 import math
 import os
@@ -43,6 +46,7 @@ from pathlib import Path
 from typing import IO, Any
 
 LOG_NAME = "run.log"
+LOGS_DIR = "logs"
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 log = logging.getLogger("qerl.console")
 
@@ -60,7 +64,10 @@ def step_text(metrics: dict[str, Any], seconds: float | None, cached: bool, star
     """``reward 0.234  acc 0.250  412 tok/s  4.1 s`` for one step's record; a step that started the
     rollout engine or loaded the policy says how much of its time that took (a GPU engine compiles
     and captures its graphs first), so that a slow first step is not read as a slow step."""
-    parts = [f"reward {metrics.get('reward_mean', float('nan')):.3f}", f"acc {metrics.get('accuracy', float('nan')):.3f}"]  # fmt: skip
+    parts = [
+        f"reward {metrics.get('reward_mean', float('nan')):.3f}",
+        f"acc {metrics.get('accuracy', float('nan')):.3f}",
+    ]
     rate = metrics.get("rollout_tokens_per_s")
     if isinstance(rate, int | float):
         parts.append(f"{rate:.0f} tok/s")
@@ -332,44 +339,51 @@ class _ConsoleHandler(logging.Handler):
             self.handleError(record)
 
 
-def console_handler(console: TerminalConsole, log_name: str) -> logging.Handler:
-    """The handler that shows qerl's warnings and any library's errors on ``console``, one line each,
-    a traceback as a pointer to ``log_name`` (``qerl.flows.tool_console`` uses it too)."""
-    return _ConsoleHandler(console, log_name)
+def log_path(work: str | Path, command: str) -> Path:
+    """``<work>/logs/<command>-<UTC time>-<pid>.log``: a one-shot command's log (``qerl eval``,
+    ``qerl quantize``); invocations in one process within one second share theirs, appended."""
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    return Path(work) / LOGS_DIR / f"{command}-{stamp}-{os.getpid()}.log"
 
 
 @contextlib.contextmanager
-def session(run_dir: Path, verbose: bool = False) -> Iterator[TerminalConsole]:
-    """Open the console for one run (see the module docstring); yields it for the final summary."""
+def session(path: Path, verbose: bool = False, keep_fds: bool = False) -> Iterator[TerminalConsole]:
+    """The console of one command (module docstring): lines for people, the rest in ``path``.
+
+    ``keep_fds``: file descriptors 1 and 2 stay on ``path`` until the process exits (a run: the
+    engine's workers and Prefect's clients write there up to the end); else they, and logging, are
+    given back when the session ends (a one-shot command prints its result after it, and an
+    in-process caller gets its streams back)."""
     global _ACTIVE
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / LOG_NAME
-    root = logging.getLogger()
-    for handler in list(root.handlers):  # basicConfig's, bound to the terminal
-        root.removeHandler(handler)
-    logfile = open(log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives until exit
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root, own = logging.getLogger(), logging.getLogger("qerl")
+    levels = root.level, own.level, [(h, h.level) for h in root.handlers]
+    logfile = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - closed below, or at exit
     file_handler = logging.StreamHandler(logfile)
     file_handler.setFormatter(logging.Formatter(FORMAT))
     root.addHandler(file_handler)
     logging.captureWarnings(True)
-    if verbose:
-        console = TerminalConsole(sys.stderr)
-        terminal = logging.StreamHandler(sys.stderr)
-        terminal.setFormatter(logging.Formatter(FORMAT))
-        root.addHandler(terminal)
+    own.setLevel(logging.INFO)  # qerl's progress lines are the log's record, whatever the command set
+    for handler, _ in levels[2]:  # basicConfig's, bound to the terminal: this session's handlers show it
+        handler.setLevel(logging.CRITICAL + 1)
+    saved = None
+    if verbose:  # every line on the terminal too
+        console, shown = TerminalConsole(sys.stderr), logging.StreamHandler(sys.stderr)
+        shown.setFormatter(logging.Formatter(FORMAT))
         root.setLevel(logging.DEBUG)
     else:
         sys.stdout.flush()
         sys.stderr.flush()
-        term_out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-        term_err = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8")
+        saved = os.dup(1), os.dup(2)
+        console = TerminalConsole(os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8"))
+        shown = _ConsoleHandler(console, path.name)
+        root.setLevel(logging.INFO)
         os.dup2(logfile.fileno(), 1)
         os.dup2(logfile.fileno(), 2)
-        sys.stdout, sys.stderr = logfile, logfile
-        console = TerminalConsole(term_err)
-        root.addHandler(_ConsoleHandler(console))
-        root.setLevel(logging.INFO)
-        _quiet_libraries()
+        streams = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = logfile  # Python-level writes too (tqdm bars of libraries)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # \r-redrawn bars would bloat the log
+    root.addHandler(shown)
     _ACTIVE = console
     started = time.perf_counter()
     try:
@@ -379,12 +393,23 @@ def session(run_dir: Path, verbose: bool = False) -> Iterator[TerminalConsole]:
         console.steps_end()
         _ACTIVE = None
         log.info("console session closed after %s", fmt_duration(time.perf_counter() - started))
-        if not verbose:
-            # Python-level output (the summary, an error message) is for people again; the file
-            # descriptors stay on run.log for what libraries and child processes write until exit.
-            sys.stdout, sys.stderr = term_out, term_err
-
-
-def _quiet_libraries() -> None:
-    """Settings that keep libraries' own console output out of the terminal (they go to run.log)."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # their \r-redrawn bars would bloat run.log
+        logfile.flush()
+        if saved is not None and keep_fds:
+            # Python-level output (the summary, an error message) is for people again; the descriptors
+            # stay on the log for what libraries and child processes write until exit
+            sys.stdout, sys.stderr = os.fdopen(saved[0], "w", buffering=1, encoding="utf-8"), console.stream
+        elif saved is not None:
+            sys.stdout, sys.stderr = streams
+            for fd, target in zip(saved, (1, 2), strict=True):
+                os.dup2(fd, target)
+                os.close(fd)
+            console.stream.close()
+        if not keep_fds:
+            for handler in (shown, file_handler):
+                root.removeHandler(handler)
+            logfile.close()
+            logging.captureWarnings(False)
+            root.setLevel(levels[0])
+            own.setLevel(levels[1])
+            for handler, was in levels[2]:
+                handler.setLevel(was)

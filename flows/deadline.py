@@ -54,8 +54,8 @@ def _stop(run: Any, hours: float, started: _dt.datetime) -> None:
     docstring). ``run.stopped`` parks the flow's thread at its next record save, registration or
     cursor move (``Run.park_if_stopped``), so the record keeps the reason and nothing is registered
     after the deadline; the children die last, right before the exit."""
-    from qerl.flows.run_record import save_record
     from qerl.pipeline.registry import live
+    from qerl.pipeline.store.run_record import save_record
 
     run.stopped = True
     error = (
@@ -66,7 +66,9 @@ def _stop(run: Any, hours: float, started: _dt.datetime) -> None:
     log.error("run %s: %s", run.run_id, error)  # on the console, and in run.log
     for _ in range(3):  # the flow's thread may be adding to the record as it is copied
         try:
-            save_record(run.work, {**run.record, "status": "failed", "error": error})
+            save_record(
+                run.work, run.record.model_copy(update={"status": "failed", "error": error}, deep=True)
+            )
             break
         except RuntimeError:
             continue
@@ -95,6 +97,10 @@ def arm(run: Any, hours: float | None) -> Callable[[], None]:
     timer.daemon = True
     timer.name = f"qerl-deadline-{run.run_id}"
     timer.start()
-    run.logger.info("run %s: deadline %g h (loop.deadline_h), until %s", run.run_id, hours,
-                    (started + _dt.timedelta(hours=hours)).isoformat(timespec="seconds"))  # fmt: skip
+    run.logger.info(
+        "run %s: deadline %g h (loop.deadline_h), until %s",
+        run.run_id,
+        hours,
+        (started + _dt.timedelta(hours=hours)).isoformat(timespec="seconds"),
+    )
     return timer.cancel

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from qerl.flows.tool_commands import work_dir
+from qerl.pipeline.store.layout import default_work_dir
 
 if TYPE_CHECKING:
     from qerl.pipeline.registry.tracking import RegistryConfig
@@ -38,7 +38,9 @@ def cmd_promote(args: argparse.Namespace) -> int:
     from qerl.pipeline.registry.release import RELEASED_TAG, check_not_released
 
     cfg = registry_config(args).model_copy(update={"model_name": args.name})
-    uri = adapters.open_registry(cfg, work_dir(args))  # promoting creates nothing: a typo is an error
+    uri = adapters.open_registry(
+        cfg, default_work_dir(args.work_dir)
+    )  # promoting creates nothing: a typo is an error
     adapters.require_registered_model(args.name, uri)
     version = adapters.registered_version(args.name, args.version)
     if version is not None:  # None: promote says the version does not exist
@@ -63,7 +65,7 @@ def cmd_heldout(args: argparse.Namespace) -> int:
     from qerl.pipeline.registry.lock import RegistryError, registry_lock
 
     cfg = registry_config(args).model_copy(update={"model_name": args.name})
-    uri = adapters.open_registry(cfg, work_dir(args))
+    uri = adapters.open_registry(cfg, default_work_dir(args.work_dir))
     adapters.require_registered_model(args.name, uri)
     if adapters.registered_version(args.name, args.version) is None:
         raise RegistryError(f"model version {args.name} v{args.version} does not exist")
@@ -91,7 +93,7 @@ def cmd_versions(args: argparse.Namespace) -> int:
 
     cfg = registry_config(args)
     name = args.name or cfg.model_name
-    uri = adapters.open_registry(cfg, work_dir(args))
+    uri = adapters.open_registry(cfg, default_work_dir(args.work_dir))
     adapters.require_registered_model(name, uri)
     client = MlflowClient()
     versions = sorted(client.search_model_versions(f"name = '{name}'"), key=lambda v: -int(v.version))
@@ -125,7 +127,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
     cfg = registry_config(args)
     name = args.name or cfg.model_name
-    uri = adapters.open_registry(cfg, work_dir(args))
+    uri = adapters.open_registry(cfg, default_work_dir(args.work_dir))
     adapters.require_registered_model(name, uri)
     if args.change:
         updates = {}

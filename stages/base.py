@@ -1,7 +1,7 @@
 """The base an evaluation serves: a model's quantized checkpoint and its twin, made by the stages.
 
-Not a stage: a composition of the quantize and dequantize stages (each cached under its own key)
-for ``qerl eval``, which serves a base given as a ``qerl quantize`` export, a plain model directory
+Not a stage: a composition of the fetch, quantize and dequantize stages (each cached under its own
+key) for ``qerl eval`` (``eval_base``), which serves a base given as a ``qerl quantize`` export, a plain model directory
 or a store artifact holding one (``base_artifacts``), or, for a registered version, the exact
 checkpoint that version trained on (``registered_base``): the one its lineage names by content
 digest (``base_checkpoint``), found in the store, else rebuilt from the recorded recipe, data,
@@ -24,7 +24,7 @@ from qerl.pipeline.store.layout import MANIFEST, OBJECTS_DIR, QUANTIZE_STAGE
 from qerl.pipeline.store.manifest import ArtifactError, Manifest
 from qerl.stages import demo_base, dequantize, fetch_model, quantize
 
-__all__ = ["base_artifacts", "find_checkpoint", "is_checkpoint", "registered_base"]
+__all__ = ["base_artifacts", "eval_base", "find_checkpoint", "is_checkpoint", "registered_base"]
 
 Progress = Callable[[int, int], None]
 
@@ -144,3 +144,27 @@ def registered_base(
             "export as --base, or evaluate on the machine that ran it"
         )
     return quantized, _twin(quantized, store, need_twin, twin_dtype), how
+
+
+def eval_base(
+    spec: str,
+    store: ArtifactStore,
+    need_twin: bool,
+    recipe: QuantizeConfig | None,
+    lineage: Mapping[str, str] | None,
+    protocol: RunProtocol | None,
+    progress: Progress | None = None,
+) -> tuple[str, Manifest, Manifest | None, str]:
+    """``qerl eval --base``'s base: (the model, its quantized checkpoint, the twin where the engine
+    needs one, how the checkpoint was found). For a registered version (``lineage``: its tags) the
+    exact checkpoint it trained on (``registered_base``); else a plain model quantized by ``recipe``,
+    else by its run's recipe (``protocol``), else the default; an export as it is. A catalogue name
+    is fetched first. No quality report: an evaluation needs none."""
+    base = fetch_model.resolve_base(spec, store)  # a catalogue name becomes its directory
+    if lineage is not None:
+        quantized, twin, how = registered_base(base, store, lineage, protocol, recipe, need_twin, progress)
+        return base, quantized, twin, how
+    run_recipe = protocol.quantize if protocol is not None else None
+    plain = recipe if recipe is not None or is_checkpoint(base) else run_recipe
+    quantized, twin = base_artifacts(base, store, need_twin, plain, progress=progress)
+    return base, quantized, twin, ""

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
-# what qerl.flows.runner.prepare_environment sets, here because Prefect reads it once, at import
+# what qerl.flows.orchestration.prepare_environment sets, here because Prefect reads it once, at import
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 from pathlib import Path  # noqa: E402

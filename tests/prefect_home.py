@@ -90,3 +90,30 @@ def shared_api_url() -> str:
             else:
                 os.environ["PREFECT_HOME"] = before
     return server.api_url
+
+
+def run_here(cfg, work: Path, night=None) -> dict:
+    """Run the flow for ``cfg`` in this process, as ``qerl run`` does after setting Prefect's environment
+    for ``work`` (its first call in the process sets it: Prefect reads it once); the record as run.json
+    holds it. The API URL the run set for this process is taken back from the environment afterwards,
+    so the CLI runs a test starts later start their own server or get the one they are given."""
+    from qerl.flows.orchestration import prepare_environment
+
+    prepare_environment(work)
+    from qerl.flows.commands import run_flow
+
+    given = os.environ.get("PREFECT_API_URL")
+    try:
+        return run_flow(cfg, work, night).to_json()
+    finally:
+        if given is None:
+            os.environ.pop("PREFECT_API_URL", None)
+
+
+def resume_here(run_id: str, work: Path) -> dict:
+    """``qerl resume RUN`` in this process: the recorded run with its own config and night."""
+    from qerl.pipeline.planning.runs import recorded_config
+    from qerl.pipeline.store.run_record import load_record
+
+    record = load_record(work, run_id)
+    return run_here(recorded_config(record), work, record.night)

@@ -92,12 +92,13 @@ def test_a_seed_count_below_one_fails_before_prefect_starts(monkeypatch, capsys)
         with pytest.raises(ablation_arms.AblationError, match=r"--seeds must be a whole number >= 1"):
             ablation_arms.ablation_id({}, ["bf16-lora", "nvfp4-aqn"], bad)
     assert ablation_arms.check_seeds(2) == 2
-    from qerl.flows import cli, runner
+    from qerl.flows import cli, orchestration
 
     def no_prefect(*args, **kwargs):
-        raise AssertionError("the environment for Prefect was prepared")
+        raise AssertionError("a Prefect server was asked for")
 
-    monkeypatch.setattr(runner, "prepare_environment", no_prefect)
+    monkeypatch.setattr(orchestration, "prepare_environment", lambda work: None)  # no Prefect settings here
+    monkeypatch.setattr(orchestration, "use_api", no_prefect)
     assert cli.main(["ablate", "--arms", "bf16-lora,nvfp4-aqn", "--seeds", "0"]) != 0
     assert "--seeds must be a whole number >= 1" in capsys.readouterr().err
 
@@ -167,15 +168,15 @@ def test_steps_without_a_trained_token_are_null_and_the_report_counts_the_early_
     with a value, says how many per run, and leaves a run with none out of its arm's interval."""
     from types import SimpleNamespace
 
-    from qerl.flows.run_record import step_record
+    from qerl.flows.report import step_entry
 
     def manifest(key: str, **metrics) -> SimpleNamespace:
         return SimpleNamespace(key=key, metrics=metrics)
 
-    entry = step_record(
+    entry = step_entry(
         0, 0.0, manifest("r"), manifest("s", reward_mean=0.0),
         manifest("t", entropy=None, mismatch_kl=None, tokens_trained=0, loss=float("nan"), mode_note="x"),
-    )  # fmt: skip
+    ).model_dump()  # fmt: skip
     assert entry["train_entropy"] is None and entry["train_mismatch_kl"] is None
     assert entry["train_tokens_trained"] == 0 and "train_mode_note" not in entry
 

@@ -126,9 +126,9 @@ def test_a_ray_client_connection_refused_by_the_head_is_retried_and_then_named(m
 def test_the_cli_refuses_a_remote_cluster_with_the_sqlite_registry_before_the_flow(
     monkeypatch, capsys, tmp_path
 ):
-    from qerl.flows import cli, runner
+    from qerl.flows import cli, orchestration
 
-    monkeypatch.setattr(runner, "prepare_environment", lambda work: None)  # no Prefect settings here
+    monkeypatch.setattr(orchestration, "prepare_environment", lambda work: None)  # no Prefect settings here
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     args = ["ablate", "--arms", "bf16-lora,nvfp4-aqn", "--seeds", "1", "--work-dir", str(tmp_path)]
     assert cli.main([*args, "--ray", "10.1.2.3:6379"]) == 2

@@ -126,7 +126,7 @@ def test_compiled_graphs_keep_the_bf16_write_and_warn(engines, monkeypatch, capl
 def test_the_rollout_stage_and_run_record_carry_the_realised_sigma(engines, cfg, tiny_model_dir, tmp_path):
     from types import SimpleNamespace
 
-    from qerl.flows.run_record import step_record
+    from qerl.flows.report import step_entry
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages import rollout
 
@@ -149,7 +149,7 @@ def test_the_rollout_stage_and_run_record_carry_the_realised_sigma(engines, cfg,
     )
     assert clean.metrics["aqn_sigma_realised"] == 0.0
     other = SimpleNamespace(key="k", metrics={})
-    entry = step_record(3, 5e-4, noisy, other, other)
+    entry = step_entry(3, 5e-4, noisy, other, other).model_dump()
     assert entry["sigma"] == 5e-4 and entry["aqn_sigma_realised"] == m["aqn_sigma_realised"]
     assert not any(k.startswith("rollout_aqn") for k in entry)
 

@@ -40,17 +40,17 @@ def test_a_champion_is_never_evaluated_on_another_recipes_base(learner_model_dir
     compared. ``qerl eval`` of B from another work directory rebuilds B's GPTQ base from the run's
     recorded sections, byte for byte, and refuses a recipe that makes another checkpoint."""
     from learning import assert_trained
-    from qerl.flows import runner
+    from prefect_home import run_here
     from qerl.pipeline.planning.run_config import RunConfig
     from qerl.pipeline.registry import promotion
     from qerl.pipeline.store.manifest import Manifest
 
     work = tmp_path / "work"
-    rtn = runner.run(RunConfig.model_validate(_config(learner_model_dir)), work)
+    rtn = run_here(RunConfig.model_validate(_config(learner_model_dir)), work)
     assert rtn["status"] == "completed", rtn.get("error")
     promotion.promote(RunConfig().registry, "qerl-adapter", str(rtn["registration"]["version"]))
     gptq_cfg = _config(learner_model_dir, method="gptq", calibration={"source": "train", "count": 16})
-    gptq = runner.run(RunConfig.model_validate(gptq_cfg), work)
+    gptq = run_here(RunConfig.model_validate(gptq_cfg), work)
     assert gptq["status"] == "completed", gptq.get("error")
     for record in (rtn, gptq):
         assert_trained(work, record)
@@ -87,7 +87,7 @@ def test_a_champion_is_never_evaluated_on_another_recipes_base(learner_model_dir
     plain = _config(learner_model_dir)
     plain["eval"]["validation"] = {"size": 0}
     plain["loop"]["steps"] = 1
-    unvalidated = runner.run(RunConfig.model_validate(plain), work)
+    unvalidated = run_here(RunConfig.model_validate(plain), work)
     assert "held out no validation split" in unvalidated["registration"]["promotion"]
     assert champion_evaluations() == before
 
@@ -109,7 +109,7 @@ def test_a_champion_is_never_evaluated_on_another_recipes_base(learner_model_dir
 def test_an_nf4_version_evaluates_on_its_own_base(learner_model_dir, tmp_path, capfd):
     """``qerl eval`` of a version trained on an NF4 base: the adapter fits (the shapes come from the
     quantization state, not the packed codes), the base is the run's checkpoint, no quality report."""
-    from qerl.flows import runner
+    from prefect_home import run_here
     from qerl.pipeline.planning.run_config import RunConfig
     from qerl.pipeline.rollout.adapter_fit import adapter_mismatches
 
@@ -117,7 +117,7 @@ def test_an_nf4_version_evaluates_on_its_own_base(learner_model_dir, tmp_path, c
     cfg["aqn"] = {"enabled": False}
     cfg["loop"]["steps"] = 1
     work = tmp_path / "work"
-    record = runner.run(RunConfig.model_validate(cfg), work)
+    record = run_here(RunConfig.model_validate(cfg), work)
     assert record["status"] == "completed", record.get("error")
     base = Path(record["quantize"]["manifest"])
     assert adapter_mismatches(record["final_adapter"], base) == []

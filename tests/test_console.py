@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     from qerl.flows import console
 
     run_dir = Path(sys.argv[1])
-    with console.session(run_dir, verbose=sys.argv[2] == "v") as ui:
+    with console.session(run_dir / console.LOG_NAME, verbose=sys.argv[2] == "v", keep_fds=True) as ui:
         logging.getLogger("httpx").info("HTTP Request: GET /api/health")
         logging.getLogger("vllm.engine").info("Initializing a V1 LLM engine")
         logging.getLogger("prefect.task_runs").error("Task run failed: boom")
@@ -210,8 +210,8 @@ def test_runs_send_no_usage_data_and_print_no_telemetry_notice(tmp_path):
     import sys
 
     code = (
-        "import sys; from pathlib import Path; from qerl.flows import runner\n"
-        "runner.prepare_environment(Path(sys.argv[1]))\n"
+        "import sys; from pathlib import Path; from qerl.flows import orchestration\n"
+        "orchestration.prepare_environment(Path(sys.argv[1]))\n"
         "from prefect._internal.analytics.enabled import is_telemetry_enabled\n"
         "from prefect.settings import get_current_settings\n"
         "print(is_telemetry_enabled(), get_current_settings().server.analytics_enabled)\n"

@@ -90,13 +90,14 @@ def test_the_stop_records_first_and_parks_the_flows_thread(tmp_path, monkeypatch
     from types import SimpleNamespace
 
     from qerl.flows import deadline
-    from qerl.flows.rl_phases import Run
-    from qerl.flows.rl_register import register_final
+    from qerl.flows.attempt import Run
+    from qerl.flows.promotion import register
+    from qerl.pipeline.store.run_record import RunRecord
 
     calls: list[str] = []
     monkeypatch.setattr(deadline, "_kill_children", lambda: calls.append("kill") or 2)
     monkeypatch.setattr(deadline.os, "_exit", lambda status: calls.append(f"exit {status}"))
-    record = {"run_id": "slow-run", "status": "running", "steps": [{"step": 0}]}
+    record = RunRecord.model_validate({"run_id": "slow-run", "status": "running", "steps": [{"step": 0}]})
     run = SimpleNamespace(run_id="slow-run", work=tmp_path, record=record, live=None, stopped=False)
     deadline._stop(run, 2.0, deadline._dt.datetime(2026, 11, 27, tzinfo=deadline._dt.UTC))
     assert calls == ["kill", "exit 124"] and run.stopped
@@ -106,11 +107,11 @@ def test_the_stop_records_first_and_parks_the_flows_thread(tmp_path, monkeypatch
         "DeadlineExceeded: the attempt passed loop.deadline_h = 2 h (started 2026-11-27"
     )
 
-    record["status"] = "completed"  # what the flow's thread would write next
+    record.status = "completed"  # what the flow's thread would write next
     run.park_if_stopped = lambda: Run.park_if_stopped(run)
     parked = [
         threading.Thread(target=Run.save, args=(run,), daemon=True),
-        threading.Thread(target=register_final, args=(run, None, None, None, None), daemon=True),
+        threading.Thread(target=register, args=(run, None, None, None, None, [], None), daemon=True),
     ]
     for thread in parked:
         thread.start()

@@ -275,12 +275,13 @@ def test_the_cpu_kv_cache_is_the_configured_size(tmp_path, monkeypatch):
     vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` (which overrides it) to 1 GiB."""
     import os
 
-    from qerl.flows import runner
     from qerl.pipeline.rollout.config import RolloutConfig
     from qerl.pipeline.rollout.vllm_engine import _memory_kwargs
 
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     monkeypatch.setattr(os, "environ", environ)  # what prepare_environment sets stays in this test
-    runner.prepare_environment(tmp_path)
+    from qerl.flows.orchestration import prepare_environment
+
+    prepare_environment(tmp_path)
     assert "VLLM_CPU_KVCACHE_SPACE" not in environ and "PREFECT_CLIENT_MAX_RETRIES" in environ
     assert _memory_kwargs(RolloutConfig(kv_cache_gib=2.5), cuda=False)["kv_cache_memory_bytes"] == 5 << 29

@@ -239,9 +239,11 @@ def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
     assert len(pq.read_table(manifest.file("also/gsm8k-test/results.parquet"))) == 8
 
     # the run record's entry (issue 11): benchmark id, accuracy +- stderr, items, k and the also benchmarks
-    from qerl.flows import run_record
+    from qerl.flows import report
+    from qerl.pipeline.store.run_record import RunRecord
 
-    entry = run_record.eval_entry(3, None, manifest)
+    typed = report.evaluation_entry(3, None, manifest)
+    entry = typed.model_dump(exclude_none=True)
     assert entry["benchmark"] == summary["benchmark"] and entry["benchmark"].startswith("arithmetic/test@")
     assert entry["accuracy"] == summary["accuracy"] and entry["n_items"] == 3 and entry["k"] == 2
     rates = pq.read_table(manifest.file("items.parquet")).column("rate").to_pylist()
@@ -251,14 +253,14 @@ def test_evaluate_also_reports_further_benchmarks(base, tmp_path):
          "stderr": other["stderr"], "n_items": 4}
     ]  # fmt: skip
     json.dumps(entry, allow_nan=False)  # plain JSON in run.json
-    text = run_record.eval_text(entry)
+    text = report.eval_text(typed)
     assert text.startswith(
         f"accuracy {entry['accuracy']:.3f} ± {entry['stderr']:.3f} ({entry['benchmark']}, 3 items)"
     )
     assert f"; gsm8k_test {other['accuracy']:.3f} ± {other['stderr']:.3f}" in text
-    row = run_record.table_row(entry)
+    row = report.table_row(typed)
     assert row["gsm8k_test_accuracy"] == other["accuracy"] and "also" not in row and "manifest" not in row
-    markdown = run_record.summary_markdown({"run_id": "r", "status": "completed", "evaluations": [entry]})
+    markdown = report.summary_markdown(RunRecord(run_id="r", status="completed", evaluations=[typed]))
     assert f"{entry['accuracy']:.3f} ± {entry['stderr']:.3f}" in markdown and "gsm8k_test" in markdown
 
 
@@ -293,9 +295,9 @@ def test_evaluate_drops_items_longer_than_the_context_and_counts_them(base, tmp_
     prompts = summary["prompts"]
     assert (prompts["loaded"], prompts["kept"], prompts["dropped_too_long"]) == (4, 3, 1)
     assert prompts["prompt_token_limit"] == 256 - 64 and prompts["dropped_examples"][0]["tokens"] > 192
-    from qerl.flows import run_record
+    from qerl.flows import report
 
-    assert run_record.eval_entry(1, None, manifest)["dropped_too_long"] == 1
+    assert report.evaluation_entry(1, None, manifest).dropped_too_long == 1
     # a context that holds every item evaluates all four
     whole = evaluate.run(
         cfg, base_manifest, None, None, store, engine, RewardConfig(workers=1), max_model_len=2048

@@ -109,7 +109,7 @@ def _assert_console(
 ) -> None:
     """The console has the stage and step lines and ends with the summary; the chatter of Prefect,
     httpx and the engine (``engine_lines``: substrings of its INFO lines) is in run.log only, and so
-    is the start of Prefect's temporary server where the run started one (``_qerl(own_server=True)``)."""
+    is the start of the run's own Prefect server where it started one (``_qerl(own_server=True)``)."""
     console = proc.stdout + proc.stderr
     for line in ("quantize", "data ", "quality", "step 1/", "evaluate", "register"):
         assert line in proc.stderr, (line, proc.stderr[-2000:])
@@ -121,7 +121,7 @@ def _assert_console(
     assert proc.stdout.strip().splitlines()[-1].startswith("  MLflow UI:"), proc.stdout[-1000:]
     (log_path,) = (work / "runs").glob("*/run.log")
     log_text = log_path.read_text()
-    server = ("Starting temporary server",) if temporary_server else ()
+    server = ("Prefect server for this process on",) if temporary_server else ()
     for chatter in ("httpx: HTTP Request", "prefect.flow_runs", *server, *engine_lines):
         assert chatter not in console, (chatter, console[-3000:])
         assert chatter in log_text, (chatter, log_text[-3000:])
@@ -218,10 +218,10 @@ def test_killed_runs_resume_to_the_identical_adapter(learner_model_dir, tmp_path
     cfg_path.write_text(yaml.safe_dump(cfg))
     args = ["run", "--config", str(cfg_path)]
 
-    from qerl.flows import runner
+    from prefect_home import run_here
 
     # the uninterrupted reference runs in this process (the crashes need real processes, it does not)
-    clean = runner.run(load_run_config(cfg_path), tmp_path / "clean")
+    clean = run_here(load_run_config(cfg_path), tmp_path / "clean")
     assert clean["status"] == "completed", clean.get("error")
     assert_trained(tmp_path / "clean", run_record(tmp_path / "clean"))
     reference = _final_adapter(tmp_path / "clean")
@@ -267,7 +267,7 @@ def test_killed_runs_resume_to_the_identical_adapter(learner_model_dir, tmp_path
     }
     assert Counter(s for s, _ in built)["train"] == 3
 
-    again = runner.run(load_run_config(cfg_path), crashed)  # a completed run re-run: nothing is built
+    again = run_here(load_run_config(cfg_path), crashed)  # a completed run re-run: nothing is built
     assert again["status"] == "completed", again.get("error")
     assert len(_journal(crashed)) == sum(built.values())
     (record_path,) = (crashed / "runs").glob("*/run.json")
@@ -366,7 +366,7 @@ def test_schedule_needs_a_server(tmp_path, monkeypatch):
 def test_schedule_warns_of_a_deadline_that_lets_a_night_hold_back_the_next(tmp_path):
     """Nights run one at a time, so a night without a deadline, or with one past the next night's
     start, can hold back the nights after it: ``qerl schedule`` says so, with the gap it read."""
-    from qerl.flows.runner import deadline_warning, nights_gap_h, prepare_environment
+    from qerl.flows.orchestration import deadline_warning, nights_gap_h, prepare_environment
 
     prepare_environment(tmp_path)
     assert nights_gap_h("0 2 * * *") == 24.0
@@ -386,8 +386,8 @@ def test_schedule_weighs_the_deadline_against_the_longest_night_recorded_here(tm
     """The longest completed attempt of the schedule's nights in the work dir (start to last
     update of its record): a deadline at or under it would have stopped that night, and nights
     as long as the gap delay each other whatever the deadline."""
-    from qerl.flows.run_commands import longest_attempt
-    from qerl.flows.runner import deadline_warning, prepare_environment
+    from qerl.flows.commands import longest_attempt
+    from qerl.flows.orchestration import deadline_warning, prepare_environment
 
     def record(run_id: str, status: str, name: str, start: str, end: str) -> None:
         folder = tmp_path / "runs" / run_id
@@ -432,7 +432,7 @@ def test_schedule_weighs_the_deadline_against_the_longest_night_recorded_here(tm
 
 
 def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
-    from qerl.flows.runner import nightly_deployment, prepare_environment
+    from qerl.flows.orchestration import nightly_deployment, prepare_environment
 
     prepare_environment(tmp_path)
     deployment = nightly_deployment(load_run_config(), tmp_path, "0 2 * * *")
@@ -441,4 +441,4 @@ def test_nightly_deployment_is_cron_with_concurrency_one(tmp_path):
     assert deployment.concurrency_limit == 1
     assert deployment.parameters["work_dir"] == str(tmp_path)
     assert deployment.parameters["nightly"] is True  # each scheduled run is the night of its date
-    assert deployment.entrypoint == "qerl.flows.rl.rl_flow"
+    assert deployment.entrypoint == "qerl.flows.run.rl_flow"

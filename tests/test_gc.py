@@ -11,6 +11,7 @@ from qerl.pipeline.store import retention, retention_policy
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.files import atomic_write_json
 from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest
+from qerl.pipeline.store.run_record import RunRecord
 
 OPT_BYTES, ADAPTER_BYTES = 3000, 1000
 
@@ -183,7 +184,7 @@ def test_gc_keeps_what_an_ablation_compares_and_leaves_its_files_alone(tmp_path,
     record = json.loads((tmp_path / "runs" / "abl-arm-s0" / "run.json").read_text())
     record["evaluations"] = [{"step": 4, "adapter": arm[3].key, "accuracy": 0.5, "manifest": "x"}]
     atomic_write_json(tmp_path / "runs" / "abl-arm-s0" / "run.json", record)
-    assert retention_policy.ablation_adapters(record) == {arm[3].key}
+    assert retention_policy.ablation_adapters(RunRecord.model_validate(record)) == {arm[3].key}
     out = tmp_path / ABLATION_DIR / "abl-1234"
     runs = [
         {"arm": "a", "replicate": 0, "run_id": "abl-arm-s0"},
@@ -360,7 +361,7 @@ def test_gc_between_real_runs(tiny_model_factory, tmp_path, capsys):
     flow prunes its past steps by the run's own `store` section as it goes, so gc afterwards finds
     nothing left, and the re-run rebuilds nothing and ends on the same adapter."""
     import torch
-    from qerl.flows import runner
+    from prefect_home import run_here
     from qerl.pipeline.planning.run_config import RunConfig
 
     from tests.test_flow import _final_adapter, _journal, tiny_run_config
@@ -369,7 +370,7 @@ def test_gc_between_real_runs(tiny_model_factory, tmp_path, capsys):
     cfg["store"] = {"keep_optimizer_last": 1}
     cfg["loop"]["steps"] = 2
     run_cfg, work = RunConfig.model_validate(cfg), tmp_path / "work"
-    first = runner.run(run_cfg, work)
+    first = run_here(run_cfg, work)
     assert first["status"] == "completed", first.get("error")
     adapter, built = _final_adapter(work), len(_journal(work))
 
@@ -386,7 +387,7 @@ def test_gc_between_real_runs(tiny_model_factory, tmp_path, capsys):
     assert main(["gc", "--work-dir", str(work)]) == 0
     assert "nothing to delete" in capsys.readouterr().out
 
-    again = runner.run(run_cfg, work)
+    again = run_here(run_cfg, work)
     assert again["status"] == "completed", again.get("error")
     assert len(_journal(work)) == built and _final_adapter(work) == adapter
 

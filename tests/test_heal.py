@@ -66,7 +66,7 @@ def test_a_run_continues_from_a_checkpoint_another_run_pruned(learner_model_dir,
     for steps 0-1) finds steps 0-1 cached, then must build step 2 from A's pruned step 1. Both learn
     (tests/learning.py), so the healed steps' bytes are a real match, not two untrained adapters."""
     from learning import assert_trained, learning_run_config
-    from qerl.flows import runner
+    from prefect_home import run_here
     from qerl.pipeline.planning.run_config import RunConfig
     from test_flow import _journal
 
@@ -79,7 +79,7 @@ def test_a_run_continues_from_a_checkpoint_another_run_pruned(learner_model_dir,
     records = []
     for aqn in (False, True):
         cfg["aqn"]["enabled"] = aqn
-        records.append(runner.run(RunConfig.model_validate(cfg), work))
+        records.append(run_here(RunConfig.model_validate(cfg), work))
         assert records[-1]["status"] == "completed", records[-1].get("error")
     a, b = records
     for record in records:
@@ -158,31 +158,33 @@ def test_every_consumer_of_a_pruned_adapter_names_the_step_and_file(base, tmp_pa
 
 
 def test_the_flow_rebuilds_a_pruned_adapter_its_consumer_needs(monkeypatch):
-    """``healing``: the consumer's PrunedInputError for ``prev`` rebuilds the chain (possibly
-    re-keyed) and calls the consumer again with the rebuilt checkpoint; another artifact's error
-    is not ours to heal."""
+    """``Chain.build_from_last``: the consumer's PrunedInputError for the last checkpoint rebuilds the
+    chain (possibly re-keyed) and calls the consumer again with the rebuilt checkpoint's adapter;
+    another artifact's error is not ours to heal."""
     import logging
     from types import SimpleNamespace
 
-    from qerl.flows import rl_heal
+    from qerl.flows.steps import Chain
     from qerl.pipeline.store.retention_inputs import PrunedInputError
 
-    prev, healed = SimpleNamespace(stage="train", key="k1"), SimpleNamespace(stage="train", key="k2")
-    monkeypatch.setattr(rl_heal, "heal_chain", lambda run, q, history, warm: healed)
-    run = SimpleNamespace(logger=logging.getLogger("test"))
+    prev = SimpleNamespace(stage="train", key="k1", dir=Path("/k1"), digest="d1")
+    healed = SimpleNamespace(stage="train", key="k2", dir=Path("/k2"), digest="d2")
+    chain = Chain(SimpleNamespace(logger=logging.getLogger("test")), None, None)
+    chain.links = [("scored", prev)]
+    monkeypatch.setattr(chain, "_rebuild", lambda: chain.links.__setitem__(-1, ("scored", healed)))
     seen = []
 
-    def consumer(p):
-        seen.append(p)
-        if p is prev:
+    def consumer(adapter):
+        seen.append(adapter.digest)
+        if adapter.digest == "d1":
             raise PrunedInputError("rollout step 2 needs the adapter of train step 1", "train", "k1")
         return "rollouts"
 
-    assert rl_heal.healing(run, None, [], None, prev, consumer) == ("rollouts", healed)
-    assert seen == [prev, healed]
-    other = SimpleNamespace(stage="train", key="other")
+    assert chain.build_from_last(consumer) == "rollouts" and chain.last is healed
+    assert seen == ["d1", "d2"]
+    chain.links = [("scored", SimpleNamespace(stage="train", key="other", dir=Path("/o"), digest="d1"))]
     with pytest.raises(PrunedInputError):
-        rl_heal.healing(run, None, [], None, other, lambda p: consumer(prev))
+        chain.build_from_last(consumer)
 
 
 def test_a_chain_rebuilt_on_nondeterministic_hardware_is_rekeyed_and_recorded(
@@ -194,10 +196,11 @@ def test_a_chain_rebuilt_on_nondeterministic_hardware_is_rekeyed_and_recorded(
     import logging
     from types import SimpleNamespace
 
-    from qerl.flows import rl_heal
+    from qerl.flows.steps import Chain
     from qerl.pipeline.nvfp4.recipe import QuantizeConfig
     from qerl.pipeline.rl.policy import init_state
     from qerl.pipeline.rl.train_config import TrainConfig
+    from qerl.pipeline.store.run_record import RunRecord
     from qerl.stages import quantize, train
 
     from tests.test_train import PROMPTS, TINY, _scored_manifest, sample_batch
@@ -229,17 +232,21 @@ def test_a_chain_rebuilt_on_nondeterministic_hardware_is_rekeyed_and_recorded(
         path.write_bytes(bytes(data))
 
     monkeypatch.setattr(train, "save_checkpoint", noisy_save)
-    record = {"steps": [{"step": s, "manifests": {"train": m.key}} for s, m in enumerate(chain)]}
+    steps = [{"step": s, "manifests": {"train": m.key}} for s, m in enumerate(chain)]
+    record = RunRecord.model_validate({"run_id": "b", "steps": steps})
     run = SimpleNamespace(
         cfg=SimpleNamespace(train=cfg), store=store, run_id="b", record=record, logger=logging.getLogger("t")
     )
-    history = [(scored[s], store.get("train", m.key)) for s, m in enumerate(chain)]
-    last = rl_heal.heal_chain(run, qbase, history, None)
-    new = [record["steps"][s]["manifests"]["train"] for s in range(2)]
+    rebuilt = Chain(run, qbase, None)
+    rebuilt.links = [(scored[s], store.get("train", m.key)) for s, m in enumerate(chain)]
+    rebuilt._rebuild()
+    last = rebuilt.last
+    saved = record.to_json()["steps"]
+    new = [saved[s]["manifests"]["train"] for s in range(2)]
     assert new[0] != chain[0].key and new[1] != chain[1].key and last.key == new[1] and last.pruned == {}
-    assert record["steps"][0]["rekeyed"]["from"] == chain[0].key
-    assert "optimizer.safetensors" in record["steps"][0]["rekeyed"]["why"]
-    assert "re-keyed checkpoint" in record["steps"][1]["rekeyed"]["why"]
+    assert saved[0]["rekeyed"]["from"] == chain[0].key
+    assert "optimizer.safetensors" in saved[0]["rekeyed"]["why"]
+    assert "re-keyed checkpoint" in saved[1]["rekeyed"]["why"]
     assert store.get("train", chain[0].key).extra["rekeyed_to"] == new[0]
     step2 = train.run(cfg=cfg, base=qbase, scored=scored[2], prev=last, step=2, store=store)
     assert step2.extra["steps_done"] == 3  # the run goes on from the re-keyed chain

@@ -1,9 +1,9 @@
 """Stopping a run from outside: Ctrl-C (SIGINT to the terminal's process group) ends it promptly with
-its crash reported, and Prefect's temporary server never outlives qerl, not even a SIGKILLed qerl.
+its crash reported, and the run's own Prefect server never outlives qerl, not even a SIGKILLed qerl.
 
-Before ``qerl.flows.runner.start_temporary_server`` the server shared the terminal's process group: Ctrl-C
-stopped it with qerl, and Prefect then retried the crash report against the dead server for about
-3.5 minutes, ending in connection tracebacks; a SIGKILLed qerl left the server running."""
+A server that shared the terminal's process group would stop with qerl on Ctrl-C, and Prefect would
+then retry the crash report against the dead server for about 3.5 minutes, ending in connection
+tracebacks; a SIGKILLed qerl left such a server running (``qerl.flows.orchestration``)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,20 @@ import yaml
 
 
 def _servers(work: Path) -> list[int]:
-    """Pids of live Prefect temporary servers whose PREFECT_HOME is this work dir's."""
+    """Pids of live Prefect servers (a run's own, ``prefect server start``) whose PREFECT_HOME is this
+    work dir's."""
     home = f"PREFECT_HOME={work / 'prefect'}".encode()
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            cmdline = (proc / "cmdline").read_bytes()
-            if b"prefect.server.api.server:create_app" in cmdline and home in (
-                proc / "environ"
-            ).read_bytes().split(b"\0"):
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            server = b"prefect.server.api.server:create_app" in cmdline or cmdline[1:5] == [
+                b"-m",
+                b"prefect",
+                b"server",
+                b"start",
+            ]
+            if server and home in (proc / "environ").read_bytes().split(b"\0"):
                 state = next(
                     line for line in (proc / "status").read_text().splitlines() if line.startswith("State:")
                 )
@@ -89,18 +94,19 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
 
 
 def test_qerl_run_sets_prefects_environment_before_prefect_reads_it(tmp_path):
-    """Prefect reads its settings once, at import: ``qerl run`` imported it (through qerl.flows.rl) before
-    setting PREFECT_HOME and the 180 s server start-up budget, so the temporary server had Prefect's
-    default 20 s, too little on a loaded 2-core machine."""
+    """Prefect reads its settings once, at import: ``qerl run`` once imported it before setting
+    PREFECT_HOME and the 180 s server start-up budget, so the temporary server had Prefect's default
+    20 s, too little on a loaded 2-core machine. The command line sets them before it imports the
+    command's module."""
     probe = tmp_path / "settings.txt"
     code = (
         "import sys\n"
-        "from qerl.flows import cli, runner\n"
-        "def fake_run(cfg, work, night=None):\n"
+        "from qerl.flows import cli, orchestration\n"
+        "def fake_api(*args):\n"
         "    from prefect.settings import PREFECT_HOME as H, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as T\n"
         "    open(sys.argv[2], 'w').write(f'{H.value()} {T.value()}')\n"
         "    raise SystemExit(0)\n"
-        "runner.run = fake_run\n"
+        "orchestration.use_api = fake_api\n"
         "sys.exit(cli.main(['run', '--work-dir', sys.argv[1]]))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

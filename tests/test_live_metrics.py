@@ -9,14 +9,15 @@ from pathlib import Path
 
 from qerl.pipeline.registry import live
 from qerl.pipeline.registry import tracking as reg
+from qerl.pipeline.store.run_record import Evaluation, RunRecord, StepEntry
 
 
-def _record(steps: int, done: int, evaluations: list[dict] | None = None) -> dict:
-    return {
+def _record(steps: int, done: int, evaluations: list[dict] | None = None, **more) -> RunRecord:
+    return RunRecord.model_validate({
         "run_id": "tiny-abc", "flow_run_id": "flow-1", "config": {"loop": {"steps": steps}},
         "steps": [{"step": s, "reward_mean": 0.1 * s, "sigma": 0.01, "manifests": {"train": "k"}} for s in range(done)],
-        "evaluations": evaluations or [],
-    }  # fmt: skip
+        "evaluations": evaluations or [], **more,
+    })  # fmt: skip
 
 
 def _steps(run_id: str, key: str) -> list[int]:
@@ -26,7 +27,7 @@ def _steps(run_id: str, key: str) -> list[int]:
 def test_steps_and_interim_evaluations_are_logged_once_across_attempts(tmp_path):
     cfg = reg.RegistryConfig(model_name="live-steps")
     record = _record(4, 2)
-    first = live.open_run(cfg, tmp_path, record, {}, {"night": "2026-01-01"})
+    first = live.open_run(cfg, tmp_path, record, None, {"night": "2026-01-01"})
     assert live.log_record(first, record) == 6  # step, reward_mean, sigma of two steps
     assert live.log_record(first, record) == 0
     run = reg.MlflowClient().get_run(first.run_id)
@@ -42,7 +43,7 @@ def test_steps_and_interim_evaluations_are_logged_once_across_attempts(tmp_path)
          "also": [{"name": "gsm8k_test", "accuracy": 0.5, "stderr": 0.2}]},
         {"step": 4, "adapter": "k", "accuracy": 0.5, "stderr": 0.1},  # the final: registration's
     ]  # fmt: skip
-    resumed = {**_record(4, 4, evaluations), live.RECORD_KEY: first.run_id}
+    resumed = _record(4, 4, evaluations, mlflow_run_id=first.run_id)
     second = live.open_run(cfg, tmp_path, resumed, resumed, {})
     assert second.run_id == first.run_id
     assert reg.MlflowClient().get_run(first.run_id).info.status == "RUNNING"
@@ -56,14 +57,14 @@ def test_steps_and_interim_evaluations_are_logged_once_across_attempts(tmp_path)
 
     # a record whose MLflow run is gone (the database was reset): a new run
     reg.MlflowClient().delete_run(first.run_id)
-    third = live.open_run(cfg, tmp_path, dict(resumed), resumed, {})
+    third = live.open_run(cfg, tmp_path, resumed.model_copy(deep=True), resumed, {})
     assert third.run_id not in (None, first.run_id)
 
 
 def test_a_logging_failure_is_a_warning_and_the_next_step_logs_the_backlog(tmp_path, monkeypatch, caplog):
     cfg = reg.RegistryConfig(model_name="live-fail")
     record = _record(3, 1)
-    opened = live.open_run(cfg, tmp_path, record, {}, {})
+    opened = live.open_run(cfg, tmp_path, record, None, {})
     real = reg.log_step_metrics
 
     def broken(*args, **kwargs):
@@ -72,7 +73,7 @@ def test_a_logging_failure_is_a_warning_and_the_next_step_logs_the_backlog(tmp_p
     monkeypatch.setattr(reg, "log_step_metrics", broken)
     with caplog.at_level(logging.WARNING, logger="qerl.registry"):
         assert live.log_record(opened, record) == 0
-        record["steps"].append({"step": 1, "reward_mean": 0.5})
+        record.steps.append(StepEntry.model_validate({"step": 1, "reward_mean": 0.5}))
         assert live.log_record(opened, record) == 0
         monkeypatch.setattr(reg, "log_step_metrics", real)
         assert live.log_record(opened, record) == 5  # step 0: three points; step 1: two
@@ -98,13 +99,13 @@ def test_open_run_never_raises(tmp_path, monkeypatch):
 
     monkeypatch.setattr(reg, "connect", refused)
     record = _record(2, 0)
-    opened = live.open_run(reg.RegistryConfig(model_name="live-open"), tmp_path, record, {}, {})
-    assert opened.run_id is None and opened.failing and live.RECORD_KEY not in record
+    opened = live.open_run(reg.RegistryConfig(model_name="live-open"), tmp_path, record, None, {})
+    assert opened.run_id is None and opened.failing and record.mlflow_run_id is None
     monkeypatch.undo()
-    record["steps"] = _record(2, 1)["steps"]
-    assert live.log_record(opened, record) == 3 and record[live.RECORD_KEY] == opened.run_id
+    record.steps = _record(2, 1).steps
+    assert live.log_record(opened, record) == 3 and record.mlflow_run_id == opened.run_id
 
 
 def test_interim_metrics_leave_out_absent_values():
-    evaluation = {"step": 1, "adapter": "k", "accuracy": 0.5, "stderr": None}
+    evaluation = Evaluation(step=1, adapter="k", accuracy=0.5, stderr=None)
     assert live.interim_metrics(evaluation) == {"eval_accuracy": 0.5}

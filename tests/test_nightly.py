@@ -1,6 +1,6 @@
 """Nightly runs: a new run per night, warm start from the champion, the data cursor, promotion on a win.
 
-Three "nights" are driven in one process through ``qerl.flows.runner.run(..., night=...)`` (what the
+Three "nights" are driven in one process through ``qerl.flows.run_here(..., night=...)`` (what the
 deployment does with Prefect's scheduled date), on the transformers engine and a tiny model.
 """
 
@@ -89,7 +89,7 @@ def test_nights_advance_data_warm_start_and_promote_on_merit_only(learner_model_
     and loses; night 4 keeps one version."""
     from learning import assert_trained
     from mlflow.tracking import MlflowClient
-    from qerl.flows import runner
+    from prefect_home import resume_here, run_here
     from qerl.pipeline.planning.run_config import RunConfig
     from qerl.pipeline.registry import promotion
     from qerl.pipeline.registry.policy import read_policy
@@ -99,7 +99,7 @@ def test_nights_advance_data_warm_start_and_promote_on_merit_only(learner_model_
     work = tmp_path / "work"
     nights = [(4e-2, "champion"), (1e-3, "base"), (3e-1, "champion")]
     configs = [RunConfig.model_validate(_night(base, lr, warm)) for lr, warm in nights]
-    records = [runner.run(configs[0], work, dt.date(2026, 1, 1))]
+    records = [run_here(configs[0], work, dt.date(2026, 1, 1))]
     ruined = records[0]["registration"]
     assert not ruined["promoted"] and ruined["promotion"].startswith("does not beat the base model"), ruined
     assert (
@@ -108,7 +108,7 @@ def test_nights_advance_data_warm_start_and_promote_on_merit_only(learner_model_
     rule = read_policy("qerl-adapter")
     assert rule.margin_se == 2.0 and rule.benchmark == ruined["decided_on"] and "run nightly" in rule.set_by
     promotion.promote(configs[0].registry, "qerl-adapter", "1")  # an operator's hand
-    records += [runner.run(cfg, work, dt.date(2026, 1, 2 + i)) for i, cfg in enumerate(configs[1:])]
+    records += [run_here(cfg, work, dt.date(2026, 1, 2 + i)) for i, cfg in enumerate(configs[1:])]
 
     # each night is its own run, id carrying the date, and each trained on mixed rewards
     assert [r["run_id"].rsplit("-", 1)[1] for r in records] == ["20260101", "20260102", "20260103"]
@@ -164,7 +164,7 @@ def test_nights_advance_data_warm_start_and_promote_on_merit_only(learner_model_
     v3 = MlflowClient().get_model_version("qerl-adapter", "3")
     (Path(urlparse(MlflowClient().get_run(v3.run_id).info.artifact_uri).path) / PROTOCOL_FILE).unlink()
     assert read_protocol(v3) is None  # as for a version registered before protocol.json existed
-    again = runner.resume(records[2]["run_id"], work)
+    again = resume_here(records[2]["run_id"], work)
     assert read_protocol(v3)["run_id"] == records[2]["run_id"]  # the re-run logged it again
     assert again["plan"]["start_slot"] == 6 and again["plan"]["warm_start"]["version"] == "2"
     assert again["final_adapter"] == records[2]["final_adapter"]
@@ -177,7 +177,7 @@ def test_nights_advance_data_warm_start_and_promote_on_merit_only(learner_model_
     # and night 4 started from it
     promotion.promote(configs[2].registry, "qerl-adapter", "2")
     records.append(
-        runner.run(RunConfig.model_validate(_night(base, 1e-3, keep_versions=1)), work, dt.date(2026, 1, 4))
+        run_here(RunConfig.model_validate(_night(base, 1e-3, keep_versions=1)), work, dt.date(2026, 1, 4))
     )
     assert records[3]["plan"]["warm_start"]["version"] == "2" and not records[3]["registration"]["promoted"]
     client = MlflowClient()
@@ -192,7 +192,7 @@ def test_nights_advance_data_warm_start_and_promote_on_merit_only(learner_model_
     # manifests stay: re-running released night 1, and night 2, is all cache hits
     builds = (work / "store" / "builds.jsonl").read_text().count("\n")
     for record in records[:2]:
-        assert runner.resume(record["run_id"], work)["status"] == "completed"
+        assert resume_here(record["run_id"], work)["status"] == "completed"
     assert (work / "store" / "builds.jsonl").read_text().count("\n") == builds
 
 
@@ -223,7 +223,7 @@ def test_cursor_advances_only_forward_and_atomically(tmp_path):
 
 
 def test_night_parsing_and_the_scheduled_date(monkeypatch):
-    import qerl.flows.rl as rl
+    import qerl.flows.run as rl
 
     assert parse_night("2026-03-04") == dt.date(2026, 3, 4)
     assert parse_night(
@@ -236,9 +236,9 @@ def test_night_parsing_and_the_scheduled_date(monkeypatch):
         scheduled_start_time = dt.datetime(2026, 5, 6, 2, 0, tzinfo=dt.UTC)
 
     monkeypatch.setattr(rl, "flow_run", FakeFlowRun)
-    assert rl._resolve_night(True, None) == dt.date(2026, 5, 6)  # the deployment's scheduled date
-    assert rl._resolve_night(True, "2026-01-01") == dt.date(2026, 1, 1)
-    assert rl._resolve_night(False, None) is None  # a plain run
+    assert rl._night(True, None) == dt.date(2026, 5, 6)  # the deployment's scheduled date
+    assert rl._night(True, "2026-01-01") == dt.date(2026, 1, 1)
+    assert rl._night(False, None) is None  # a plain run
 
 
 def test_warm_start_refuses_a_champion_of_another_base_or_lora_shape(tmp_path):

@@ -44,31 +44,35 @@ def test_benchmark_id_carries_the_evaluation_protocol():
 
 
 def test_validation_split_is_disjoint_from_the_stream_and_the_test_set(tiny_model_dir):
-    from qerl.flows.rl_phases import load_data, read_data
+    from qerl.flows.run import fit_data, read_data
     from qerl.pipeline.planning.run_config import RunConfig
+    from qerl.pipeline.store.run_record import RunRecord
 
     cfg = RunConfig.model_validate({"eval": {"validation": {"size": 40}}, "loop": {"prompts_per_step": 8}})
     stages: list[str] = []
     run = types.SimpleNamespace(
-        cfg=cfg, record={}, validation=[], held_out=[],
+        cfg=cfg,
+        record=RunRecord(run_id="r"),
         ui=types.SimpleNamespace(stage=lambda *a, **k: stages.append(a[1])),
-    )  # fmt: skip
-    base = types.SimpleNamespace(dir=tiny_model_dir)
-    stream = load_data(run, base, None, read_data(run))
-    # chosen before the base is quantized (GPTQ's calibration leaves these questions out)
-    assert [p["id"] for p in run.held_out] == [p["id"] for p in run.validation]
-    held = {p["id"] for p in run.validation}
+    )
+    base = types.SimpleNamespace(twin=None, quantized=types.SimpleNamespace(dir=tiny_model_dir))
+    rows, held_out = read_data(
+        run
+    )  # chosen before the base is quantized (GPTQ's calibration leaves them out)
+    stream, validation = fit_data(run, base, rows, held_out)
+    assert [p["id"] for p in held_out] == [p["id"] for p in validation]
+    held = {p["id"] for p in validation}
     n = len(held)  # whole groups (pairs of numbers) until there are 40: a few less
-    assert 35 <= n <= 40 and run.record["data"]["validation"]["n_items"] == n
+    assert 35 <= n <= 40 and run.record.data.validation.n_items == n
     assert f"{n} held out for validation" in stages[0]
-    assert not {p["group"] for p in run.validation} & {p["group"] for p in stream}  # nor their numbers
+    assert not {p["group"] for p in validation} & {p["group"] for p in stream}  # nor their numbers
     # the stream: every slot of two epochs, none holds a validation problem
     n_slots = 2 * slots_per_epoch(len(stream), 8)
     used = {p["id"] for s in range(n_slots) for p in step_prompts(stream, s, 8, cfg.loop.seed)}
-    assert used and not used & held and len(stream) + n == run.record["data"]["kept"]
+    assert used and not used & held and len(stream) + n == run.record.data.kept
     # the reported test set shares no problem with it
     test = load_problems(cfg.eval.benchmark)
-    assert not {p["question"] for p in run.validation} & {p["question"] for p in test}
+    assert not {p["question"] for p in validation} & {p["question"] for p in test}
     # chosen by id, not by position; at most a quarter of the data
     problems = load_problems(cfg.data, "train")
     _, again = validation_split(list(reversed(problems)), ValidationConfig(size=40))

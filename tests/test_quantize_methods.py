@@ -399,17 +399,17 @@ def test_samples_calibrate_on_generated_text_and_a_cache_hit_generates_nothing(
 def test_calibration_renders_prompts_with_the_rollouts_template(monkeypatch):
     """GPTQ's calibration prompts are rendered as the rollouts render them (``rollout.template``),
     not with ``data.template``, which may differ."""
-    from qerl.flows import rl_tasks
+    from qerl.flows import tasks
     from qerl.pipeline.planning.run_config import RunConfig
 
     seen = {}
     monkeypatch.setattr(
-        rl_tasks.quantize,
+        tasks.quantize,
         "run",
         lambda cfg, src, store, data, progress, held: seen.update(data=data, held=held),
     )
     cfg = RunConfig.model_validate({"data": {"template": "terse"}, "rollout": {"template": "boxed"}})
-    rl_tasks.quantize_task.fn(cfg, "src", None, None, frozenset({"What is 1 + 1?"}))
+    tasks.quantized.fn(cfg=cfg, src="src", store=None, held_out=frozenset({"What is 1 + 1?"}))
     assert seen["data"].template == "boxed" and seen["data"].dataset == cfg.data.dataset
     assert seen["held"] == {"What is 1 + 1?"}  # the run's validation questions reach the calibration
 

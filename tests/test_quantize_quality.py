@@ -334,8 +334,8 @@ def test_quality_settings_and_texts_key_the_report_never_the_checkpoint(built, t
     quantized = stage.run(QuantizeConfig(quality=cfg), tiny_model_dir, store)
     first = _measured(cfg, quantized, tiny_model_dir, store)
     assert first.key == a.key  # the same checkpoint, settings and texts: the same report
-    from qerl.flows.run_record import run_id_for, with_resources
     from qerl.pipeline.planning.run_config import load_run_config
+    from qerl.pipeline.planning.runs import run_id_for, with_resources
     from qerl.stages import dequantize
 
     twin = dequantize.run(QuantizeConfig(quality=cfg), quantized, store)
@@ -423,7 +423,7 @@ def test_cli_prints_the_line_and_the_report(tiny_model_dir, tmp_path, capfd):
 def test_quality_metrics_reach_the_mlflow_run(tmp_path):
     from types import SimpleNamespace
 
-    from qerl.flows import rl_register
+    from qerl.flows.promotion import log_quality
     from qerl.pipeline.nvfp4.quality_report import quality_metrics
     from qerl.pipeline.registry import tracking
 
@@ -438,9 +438,7 @@ def test_quality_metrics_reach_the_mlflow_run(tmp_path):
     assert quality_metrics(None) == {}
     cfg = tracking.RegistryConfig()
     run_id = tracking.start_run(tracking.connect(cfg, tmp_path), run_name="quality")
-    run = SimpleNamespace(cfg=SimpleNamespace(registry=cfg), work=tmp_path)
-    run.quality = SimpleNamespace(extra={"quality": SECTION})
-    rl_register._log_quantize_quality(run, run_id)
+    log_quality(SimpleNamespace(registry=cfg), tmp_path, run_id, SimpleNamespace(extra={"quality": SECTION}))
     logged = tracking.MlflowClient().get_run(run_id).data.metrics
     assert {k: logged[k] for k in quality_metrics(SECTION)} == quality_metrics(SECTION)
     # the run console's quality line and `qerl eval`'s base line carry the short form

@@ -146,7 +146,8 @@ def test_register_is_idempotent_per_run_and_weights(work):
     the same bytes is the same registration for the same run: no second version, no alias moves. Another
     run with the same weights is a version of its own; a later run with the very same adapter reuses
     that version and names the run that registered it."""
-    from qerl.flows.run_record import earlier_registration, registered_line
+    from qerl.flows.report import registered_line
+    from qerl.pipeline.store.run_record import RunRecord
 
     store = ArtifactStore(work / "store-weights")
     cfg = reg.RegistryConfig(model_name="weights-adapter")
@@ -187,13 +188,17 @@ def test_register_is_idempotent_per_run_and_weights(work):
     )  # fmt: skip
     rec = json.loads(later.file("registration.json").read_text())
     assert (rec["version"], rec["created"], rec["registered_by"]) == ("2", False, "night-abc-20260102")
-    record = {"run_id": "night-abc-20260103", "registration": {**later.extra, **later.metrics}}
-    assert earlier_registration(record) == "night-abc-20260102"
-    assert registered_line(record["registration"], "night-abc-20260102") == (
+    record = RunRecord.model_validate(
+        {"run_id": "night-abc-20260103", "registration": {**later.extra, **later.metrics}}
+    )
+    assert record.earlier_registration() == "night-abc-20260102"
+    assert registered_line(record.registration, "night-abc-20260102") == (
         "already registered: weights-adapter v2, by run night-abc-20260102 (the same adapter), not champion"
     )
-    own = {"run_id": "night-abc-20260102", "registration": {**other.extra, **other.metrics}}
-    assert earlier_registration(own) is None and registered_line(own["registration"], None).startswith(
+    own = RunRecord.model_validate(
+        {"run_id": "night-abc-20260102", "registration": {**other.extra, **other.metrics}}
+    )
+    assert own.earlier_registration() is None and registered_line(own.registration, None).startswith(
         "registered weights-adapter v2, "
     )
 
@@ -230,10 +235,12 @@ def test_registration_completes_the_live_run(work):
 
     store = ArtifactStore(work / "store-live")
     cfg = reg.RegistryConfig(model_name="live-adapter")
-    record = {"run_id": "tiny-live", "flow_run_id": "flow-live", "config": {"loop": {"steps": 3}},
-              "steps": HISTORY[:2], "evaluations": []}  # fmt: skip
-    opened = live.open_run(cfg, work, record, {}, {"night": "2026-01-01"})
-    assert live.log_record(opened, record) > 0 and record[live.RECORD_KEY] == opened.run_id
+    from qerl.pipeline.store.run_record import RunRecord
+
+    record = RunRecord.model_validate({"run_id": "tiny-live", "flow_run_id": "flow-live",
+                                       "config": {"loop": {"steps": 3}}, "steps": HISTORY[:2]})  # fmt: skip
+    opened = live.open_run(cfg, work, record, None, {"night": "2026-01-01"})
+    assert live.log_record(opened, record) > 0 and record.mlflow_run_id == opened.run_id
     lineage = {**LINEAGE, "run_id": "tiny-live"}
     m = register.run(
         cfg, fake_train(store, "live"), fake_eval(store, 0.5), lineage, HISTORY, work, True, store,

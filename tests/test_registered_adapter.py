@@ -129,7 +129,7 @@ def test_cli_eval_of_a_registered_version_uses_its_runs_protocol(tiny_model_dir,
     plain base by that run's quantize section: the registered figure's protocol, ``--benchmark``
     replacing only the dataset. ``--config`` or a missing record: the defaults, said on the console."""
     from qerl.flows.cli import main
-    from qerl.flows.tool_commands import _registered_figure
+    from qerl.flows.tool_commands import registered_figure
     from qerl.pipeline.config import key_payload
     from qerl.pipeline.data.rewards import RewardConfig
     from qerl.pipeline.evaluation.eval_config import EvalConfig
@@ -177,7 +177,7 @@ def test_cli_eval_of_a_registered_version_uses_its_runs_protocol(tiny_model_dir,
     # the figure the version's run registered, said to be comparable or not (the helper registers "b")
     assert "registered: qerl-adapter v1 at 0.5000 on b (another benchmark or protocol)" in last_out[0]
     same = SimpleNamespace(name="m", version="3", tags={"eval_benchmark": "x@1~2", "eval_accuracy": "0.25"})
-    assert _registered_figure(same, "x@1~2") == "registered: m v3 at 0.2500 on this benchmark and protocol"
+    assert registered_figure(same, "x@1~2") == "registered: m v3 at 0.2500 on this benchmark and protocol"
     assert ev.config["eval"] == key_payload(eval_section)  # the run's eval section
     twins = [Manifest.load(d) for d in (work / "store" / "objects" / "dequantize").iterdir()]
     assert [t.config["twin_dtype"] for t in twins] == ["float32"]  # the run's quantize section

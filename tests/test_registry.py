@@ -517,11 +517,18 @@ def test_live_metrics_through_the_server(mlflow_server, tmp_path):
 
     uri, _ = mlflow_server
     cfg = reg.RegistryConfig(tracking_uri=uri, model_name="srv-live")
-    record = {"run_id": "srv-live-run", "flow_run_id": "f", "config": {"loop": {"steps": 3}},
-              "steps": HISTORY[:1], "evaluations": []}  # fmt: skip
-    first = live.open_run(cfg, tmp_path, record, {}, {})
+    from qerl.pipeline.store.run_record import RunRecord
+
+    fields = {
+        "run_id": "srv-live-run",
+        "flow_run_id": "f",
+        "config": {"loop": {"steps": 3}},
+        "evaluations": [],
+    }
+    record = RunRecord.model_validate({**fields, "steps": HISTORY[:1]})
+    first = live.open_run(cfg, tmp_path, record, None, {})
     assert live.log_record(first, record) > 0 and not first.failing
-    resumed = {**record, "steps": HISTORY[:2]}
+    resumed = RunRecord.model_validate({**fields, "steps": HISTORY[:2]})
     second = live.open_run(cfg, tmp_path, resumed, record, {})
     assert second.run_id == first.run_id and live.log_record(second, resumed) > 0
     store = ArtifactStore(tmp_path / "store-live")

@@ -220,7 +220,8 @@ def test_a_version_a_run_started_from_stays_while_the_run_may_resume_and_its_cop
     store = ArtifactStore(work / "store")
     copy, _ = adapters.fetch_adapter(MlflowClient().get_model_version(NAME, v2), store)
     started = {"from": "champion", "version": v2, "digest": copy.digest}
-    fake_run(work, "resumable", 1, status="failed", salt=100, plan={"warm_start": started})
+    plan = {"stream": "s", "start_slot": 0, "end_slot": 1, "epochs": [0], "warm_start": started}
+    fake_run(work, "resumable", 1, status="failed", salt=100, plan=plan)
     notes: list[str] = []
     assert release.plan_releases(work, notes=notes) == []
     assert f"kept {NAME} v2: unfinished run resumable started from it" in notes

@@ -85,7 +85,7 @@ def _set(cfg: RunConfig, dotted: str, value: object) -> RunConfig:
 
 def _keys(cfg: RunConfig) -> dict[str, str]:
     """Every key part a stage builds from the config, and the run id."""
-    from qerl.flows.run_record import run_id_for
+    from qerl.pipeline.planning.runs import run_id_for
     from qerl.stages import quantize, train
 
     base = Manifest(
@@ -190,8 +190,8 @@ def test_a_run_resumed_with_other_resources_rebuilds_nothing_before_its_crash(
     """Crash in train step 1 of 2, resume with every kind of resource changed: only step 1's train
     (and what follows it) is built; the record keeps the new resources."""
     import torch
-    from qerl.flows import runner
-    from qerl.flows.run_record import run_id_for
+    from prefect_home import run_here
+    from qerl.pipeline.planning.runs import run_id_for
     from qerl.stages import train
     from test_flow import tiny_run_config
 
@@ -208,7 +208,7 @@ def test_a_run_resumed_with_other_resources_rebuilds_nothing_before_its_crash(
 
     monkeypatch.setattr(train, "run", crash)
     with pytest.raises(Exception, match="killed in train step 1"):
-        runner.run(cfg, work)
+        run_here(cfg, work)
     monkeypatch.setattr(train, "run", real)
     done = len(_builds(work))
     assert Counter(e["stage"] for e in _builds(work))["train"] == 1
@@ -223,7 +223,7 @@ def test_a_run_resumed_with_other_resources_rebuilds_nothing_before_its_crash(
     }
     changed = apply_overrides(cfg, resources)
     assert run_id_for(changed) == run_id_for(cfg)
-    record = runner.run(changed, work)
+    record = run_here(changed, work)
     assert record["status"] == "completed" and record["run_id"] == run_id_for(cfg)
     rebuilt = Counter(e["stage"] for e in _builds(work)[done:] if e.get("event") == "built")
     assert rebuilt["train"] == 1, rebuilt  # step 1 only
@@ -234,7 +234,7 @@ def test_a_run_resumed_with_other_resources_rebuilds_nothing_before_its_crash(
 def test_resume_set_takes_resource_settings_only(tmp_path):
     """``qerl resume RUN --set``: a resource setting keeps the run; a result setting is refused,
     named, before anything starts."""
-    from qerl.flows.run_record import run_id_for, with_resources
+    from qerl.pipeline.planning.runs import run_id_for, with_resources
     from test_flow import _qerl
 
     cfg = load_run_config()

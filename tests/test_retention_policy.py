@@ -12,6 +12,7 @@ from qerl.pipeline.store import retention, retention_policy
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.files import atomic_write_json
 from qerl.pipeline.store.manifest import BuildResult, Manifest
+from qerl.pipeline.store.run_record import RunRecord
 from test_gc import ADAPTER, fake_step, pruned_names
 
 GB = 1e9
@@ -118,12 +119,12 @@ def test_the_7b_presets_nights_hold_the_store_under_30_gb_however_many(tmp_path,
     marks = retention_policy.Marks()
     steps = cfg.loop.steps
     for n in range(30):
-        record = {
+        record = RunRecord.model_validate({
             "run_id": f"night-{n}", "status": "completed", "config": cfg.model_dump(mode="json"),
             "final_adapter": f"/s/objects/train/n{n}-s{steps - 1}/adapter",
             "steps": [{"step": s, "manifests": {k: f"n{n}-s{s}" for k in ("rollout", "score", "train")}}
                       for s in range(steps)],
-        }  # fmt: skip
+        })  # fmt: skip
         retention_policy.mark_run(marks, record, retention_policy.policy_for(record), live=False)
     keys = {f"n{n}-s{s}" for n in range(30) for s in range(steps)}
     kept_opt = {k for k in keys if k not in marks.drop_opt or k in marks.keep_opt}
@@ -190,13 +191,13 @@ def test_a_finished_run_whose_tables_were_pruned_is_still_all_cache_hits(tiny_mo
 @pytest.mark.slow  # a Prefect flow run (about a minute)
 def test_a_run_that_cannot_fit_is_refused_before_anything_is_built(tmp_path, monkeypatch):
     """The flow checks the estimate first: a failed run, its record naming the numbers, an empty store."""
-    from qerl.flows import runner
+    from prefect_home import run_here
     from qerl.pipeline.planning.run_config import RunConfig
 
     monkeypatch.setattr(disk_plan, "free_bytes", lambda path: 1000)
     work = tmp_path / "work"
     with pytest.raises(disk_plan.DiskSpaceError, match=r"only 1.0 KB is free"):
-        runner.run(RunConfig(), work)
+        run_here(RunConfig(), work)
     (record_path,) = (work / "runs").glob("*/run.json")
     record = __import__("json").loads(record_path.read_text())
     assert record["status"] == "failed" and "DiskSpaceError: work dir" in record["error"]

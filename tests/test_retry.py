@@ -113,11 +113,11 @@ def test_transient_or_not():
 @pytest.mark.slow
 def test_flow_tasks_retry_transient_errors_only(fake_engines, tmp_path):
     """Through Prefect itself: a deterministic error runs once, a dead engine is retried and rebuilt."""
-    from qerl.flows.runner import prepare_environment
+    from qerl.flows.orchestration import prepare_environment
 
     prepare_environment(tmp_path)
     from prefect import flow, task
-    from qerl.flows.rl_tasks import RETRY_OPTS
+    from qerl.flows.tasks import RETRY_OPTS
 
     opts = {**RETRY_OPTS, "retry_delay_seconds": 0}
     attempts: list[str] = []

@@ -66,8 +66,8 @@ def test_a_second_attempt_is_refused_while_the_first_lives_and_not_after_it_dies
 
 
 def test_qerl_run_is_refused_before_it_touches_the_running_attempts_log(tmp_path, capsys):
-    from qerl.flows.run_record import run_id_for
     from qerl.pipeline.planning.run_config import load_run_config
+    from qerl.pipeline.planning.runs import run_id_for
 
     run_id = run_id_for(load_run_config(None, []))  # the embedded demo's run
     run_dir = tmp_path / "runs" / run_id

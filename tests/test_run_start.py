@@ -39,30 +39,28 @@ def _config(model_dir: Path, data: Path | None = None):
 
 
 def _record_path(work: Path, cfg, night: dt.date | None) -> Path:
-    from qerl.flows import runner
-
-    runner.prepare_environment(work)  # before Prefect is imported (run_record imports it)
-    from qerl.flows.run_record import run_dir, run_id_for
+    from qerl.pipeline.planning.runs import run_id_for
+    from qerl.pipeline.store.run_record import run_dir
 
     return run_dir(work, run_id_for(cfg, night)) / "run.json"
 
 
 def _crash_before_the_plan(monkeypatch, record_path: Path) -> list[dict]:
     """``prepare_base`` fails (a base fetch that dies); returns the record as it was on disk then."""
-    from qerl.flows import rl
+    from qerl.flows import run
 
     seen: list[dict] = []
 
-    def base_fails(run):
+    def base_fails(run, held_out):
         seen.append(json.loads(record_path.read_text()))
         raise RuntimeError("base fetch failed")
 
-    monkeypatch.setattr(rl, "prepare_base", base_fails)
+    monkeypatch.setattr(run, "prepare_base", base_fails)
     return seen
 
 
 def test_an_attempt_that_dies_before_its_plan_keeps_the_plan(tiny_model_dir, tmp_path, monkeypatch):
-    from qerl.flows import runner
+    from prefect_home import run_here
 
     cfg, work = _config(tiny_model_dir), tmp_path / "work"
     path = _record_path(work, cfg, NIGHT)
@@ -70,7 +68,7 @@ def test_an_attempt_that_dies_before_its_plan_keeps_the_plan(tiny_model_dir, tmp
     path.write_text(json.dumps({"run_id": path.parent.name, "status": "failed", "steps": [], "plan": PLAN}))
     seen = _crash_before_the_plan(monkeypatch, path)
     with pytest.raises(RuntimeError, match="base fetch failed"):
-        runner.run(cfg, work, NIGHT)
+        run_here(cfg, work, NIGHT)
     assert seen[0]["status"] == "running" and seen[0]["plan"] == PLAN  # the first save already has it
     record = json.loads(path.read_text())
     assert record["status"] == "failed" and record["plan"] == PLAN
@@ -79,13 +77,13 @@ def test_an_attempt_that_dies_before_its_plan_keeps_the_plan(tiny_model_dir, tmp
 
 def test_a_run_without_a_console_session_writes_its_run_log(tiny_model_dir, tmp_path, monkeypatch):
     """A scheduled night calls the flow with no console session (no CLI): run.log all the same."""
-    from qerl.flows import runner
+    from prefect_home import run_here
 
     cfg, work = _config(tiny_model_dir), tmp_path / "work"
     path = _record_path(work, cfg, NIGHT)
     _crash_before_the_plan(monkeypatch, path)
     with pytest.raises(RuntimeError, match="base fetch failed"):
-        runner.run(cfg, work, NIGHT)
+        run_here(cfg, work, NIGHT)
     text = (path.parent / "run.log").read_text()
     assert f"run {path.parent.name}: started" in text
     assert "base fetch failed" in text  # the error that ended the night, with its traceback
@@ -104,17 +102,17 @@ def _built_stages(work: Path) -> list[str]:
 
 
 def test_malformed_data_fails_the_flow_before_anything_is_built(tiny_model_dir, tmp_path):
-    from qerl.flows import runner
+    from prefect_home import run_here
 
     data = _malformed(tmp_path / "data.jsonl")
     work = tmp_path / "work"
     with pytest.raises(ValueError, match=f"{data}:3: not valid JSON"):
-        runner.run(_config(tiny_model_dir, data), work)
+        run_here(_config(tiny_model_dir, data), work)
     assert _built_stages(work) == []
 
 
 def test_an_unreadable_benchmark_fails_the_flow_before_anything_is_built(tiny_model_dir, tmp_path):
-    from qerl.flows import runner
+    from prefect_home import run_here
     from qerl.pipeline.config import apply_overrides
 
     # level 1 has 120 test problems (11 pairs of digits in six phrasings, both orders)
@@ -123,11 +121,11 @@ def test_an_unreadable_benchmark_fails_the_flow_before_anything_is_built(tiny_mo
     )
     work = tmp_path / "work"
     with pytest.raises(ValueError, match=r"only 120 distinct test problems found at levels \[1\]"):
-        runner.run(cfg, work)
+        run_here(cfg, work)
     assert _built_stages(work) == []
 
 
-def test_qerl_run_reports_malformed_data_in_one_line(tiny_model_dir, tmp_path):
+def test_qerl_run_reports_malformed_data_in_one_error_line(tiny_model_dir, tmp_path):
     data = _malformed(tmp_path / "data.jsonl")
     cfg = tiny_run_config(tiny_model_dir)
     cfg["data"] = {"dataset": str(data), "template": "terse"}
@@ -135,8 +133,8 @@ def test_qerl_run_reports_malformed_data_in_one_line(tiny_model_dir, tmp_path):
     work = tmp_path / "work"
     proc = _qerl(["run", "--config", str(tmp_path / "run.yaml")], work)
     assert proc.returncode == 2
-    (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith(f"qerl run: error: {data}:3: not valid JSON")
+    starting, line = proc.stderr.strip().splitlines()  # the run's first console line, then the error
+    assert starting.startswith("run tiny-") and line.startswith(f"qerl run: error: {data}:3: not valid JSON")
     assert _built_stages(work) == []
 
 
@@ -145,7 +143,8 @@ def test_a_context_longer_than_the_model_is_refused_before_the_quantize_stage(
 ):
     """A local model is checked when the config loads; any other source (here the demo's, which is
     known only once the base stage has built it) right after the base stage, before quantizing."""
-    from qerl.flows import rl_phases, runner
+    from prefect_home import run_here
+    from qerl.flows import tasks
     from qerl.pipeline.config import ConfigError
     from qerl.pipeline.planning.run_config import RunConfig, load_run_config
 
@@ -156,10 +155,10 @@ def test_a_context_longer_than_the_model_is_refused_before_the_quantize_stage(
     with pytest.raises(ConfigError, match=refused):
         load_run_config(tmp_path / "run.yaml")
     cfg["model"] = {"source": "demo"}
-    monkeypatch.setattr(rl_phases, "base_task", lambda *_: str(tiny_model_dir))  # the base stage's output
+    monkeypatch.setattr(tasks, "base_model", lambda **_: str(tiny_model_dir))  # the base stage's output
     work = tmp_path / "work"
     with pytest.raises(ConfigError, match=refused):
-        runner.run(RunConfig.model_validate(cfg), work)
+        run_here(RunConfig.model_validate(cfg), work)
     assert _built_stages(work) == []
 
 
@@ -176,22 +175,18 @@ def test_schedule_names_the_api_url_nothing_answers_at(tmp_path):
 
 
 SERVE = """
-import sys
+import os, sys
 from pathlib import Path
-from qerl.flows import runner
+from qerl.flows import orchestration
 from qerl.pipeline.planning.run_config import load_run_config
 
-prepare = runner.prepare_environment
+os.environ["PREFECT_API_URL"] = sys.argv[2]  # what the command line sets from --api-url
+orchestration.prepare_environment(Path(sys.argv[1]))
+import prefect
+from prefect.settings import PREFECT_API_URL
 
-def prepare_then_fake_serve(work):
-    prepare(work)
-    import prefect
-    from prefect.settings import PREFECT_API_URL
-
-    prefect.serve = lambda d, limit: print("SERVED", PREFECT_API_URL.value(), d.name, limit)
-
-runner.prepare_environment = prepare_then_fake_serve
-runner.schedule(load_run_config(), Path(sys.argv[1]), "0 2 * * *", sys.argv[2])
+prefect.serve = lambda d, limit: print("SERVED", PREFECT_API_URL.value(), d.name, limit)
+orchestration.schedule(load_run_config(), Path(sys.argv[1]), "0 2 * * *", None)
 """
 
 
@@ -234,7 +229,6 @@ def test_the_engine_start_up_is_counted_apart_from_the_step(monkeypatch):
     engine took to come up, once; a cached step or a plain engine counts none."""
     import time
 
-    from qerl.flows.rl_phases import TimedEngine, _engine_startup
     from qerl.pipeline.rollout import factory
     from qerl.pipeline.rollout.config import RolloutConfig
     from qerl.pipeline.rollout.lazy import LazyEngine
@@ -251,12 +245,10 @@ def test_the_engine_start_up_is_counted_apart_from_the_step(monkeypatch):
         return Engine(engine.mode)
 
     monkeypatch.setattr(factory, "build_engine", slow_build)
-    engine = TimedEngine(RolloutConfig(engine="hf"), None, None)
-    assert _engine_startup(engine) == 0.0 and not engine.started
+    engine = LazyEngine(RolloutConfig(engine="hf"), None, None)
+    assert engine.startup_s == 0.0 and not engine.started  # asking does not start it
     engine.generate(["p"], 2, None, 0)
-    first = _engine_startup(engine)
+    first = engine.startup_s
     assert first >= 0.3
     engine.generate(["p"], 2, None, 0)
-    assert _engine_startup(engine) == first  # started once
-    plain = LazyEngine(RolloutConfig(engine="hf"), None, None)
-    assert _engine_startup(plain) == 0.0 and not plain.started  # asking does not start it
+    assert engine.startup_s == first  # started once

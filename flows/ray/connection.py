@@ -1,20 +1,18 @@
-"""Connecting the driver to a Ray cluster (``cluster``): check the rules, start or find the Prefect
-API the workers talk to, connect with the workers' ``runtime_env``, size each run's resources and
-probe every node; yields the flow's ``RayTaskRunner`` and the plan the ablation records.
+"""Connecting the driver to a Ray cluster (``cluster``): check the rules, connect with the workers'
+``runtime_env``, size each run's resources and probe every node; yields the flow's
+``RayTaskRunner`` and the plan the ablation records.
 
 The Prefect API: prefect-ray sends the driver's Prefect settings with every task and the worker
 adopts them, so a worker talks to the API URL the driver has (an env var on the worker does not
-override it). With no ``PREFECT_API_URL`` the driver would use an in-process temporary server that no
-worker can reach, and each worker would start one of its own. So on a local cluster the driver
-starts Prefect's temporary server itself (on 127.0.0.1) and points ``PREFECT_API_URL`` at it for the
-ablation; a cluster of several machines needs ``PREFECT_API_URL`` naming a server every node reaches.
+override it). The driver always has one (``qerl.flows.orchestration.use_api``): the user's
+``PREFECT_API_URL``, or the run's own server on 127.0.0.1, which the workers of a local cluster
+reach; a cluster of several machines needs ``PREFECT_API_URL`` naming a server every node reaches.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -42,28 +40,6 @@ def _import_ray() -> Any:
             "requirements/*.txt: re-run `make venv` or pip install -r requirements/cpu.txt"
         ) from err
     return ray
-
-
-@contextmanager
-def _prefect_api(remote: bool | None) -> Iterator[str]:
-    """The Prefect API every worker talks to: PREFECT_API_URL, or this machine's temporary server."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    url = PREFECT_API_URL.value()
-    if url or remote:
-        yield url
-        return
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()  # the instance Prefect's own client would start; 127.0.0.1 only
-    server.start()
-    log.info("Prefect temporary server for the Ray workers at %s", server.api_url)
-    with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-        os.environ["PREFECT_API_URL"] = server.api_url  # forwarded to the workers' environment too
-        try:
-            yield server.api_url
-        finally:
-            os.environ.pop("PREFECT_API_URL", None)
 
 
 def cluster_is_remote(ray: Any) -> bool:
@@ -127,13 +103,17 @@ def connect(ray: Any, address: str, runtime_env: dict[str, Any]) -> None:
 
 @contextmanager
 def cluster(
-    address: str, work: Path, tracking_uri: str, cpus: float = 1.0, gpus: float | None = None,
+    address: str,
+    work: Path,
+    tracking_uri: str,
+    cpus: float = 1.0,
+    gpus: float | None = None,
     tensor_parallel: int = 1,
-) -> Iterator[tuple[Any, dict[str, Any]]]:  # fmt: skip
+) -> Iterator[tuple[Any, dict[str, Any]]]:
     """Check, connect, probe; yields (the flow's ``RayTaskRunner``, the flow's ``ray`` parameter).
 
-    Call it inside Prefect's settings for the ablation (``runner.prepare_environment`` done): it may
-    start the temporary Prefect server and sets ``PREFECT_API_URL`` for the block."""
+    Call it on the ablation's Prefect API (``qerl.flows.orchestration.use_api`` done): the workers get
+    its ``PREFECT_API_URL`` with the driver's environment."""
     from prefect.settings import PREFECT_API_URL
 
     static, user_api = address_is_remote(address), PREFECT_API_URL.value()
@@ -142,7 +122,7 @@ def cluster(
     ray = _import_ray()
     from prefect_ray import RayTaskRunner
 
-    with _prefect_api(static), tempfile.TemporaryDirectory(prefix="qerl-ray-code-") as staging:
+    with tempfile.TemporaryDirectory(prefix="qerl-ray-code-") as staging:
         runtime_env = {"py_modules": [str(qerl_package_dir(Path(staging)))], "env_vars": forwarded_env()}
         connect(ray, address, runtime_env)
         try:
@@ -153,9 +133,16 @@ def cluster(
             probe_nodes(ray, work)
             total = ray.cluster_resources()
             plan = {
-                "address": address, "remote": remote, "tracking_uri": tracking_uri, **resources,
-                "cluster": {"nodes": len(alive_nodes(ray)), "CPU": total.get("CPU", 0), "GPU": total.get("GPU", 0)},
-            }  # fmt: skip
+                "address": address,
+                "remote": remote,
+                "tracking_uri": tracking_uri,
+                **resources,
+                "cluster": {
+                    "nodes": len(alive_nodes(ray)),
+                    "CPU": total.get("CPU", 0),
+                    "GPU": total.get("GPU", 0),
+                },
+            }
             yield RayTaskRunner(address=address), plan
         finally:
             ray.shutdown()

@@ -51,9 +51,10 @@ def ablation_run(
     """One (arm, seed) run in a Ray worker, its console quiet (its log in the run's run.log); returns
     where it ran and its final accuracy."""
     import ray
-    from qerl.flows.rl import rl_flow
-    from qerl.flows.run_record import run_dir, run_id_for
+    from qerl.flows.run import rl_flow
     from qerl.pipeline.planning.run_config import RunConfig
+    from qerl.pipeline.planning.runs import run_id_for
+    from qerl.pipeline.store.run_record import run_dir
 
     work = Path(work_dir)
     _check_worker(work, ablation["id"], tracking_uri, config)
@@ -64,14 +65,17 @@ def ablation_run(
         "host": socket.gethostname(),
     }
     t0 = time.perf_counter()
-    with console.session(run_dir(work, run_id)):
+    with console.session(run_dir(work, run_id) / console.LOG_NAME, keep_fds=True):
         record = rl_flow(config=config, work_dir=work_dir, ablation=ablation)
-    final = [e for e in record.get("evaluations", []) if e.get("adapter") is not None]
+    final = [e for e in record.evaluations if e.adapter is not None]
     return {
-        "run_id": run_id, "status": record.get("status"), "seconds": time.perf_counter() - t0,
-        "accuracy": final[-1]["accuracy"] if final else None, "stderr": final[-1].get("stderr") if final else None,
+        "run_id": run_id,
+        "status": record.status,
+        "seconds": time.perf_counter() - t0,
+        "accuracy": final[-1].accuracy if final else None,
+        "stderr": final[-1].stderr if final else None,
         **where,
-    }  # fmt: skip
+    }
 
 
 def _line(i: int, n: int, p: dict[str, Any], result: dict[str, Any] | None, err: BaseException | None) -> str:
@@ -90,9 +94,13 @@ def _line(i: int, n: int, p: dict[str, Any], result: dict[str, Any] | None, err:
 
 
 def run_all(
-    planned: list[dict[str, Any]], work: Path, parent: str, aid: str, plan: dict[str, Any],
+    planned: list[dict[str, Any]],
+    work: Path,
+    parent: str,
+    aid: str,
+    plan: dict[str, Any],
     on_done: Callable[[int, dict[str, Any]], None],
-) -> None:  # fmt: skip
+) -> None:
     """Submit every run at once (inside the ablation flow, whose task runner is Ray's), report each as it
     finishes (``on_done(index, worker info)``, one console line), then raise if any failed."""
     import ray

@@ -17,20 +17,20 @@ sections makes the same calibration text and, where the arithmetic is determinis
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qerl.pipeline.config import ConfigError
+from qerl.pipeline.config import ConfigError, apply_overrides, load_config
 from qerl.pipeline.data.datasets import DataConfig, load_problems
 from qerl.pipeline.data.rewards import RewardConfig
 from qerl.pipeline.evaluation.eval_config import EvalConfig, ValidationConfig, validation_split
 from qerl.pipeline.nvfp4.recipe import QuantizeConfig
 from qerl.pipeline.registry.protocol import read_protocol
 from qerl.pipeline.store.layout import RUN_RECORD, RUNS_DIR
+from qerl.pipeline.store.run_record import read_record
 
-__all__ = ["RunProtocol", "quantize_inputs", "run_protocol"]
+__all__ = ["RunProtocol", "eval_settings", "quantize_inputs", "run_protocol"]
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,10 @@ def run_protocol(version: Any, work: str | Path) -> RunProtocol | None:
     if run_id and path.is_file():
         where = f"run record {path}"
         try:
-            config = json.loads(path.read_text())["config"]
-        except (ValueError, KeyError, TypeError) as err:
+            config = read_record(path).config
+        except ValueError as err:
             _bad_protocol(where, err)
-        rollout = config.get("rollout") if isinstance(config, dict) else None
-        return _protocol(config, rollout, str(run_id), where)
+        return _protocol(config, config.get("rollout"), str(run_id), where)
     try:
         logged = read_protocol(version)
     except ValueError as err:
@@ -97,3 +96,27 @@ def _bad_protocol(where: str, err: Exception) -> Any:
     raise ConfigError(
         f"{where}: no valid eval, reward and quantize sections ({err}); pass --config FILE"
     ) from err
+
+
+def eval_settings(
+    protocol: RunProtocol | None,
+    config_file: str | None,
+    sets: list[str],
+    reward_sets: list[str],
+    quantize_sets: list[str],
+) -> tuple[EvalConfig, RewardConfig, QuantizeConfig | None, QuantizeConfig | None]:
+    """What ``qerl eval`` evaluates under: (eval, reward, the recipe the caller's ``quantize.*``
+    settings make or None, the recipe the version's run quantized with or None). A registered
+    version's run protocol comes first, ``--set`` on top; ``--config FILE`` (or no protocol) starts
+    from the file and the defaults instead."""
+    if protocol is None or config_file:
+        cfg = load_config(EvalConfig, config_file, sets)
+        reward = load_config(RewardConfig, None, reward_sets, prefix="reward")
+    else:
+        cfg = apply_overrides(protocol.eval, sets)
+        reward = apply_overrides(protocol.reward, reward_sets, "reward")
+    run_recipe = None if protocol is None else protocol.quantize  # what its adapter was trained on
+    recipe = (
+        apply_overrides(run_recipe or QuantizeConfig(), quantize_sets, "quantize") if quantize_sets else None
+    )
+    return cfg, reward, recipe, run_recipe

@@ -34,10 +34,10 @@ from typing import Any
 from mlflow.tracking import MlflowClient
 from qerl.pipeline.registry import health, tracking
 from qerl.pipeline.registry.lock import backend_kind
+from qerl.pipeline.store.run_record import Evaluation, RunRecord
 
 log = logging.getLogger("qerl.registry")
 
-RECORD_KEY = "mlflow_run_id"  # where the run record keeps its MLflow run's id
 PROBE_S = 2.0
 
 
@@ -67,23 +67,23 @@ def new_steps(run_id: str, history: Sequence[Mapping[str, Any]]) -> int:
     return sum(tracking.log_step_metrics(run_id, s, e) for s, e in entries if s not in done)
 
 
-def interim_metrics(evaluation: Mapping[str, Any]) -> dict[str, float]:
+def interim_metrics(evaluation: Evaluation) -> dict[str, float]:
     """A run record's evaluation entry as the metrics registration logs for the final one:
     ``eval_accuracy``, ``eval_accuracy_stderr`` and ``eval_<name>_accuracy`` per ``eval.also``."""
-    out = {"eval_accuracy": evaluation.get("accuracy"), "eval_accuracy_stderr": evaluation.get("stderr")}
-    for other in evaluation.get("also") or []:
-        out[f"eval_{other.get('name')}_accuracy"] = other.get("accuracy")
-        out[f"eval_{other.get('name')}_accuracy_stderr"] = other.get("stderr")
+    out = {"eval_accuracy": evaluation.accuracy, "eval_accuracy_stderr": evaluation.stderr}
+    for other in evaluation.also:
+        out[f"eval_{other.name}_accuracy"] = other.accuracy
+        out[f"eval_{other.name}_accuracy_stderr"] = other.stderr
     return {k: float(v) for k, v in out.items() if v is not None}
 
 
-def _evaluations(record: Mapping[str, Any]) -> Iterable[tuple[int, dict[str, float]]]:
+def _evaluations(record: RunRecord) -> Iterable[tuple[int, dict[str, float]]]:
     """(step index, metrics) of the record's interim evaluations of an adapter: an evaluation after
     k steps sits at index k - 1. The final one (after ``loop.steps``) is registration's to log."""
-    steps = int(record["config"]["loop"]["steps"])
-    for entry in record.get("evaluations") or []:
-        if entry.get("adapter") and 0 < int(entry["step"]) < steps:
-            yield int(entry["step"]) - 1, interim_metrics(entry)
+    steps = int(record.loop["steps"])
+    for entry in record.evaluations:
+        if entry.adapter and 0 < entry.step < steps:
+            yield entry.step - 1, interim_metrics(entry)
 
 
 def reusable(run_id: str | None) -> str | None:
@@ -102,9 +102,11 @@ def reusable(run_id: str | None) -> str | None:
     return run_id
 
 
-def _open(live: LiveRun, previous: Mapping[str, Any]) -> None:
+def _open(live: LiveRun, previous: RunRecord | None) -> None:
     tracking.connect(live.cfg, live.work)
-    before = previous.get(RECORD_KEY) or (previous.get("registration") or {}).get("run_id")
+    before = None
+    if previous is not None:
+        before = previous.mlflow_run_id or (previous.registration.run_id if previous.registration else None)
     live.run_id = reusable(before) or tracking.start_run(live.cfg, run_name=live.name, tags=live.tags)
     live.known = {"step": logged_steps(live.run_id, "step")}
     live.known["eval_accuracy"] = logged_steps(live.run_id, "eval_accuracy")
@@ -131,22 +133,25 @@ def _failed(live: LiveRun, what: str, err: BaseException) -> None:
 
 
 def open_run(
-    cfg: tracking.RegistryConfig, work: Path, record: dict[str, Any], previous: Mapping[str, Any],
+    cfg: tracking.RegistryConfig,
+    work: Path,
+    record: RunRecord,
+    previous: RunRecord | None,
     tags: Mapping[str, Any],
-) -> LiveRun:  # fmt: skip
+) -> LiveRun:
     """The run's MLflow run, opened (reused when the previous attempt's record names one) and its id
-    written to ``record[RECORD_KEY]``; on failure a ``LiveRun`` that ``log_record`` opens later."""
-    name = f"qerl-{record.get('flow_run_id') or record['run_id']}"
-    live = LiveRun(cfg, work, name, {**tags, "run_id": record["run_id"], "complete": "false"})
+    written to ``record.mlflow_run_id``; on failure a ``LiveRun`` that ``log_record`` opens later."""
+    name = f"qerl-{record.flow_run_id or record.run_id}"
+    live = LiveRun(cfg, work, name, {**tags, "run_id": record.run_id, "complete": "false"})
     try:
         _open(live, previous)
-        record[RECORD_KEY] = live.run_id
+        record.mlflow_run_id = live.run_id
     except Exception as err:  # noqa: BLE001  (never fails the run)
         _failed(live, "opening the MLflow run", err)
     return live
 
 
-def log_record(live: LiveRun, record: dict[str, Any]) -> int:
+def log_record(live: LiveRun, record: RunRecord) -> int:
     """Log the record's steps and interim evaluations that the MLflow run lacks; returns the number
     of points logged (0 when logging failed: see the module docstring)."""
     if live.failing and not _reachable(live):
@@ -154,13 +159,13 @@ def log_record(live: LiveRun, record: dict[str, Any]) -> int:
     try:
         if live.run_id is None:
             _open(live, record)
-            record[RECORD_KEY] = live.run_id
+            record.mlflow_run_id = live.run_id
         assert live.run_id is not None
         n = 0
-        for entry in record.get("steps") or []:
-            if int(entry["step"]) not in live.known["step"]:  # its non-numeric keys are not metrics
-                n += tracking.log_step_metrics(live.run_id, int(entry["step"]), entry)
-                live.known["step"].add(int(entry["step"]))
+        for entry, logged in zip(record.steps, record.history(), strict=True):
+            if entry.step not in live.known["step"]:  # its non-numeric keys are not metrics
+                n += tracking.log_step_metrics(live.run_id, entry.step, logged)
+                live.known["step"].add(entry.step)
         for step, metrics in _evaluations(record):
             if step not in live.known["eval_accuracy"]:
                 n += tracking.log_step_metrics(live.run_id, step, metrics)

@@ -50,6 +50,7 @@ from qerl.pipeline.store import releases, retention
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.layout import STORE_DIR
 from qerl.pipeline.store.retention_policy import RetentionError, load_runs, policy_for
+from qerl.pipeline.store.run_record import RunRecord
 
 log = logging.getLogger("qerl.registry")
 
@@ -79,35 +80,31 @@ def _artifact_bytes(source: str) -> int:
         return 0
 
 
-def _registered_runs(
-    work: Path, records: list[dict[str, Any]]
-) -> dict[tuple[str, str], list[dict[str, Any]]]:
+def _registered_runs(work: Path, records: list[RunRecord]) -> dict[tuple[str, str], list[RunRecord]]:
     """(tracking URI, model name) -> the completed run records that registered into it."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str], list[RunRecord]] = {}
     for record in records:
-        reg = record.get("registration")
-        if record.get("status") != "completed" or not isinstance(reg, dict) or reg.get("version") is None:
+        reg = record.registration
+        if record.status != "completed" or reg is None or reg.version is None:
             continue
-        own = (record.get("config") or {}).get("registry") or {}
+        own = record.config.get("registry") or {}
         try:
             uri, _ = resolve_uris(RegistryConfig.model_validate(own), work)
         except ValidationError as err:
-            raise RetentionError(
-                f"run {record['run_id']}: bad registry section in its record: {err}"
-            ) from err
-        groups.setdefault((uri, str(reg.get("model_name"))), []).append(record)
+            raise RetentionError(f"run {record.run_id}: bad registry section in its record: {err}") from err
+        groups.setdefault((uri, str(reg.model_name)), []).append(record)
     return groups
 
 
-def _started_from(records: list[dict[str, Any]], name: str, version: str) -> list[str]:
+def _started_from(records: list[RunRecord], name: str, version: str) -> list[str]:
     """The runs not completed (a resume may need their starting adapter) that warm-started from
     ``name`` v``version``."""
     return [
-        r["run_id"]
+        r.run_id
         for r in records
-        if r.get("status") != "completed"
-        and str(((r.get("plan") or {}).get("warm_start") or {}).get("version")) == version
-        and ((r.get("config") or {}).get("registry") or {}).get("model_name", name) == name
+        if r.status != "completed"
+        and str(r.warm_start_version) == version
+        and (r.config.get("registry") or {}).get("model_name", name) == name
     ]
 
 
@@ -123,13 +120,14 @@ def plan_releases(
     every_run = load_runs(work)
     out: list[releases.Release] = []
     for (uri, name), records in sorted(_registered_runs(work, every_run).items()):
-        newest = max(records, key=lambda r: str(r.get("updated_at") or r.get("started_at") or ""))
+        newest = max(records, key=lambda r: str(r.updated_at or r.started_at or ""))
         keep = policy_for(newest, overrides).keep_versions
         if keep is None:
             continue
         runs: dict[str, list[str]] = {}
         for record in records:
-            runs.setdefault(str(record["registration"]["version"]), []).append(record["run_id"])
+            assert record.registration is not None
+            runs.setdefault(str(record.registration.version), []).append(record.run_id)
         ordered = sorted(runs, key=int, reverse=True)
         shown = health.shown_uri(uri)
         pending = [v for v in ordered[keep:] if (shown, name, v) not in done]  # the ledger's are done

@@ -4,12 +4,15 @@ A re-run whose stages are all cached starts no vLLM: the run holds a ``LazyEngin
 (part of every rollout/evaluate cache key) comes from ``qerl.pipeline.rollout.factory.planned_mode``,
 and the real engine is built only when a stage calls it; it must come up in exactly that mode. An
 engine that died (vLLM's engine core process gone: ``EngineDeadError``) is dropped when the call
-fails, so the task's retry builds a fresh one instead of calling the corpse again.
+fails, so the task's retry builds a fresh one instead of calling the corpse again. The seconds
+spent bringing engines up add up in ``startup_s``: the step or evaluation that paid them reports
+them as start-up, which a console's ETA leaves out.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ class LazyEngine:
         self.mode, self.implementation_module = factory.planned_mode(cfg, factory.base_scheme(quantized))
         self._engine: RolloutEngine | None = None
         self.builds = 0  # engines built so far (a rebuild after a death makes it 2)
+        self.startup_s = 0.0  # seconds spent bringing engines up: start-up, not the stages' work
 
     @property
     def started(self) -> bool:
@@ -47,7 +51,11 @@ class LazyEngine:
 
     def _real(self) -> RolloutEngine:
         if self._engine is None:
-            engine = factory.build_engine(*self._args)
+            t0 = time.perf_counter()
+            try:
+                engine = factory.build_engine(*self._args)
+            finally:
+                self.startup_s += time.perf_counter() - t0
             self.builds += 1
             if engine.mode != self.mode:
                 engine.close()

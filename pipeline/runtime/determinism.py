@@ -1,7 +1,7 @@
 """Deterministic CUDA kernels for the trainer, so a rebuilt checkpoint has the bytes of the first build.
 
 Why: a run resumed after a crash, and a checkpoint that retention pruned and a later step needs
-(``qerl.flows.rl_heal``), are rebuilt from the same inputs. The store then checks the rebuild against
+(``qerl.flows.steps.Chain``), are rebuilt from the same inputs. The store then checks the rebuild against
 the recorded digests: the same bytes put the files back under the same key, other bytes re-key the
 checkpoint and every step after it. The CPU trainer is deterministic by construction. On CUDA some
 backward kernels accumulate with atomics in whatever order the threads arrive (the gather behind the

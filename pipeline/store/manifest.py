@@ -9,6 +9,7 @@ digest, and every downstream key, is unchanged; a consumer asking for one gets a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,18 @@ def file_record(path: Path) -> FileRecord:
 
 def tree_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter as a stage consumes it: its folder and the digest that names it in cache keys
+    (a train step's or a fetched version's manifest digest; a registered champion is known by the
+    digest of the train step that made it)."""
+
+    dir: Path
+    digest: str
+
+    @classmethod
+    def of(cls, manifest: Manifest, digest: str | None = None) -> Adapter:
+        """The adapter in ``manifest``'s ``adapter/`` folder (a train or warm-start artifact)."""
+        return cls(manifest.dir / "adapter", digest or manifest.digest)

@@ -59,7 +59,7 @@ serves the artifact; a consumer of a pruned file gets an ArtifactError naming th
 and why (``require_adapter`` for the rollout, evaluate and register stages). The RL flow recomputes
 on demand instead: a step that must build from a pruned checkpoint, or a rollout or evaluation
 that needs a pruned adapter, rebuilds the chain from its last whole checkpoint
-(``qerl.flows.rl_phases``; a rebuild that does not give the same bytes is re-keyed,
+(``qerl.flows.steps.Chain``; a rebuild that does not give the same bytes is re-keyed,
 ``ArtifactStore._heal``). Resuming an unfinished run needs none of that: its last checkpoint is
 always kept.
 """
@@ -170,20 +170,20 @@ def plan(
     released = releases.load(store)
     why_released = releases.by_run([*released, *releasing])
     live_runs: list[str] = []
-    if only_run is not None and only_run not in {r["run_id"] for r in records}:
+    if only_run is not None and only_run not in {r.run_id for r in records}:
         raise RetentionError(f"no run record for '{only_run}' under {work / RUNS_DIR}")
     for record in records:
         policy = policy_for(record, overrides)
-        other = record["run_id"] != only_run
-        locked = other and run_lock.holder(work / RUNS_DIR / record["run_id"]) is not None
+        other = record.run_id != only_run
+        locked = other and run_lock.holder(work / RUNS_DIR / record.run_id) is not None
         live = other and (locked or is_live(record, policy.live_window_h, now))
         if live:
-            live_runs.append(record["run_id"])
+            live_runs.append(record.run_id)
             why = "an attempt holds its lock" if locked else f"updated within {policy.live_window_h} h"
-            result.notes.append(f"kept every artifact of live run {record['run_id']} ({why})")
+            result.notes.append(f"kept every artifact of live run {record.run_id} ({why})")
         # with only_run, every other run only protects (as a live one does): none of its drops count
-        protect_only = live or (only_run is not None and record["run_id"] != only_run)
-        mark_run(marks, record, policy, protect_only, why_released.get(record["run_id"]))
+        protect_only = live or (only_run is not None and record.run_id != only_run)
+        mark_run(marks, record, policy, protect_only, why_released.get(record.run_id))
     mark_ablations(marks, load_ablations(work, result.notes), records, result.notes)
     result.deletions += adapter_and_optimizer_prunes(
         store, marks, registered_train_digests(store), result.notes
@@ -191,9 +191,9 @@ def plan(
     result.deletions += table_prunes(store, marks, result.notes)
     name_releases(result.deletions, releasing, records)
     started = {  # the warm-start copies kept runs started from: a re-run of one reads it
-        str(r["plan"]["warm_start"]["digest"]): r["run_id"]
+        r.plan.warm_start.digest: r.run_id
         for r in records
-        if r["run_id"] not in why_released and ((r.get("plan") or {}).get("warm_start") or {}).get("digest")
+        if r.run_id not in why_released and r.plan and r.plan.warm_start and r.plan.warm_start.digest
     }
     result.deletions += warm_start_prunes(store, released, releasing, live_runs, started, result.notes)
     if only_run is None:
@@ -276,7 +276,7 @@ def prune_run(work: str | Path, run_id: str, policy: RetentionConfig | None = No
 
 def released_siblings(work: Path, run_id: str) -> list[str]:
     """The other runs of every ablation listing ``run_id`` whose listed runs have all completed."""
-    runs = {r["run_id"]: r for r in load_runs(work)}
+    runs = {r.run_id: r for r in load_runs(work)}
     out: list[str] = []
     for ablation in load_ablations(work, []):
         listed = [str(e.get("run_id")) for e in ablation["runs"] if isinstance(e, dict)]

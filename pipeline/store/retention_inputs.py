@@ -5,7 +5,7 @@ manifest keeps their records. A stage that reads an adapter (rollout, evaluate, 
 ``require_adapter`` before it builds, so a pruned one fails with the retention error (which train
 step, which file, the reason the prune recorded) instead of the engine's "no adapter_config.json";
 a cache hit reads no adapter and never gets there. The RL flow catches the error for the checkpoint
-it continues from and rebuilds it (``qerl.flows.rl_heal``).
+it continues from and rebuilds it (``qerl.flows.steps.Chain``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from qerl.pipeline.store.manifest import ArtifactError, Manifest
 
 class PrunedInputError(ArtifactError):
     """A consumer needs files that retention pruned from a stored artifact; ``stage``/``key`` name
-    it (the flow rebuilds it and retries, ``qerl.flows.rl_heal``)."""
+    it (the flow rebuilds it and retries, ``qerl.flows.steps.Chain``)."""
 
     def __init__(self, message: str, stage: str = "", key: str = ""):
         super().__init__(message)  # args = (message,): pickles (Prefect may copy a task's error)

@@ -29,11 +29,10 @@ from qerl.pipeline.store.layout import (
     MANIFEST,
     OBJECTS_DIR,
     REGISTER_STAGE,
-    RUN_RECORD,
-    RUNS_DIR,
     TRAIN_STAGE,
 )
 from qerl.pipeline.store.manifest import ArtifactError, Manifest
+from qerl.pipeline.store.run_record import RunRecord, read_records
 
 TABLE_STAGES = ("rollout", "score")  # a step's tables: what ``keep_step_tables`` is about
 
@@ -79,35 +78,29 @@ class RetentionError(RuntimeError):
     """gc cannot decide safely (an unreadable run record or register manifest); names the file."""
 
 
-def load_runs(work: Path) -> list[dict[str, Any]]:
+def load_runs(work: Path) -> list[RunRecord]:
     """Every run record under ``work/runs``; an unreadable one stops gc (its references are unknown)."""
-    records = []
-    for path in sorted((work / RUNS_DIR).glob(f"*/{RUN_RECORD}")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise RetentionError(f"cannot read run record {path} ({err}): refusing to collect") from err
-        if not isinstance(record, dict) or not isinstance(record.get("steps"), list):
-            raise RetentionError(f"run record {path} has no 'steps' list: refusing to collect")
-        record.setdefault("run_id", path.parent.name)
-        records.append(record)
+    records, unreadable = read_records(work)
+    if unreadable:
+        path, why = unreadable[0]
+        raise RetentionError(f"cannot read run record {path} ({why}): refusing to collect")
     return records
 
 
-def policy_for(record: dict[str, Any], overrides: dict[str, Any] | None = None) -> RetentionConfig:
+def policy_for(record: RunRecord, overrides: dict[str, Any] | None = None) -> RetentionConfig:
     """The run's own ``store`` section (defaults for records that predate it) with ``overrides``."""
-    own = (record.get("config") or {}).get("store") or {}
+    own = record.config.get("store") or {}
     try:
         return RetentionConfig.model_validate({**own, **(overrides or {})})
     except ValidationError as err:
-        raise RetentionError(f"run {record.get('run_id')}: bad store retention settings: {err}") from err
+        raise RetentionError(f"run {record.run_id}: bad store retention settings: {err}") from err
 
 
-def is_live(record: dict[str, Any], window_h: float, now: _dt.datetime | None = None) -> bool:
+def is_live(record: RunRecord, window_h: float, now: _dt.datetime | None = None) -> bool:
     """Status running and touched within ``window_h`` (a record without a time counts as live)."""
-    if record.get("status") != "running":
+    if record.status != "running":
         return False
-    stamp = record.get("updated_at") or record.get("started_at")
+    stamp = record.updated_at or record.started_at
     if not stamp:
         return True
     try:
@@ -120,26 +113,16 @@ def is_live(record: dict[str, Any], window_h: float, now: _dt.datetime | None = 
     return (now - when).total_seconds() < window_h * 3600
 
 
-def train_keys(record: dict[str, Any], stage: str = TRAIN_STAGE) -> list[tuple[int, str]]:
-    """(step, key of ``stage``: train by default) of every recorded step, in step order."""
-    out = []
-    for i, entry in enumerate(record["steps"]):
-        key = ((entry or {}).get("manifests") or {}).get(stage)
-        if key:
-            out.append((int(entry.get("step", i)), str(key)))
-    return sorted(out)
-
-
-def table_keys(record: dict[str, Any]) -> set[tuple[str, str]]:
+def table_keys(record: RunRecord) -> set[tuple[str, str]]:
     """(stage, key) of the run's rollout and scored tables."""
-    return {(stage, key) for stage in TABLE_STAGES for _, key in train_keys(record, stage)}
+    return {(stage, key) for stage in TABLE_STAGES for _, key in record.train_keys(stage)}
 
 
-def adapter_interval(record: dict[str, Any], policy: RetentionConfig) -> int:
+def adapter_interval(record: RunRecord, policy: RetentionConfig) -> int:
     """``keep_adapters_every``, or when unset the run's evaluation interval (``loop.eval_every``)."""
     if policy.keep_adapters_every is not None:
         return policy.keep_adapters_every
-    loop = (record.get("config") or {}).get("loop") or {}
+    loop = record.loop
     # no interim evaluations: the run's last step is the only one at the interval
     return int(loop.get("eval_every") or loop.get("steps") or 1)
 
@@ -162,40 +145,36 @@ def load_ablations(work: Path, notes: list[str]) -> list[dict[str, Any]]:
     return records
 
 
-def ablation_adapters(record: dict[str, Any]) -> set[str]:
+def ablation_adapters(record: RunRecord) -> set[str]:
     """Train keys of a run's final evaluated adapter: what an ablation compares (``qerl.flows.ablate``
     reads the evaluation of the adapter after ``loop.steps``), and the run's ``final_adapter``."""
-    steps = int(((record.get("config") or {}).get("loop") or {}).get("steps") or 0)
-    keys = {
-        str(e["adapter"])
-        for e in record.get("evaluations") or []
-        if isinstance(e, dict) and e.get("adapter") and int(e.get("step", -1)) == steps
-    }
-    if record.get("final_adapter"):
-        keys.add(Path(record["final_adapter"]).parent.name)
+    steps = int(record.loop.get("steps") or 0)
+    keys = {str(e.adapter) for e in record.evaluations if e.adapter and e.step == steps}
+    if record.final_adapter:
+        keys.add(Path(record.final_adapter).parent.name)
     return keys
 
 
-def unfinished_listed(ablation: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> list[str]:
+def unfinished_listed(ablation: dict[str, Any], by_id: dict[str, RunRecord]) -> list[str]:
     """The runs ``ablation`` lists that have not completed (not started, running or failed)."""
     listed = [str(e.get("run_id")) for e in ablation["runs"] if isinstance(e, dict)]
-    return [r for r in listed if (by_id.get(r) or {}).get("status") != "completed"]
+    return [r for r in listed if r not in by_id or by_id[r].status != "completed"]
 
 
 def mark_ablations(
-    marks: Marks, ablations: list[dict[str, Any]], runs: list[dict[str, Any]], notes: list[str]
+    marks: Marks, ablations: list[dict[str, Any]], runs: list[RunRecord], notes: list[str]
 ) -> None:
     """Keep each listed run's final evaluated adapter (a run not started yet has nothing to keep);
     while any listed run is unfinished, keep every artifact of every listed run: runs of one
     ablation share their steps up to where their configs part (the arms while sigma is 0), and the
     unfinished one may still continue from any of them."""
-    by_id = {r["run_id"]: r for r in runs}
+    by_id = {r.run_id: r for r in runs}
     for ablation in ablations:
         listed = [str(e.get("run_id")) for e in ablation["runs"] if isinstance(e, dict)]
         waiting = unfinished_listed(ablation, by_id)
         if waiting:
             for record in (by_id[r] for r in listed if r in by_id):
-                keys = [k for _, k in train_keys(record)]
+                keys = [k for _, k in record.train_keys()]
                 marks.keep_opt.update(keys)
                 marks.keep_adapter.update(keys)
                 marks.keep_tables.update(table_keys(record))
@@ -239,15 +218,15 @@ class Marks:
 
 
 def mark_run(
-    marks: Marks, record: dict[str, Any], policy: RetentionConfig, live: bool, released: str | None = None
+    marks: Marks, record: RunRecord, policy: RetentionConfig, live: bool, released: str | None = None
 ) -> None:
     """Set ``record``'s marks under ``policy``. ``released``: why the version this completed run
     registered was released (``store.keep_versions``); then none of its adapters stays, the final
     one included (other protections, an ablation's above all, still win)."""
-    steps = train_keys(record)
+    steps = record.train_keys()
     keys = [k for _, k in steps]
-    rid = record["run_id"]
-    finished = record.get("status") == "completed"
+    rid = record.run_id
+    finished = record.status == "completed"
     released = released if finished else None
     if live or not keys:
         marks.keep_opt.update(keys)
@@ -260,8 +239,8 @@ def mark_run(
     marks.keep_adapter.update(last_k)  # a resume from a kept optimizer state needs its adapter too
     if released:
         marks.released.update(keys)
-    elif record.get("final_adapter"):
-        marks.keep_adapter.add(Path(record["final_adapter"]).parent.name)
+    elif record.final_adapter:
+        marks.keep_adapter.add(Path(record.final_adapter).parent.name)
     every = adapter_interval(record, policy)
     if not every and not released:
         marks.keep_adapter.update(keys)

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from qerl.pipeline.store import releases
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.layout import MANIFEST, OBJECTS_DIR, OPTIMIZER_FILE, TRAIN_STAGE, WARM_START_STAGE
 from qerl.pipeline.store.manifest import ArtifactError, Manifest
-from qerl.pipeline.store.retention_policy import Marks, train_keys
+from qerl.pipeline.store.retention_policy import Marks
+from qerl.pipeline.store.run_record import RunRecord
 
 
 @dataclass
@@ -165,14 +165,14 @@ def warm_start_prunes(
 
 
 def name_releases(
-    deletions: list[Deletion], releasing: Sequence[releases.Release], records: list[dict[str, Any]]
+    deletions: list[Deletion], releasing: Sequence[releases.Release], records: list[RunRecord]
 ) -> None:
     """Tag each train deletion of a run whose version ``releasing`` releases with that release's label."""
     label_of_key: dict[tuple[str, str], str] = {}
-    by_id = {r["run_id"]: r for r in records}
+    by_id = {r.run_id: r for r in records}
     for rel in releasing:
         for run in rel.runs:
-            for _, key in train_keys(by_id.get(run) or {"steps": []}):
+            for _, key in by_id[run].train_keys() if run in by_id else []:
                 label_of_key[(TRAIN_STAGE, key)] = rel.label
     for d in deletions:
         d.release = label_of_key.get((d.stage, d.key), "")

@@ -24,6 +24,7 @@ from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.code_version import code_version, dependency_versions
 from qerl.pipeline.store.layout import STORE_DIR, TRAIN_STAGE
 from qerl.pipeline.store.manifest import ArtifactError, Manifest
+from qerl.pipeline.store.run_record import RunRecord
 
 STEP_STAGES = ("rollout", "score", TRAIN_STAGE)
 
@@ -53,34 +54,33 @@ def _manifest(store: ArtifactStore, stage: str, key_or_dir: str) -> Manifest | N
         return None  # gone or unreadable: the resume's own lookup rebuilds and says so
 
 
-def code_changes(work: Path, record: dict[str, Any]) -> tuple[list[str], int | None]:
+def code_changes(work: Path, record: RunRecord) -> tuple[list[str], int | None]:
     """(stages whose code moved, the first step the resume builds again: None if none, 0 if all)."""
     store, memo, moved = ArtifactStore(work / STORE_DIR), {}, []
-    base = record.get("quantize", {}).get("manifest")
-    quantized = _manifest(store, "quantize", base) if base else None
+    quantized = _manifest(store, "quantize", record.quantize.manifest) if record.quantize else None
     if quantized is not None and _code_moved(quantized, memo):
         moved.append("quantize")
     first = 0 if moved else None
-    for entry in record.get("steps", []):
+    for entry in record.steps:
         for stage in STEP_STAGES:
-            key = entry.get("manifests", {}).get(stage)
+            key = getattr(entry.manifests, stage, None)
             built = _manifest(store, stage, key) if key else None
             if built is not None and _code_moved(built, memo):
                 moved.append(stage)
-                first = entry["step"] if first is None else first
+                first = entry.step if first is None else first
     return sorted(set(moved)), first
 
 
-def since_last_attempt(work: Path, record: dict[str, Any]) -> list[str]:
+def since_last_attempt(work: Path, record: RunRecord) -> list[str]:
     """The lines ``qerl resume`` prints before it starts: what changed since ``record``'s attempt
     (the run record as that attempt left it) and which steps will be built again."""
-    before = record.get("versions") or {"qerl": record.get("code_version")}
+    before = record.versions or {"qerl": str(record.code_version)}
     changes = version_changes(before, dependency_versions())
     lines = []
     if changes:
         lines.append(f"installed since the last attempt: {', '.join(changes)}")
     moved, first = code_changes(work, record)
-    steps = len(record.get("steps", []))
+    steps = len(record.steps)
     if first is None:
         what = f"the base and all {steps} built steps" if steps else "everything built so far"
         lines.append(f"kept: {what} (qerl's code for them is unchanged)")
