@@ -184,7 +184,7 @@ def _row(work: Path, record: RunRecord) -> list[str]:
     registered = f"v{reg.version}" + (" champion" if reg.promoted else "") if reg and reg.version else "-"
     updated = str(record.updated_at or record.started_at or "-")[:19]
     lines = [
-        f"  {record.run_id:<34} {state:<12} night {record.night or '-':<10}  "
+        f"  {record.run_id:<34} {state:<12} night {str(record.night or '-'):<10}  "
         f"step {len(record.steps)}/{record.loop.get('steps', '?')}  "
         f"accuracy {'-' if accuracy is None else f'{accuracy:.3f}'}  {registered}  updated {updated}"
     ]

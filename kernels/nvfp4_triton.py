@@ -20,7 +20,7 @@ truncates where CUDA rounds to nearest even); the final cast then only drops zer
 division is ``tl.math.div_rn`` (IEEE round-to-nearest), not ``/``: Triton lowers ``/`` on NVIDIA GPUs to
 ``div.full.f32`` / ``div.approx.f32`` (up to 2 ulp off, triton-lang/triton#10661), which moves quotients
 across the FP4 tie boundaries; the interpreter divides exactly either way, so only the compiled PTX
-shows it (tests/test_gpu.py checks the PTX on a CPU). Signs go on by an integer OR of the sign bit,
+shows it (tests/gpu/test_gpu.py checks the PTX on a CPU). Signs go on by an integer OR of the sign bit,
 never a float negation: compiled for the GPU, ``tl.where(code & 8, -v, v)`` decodes code 8 to +0.0
 (measured on an H200), where the interpreter and the library give -0.0.
 """

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 def learning_run_config(model_dir: Path, engine: str = "hf") -> dict:
     """``test_flow.tiny_run_config`` on the learner model (its answers need up to 12 new tokens),
     keeping every step's adapter so that ``assert_trained`` can compare them."""
-    from test_flow import tiny_run_config
+    from tests.flows.test_flow import tiny_run_config
 
     cfg = tiny_run_config(model_dir, engine=engine)
     cfg["store"] = {"keep_adapters_every": 0}

@@ -11,7 +11,7 @@ Fast path (``fast_verdict``): when both normalised strings are canonical integer
 no leading zeros) the verdict is ``pred == gold`` without math-verify. This is provably what
 math-verify returns: it parses such a string to a sympy ``Integer``, and for two ``Integer`` s
 ``sympy_expr_eq`` answers by string equality, then exact ``Integer`` equality, then
-``simplify(a - b) == 0``, all of which reduce to integer equality. ``tests/test_rewards.py`` checks the
+``simplify(a - b) == 0``, all of which reduce to integer equality. ``tests/pipeline/test_rewards.py`` checks the
 claim against the verifier pool on random and edge-case integers.
 
 Model output is never evaluated as Python.

@@ -15,7 +15,7 @@ original bf16 release (the 210 decoder linears are Q4_1, the tied embedding Q8_0
 A GGUF Q4_1 block stores 32 weights as 4-bit codes with an fp16 scale and minimum, so every weight
 is on a 16-level grid per block; our NVFP4 quantization then re-quantizes those values. The
 conversion is exact: each stored bf16 tensor equals the ``gguf`` package's own dequantization
-cast to bf16 (tests/test_real_model.py). That makes the model weaker than the release (the README of the shared data measured
+cast to bf16 (tests/stages/test_real_model.py). That makes the model weaker than the release (the README of the shared data measured
 2-4% GSM8K greedy), but it is a real pretrained instruct model with its own tokenizer and ChatML
 template, which is what a CPU end-to-end run needs.
 

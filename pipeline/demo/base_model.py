@@ -48,9 +48,14 @@ class DemoBaseConfig(StrictModel):
     hidden_size: int = 128
     num_layers: int = 4
     intermediate_size: int = 384
-    sft_steps: int = 300
+    sft_steps: int = 300  # the most warm-up steps; with ``sft_target`` it may stop sooner
     sft_batch: int = 32
     sft_lr: float = 3e-3
+    sft_weight_decay: float = Field(default=0.0, ge=0.0)
+    sft_target: float | None = Field(default=None, gt=0.0, le=1.0)
+    sft_probe_every: int = Field(default=25, ge=1)
+    sft_probe_groups: int = Field(default=32, ge=1)
+    sft_probe_window: int = Field(default=3, ge=1)  # the stop rule averages this many latest probes
     seed: int = 0
 
 
@@ -63,6 +68,38 @@ def _encode(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[in
     prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
     target_ids = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     return prompt_ids + target_ids, [-100] * len(prompt_ids) + target_ids
+
+
+def _hold_out_probe(problems: list, n_groups: int) -> tuple[list, list]:
+    """``problems`` split into the warm-up's and a probe of ``n_groups`` whole groups it never sees
+    (the last groups in draw order), so the probe measures the rule, not recall."""
+    groups = list(dict.fromkeys(p["group"] for p in problems))
+    if len(groups) <= n_groups:
+        raise ValueError(f"sft_probe_groups {n_groups} leaves no warm-up data: {len(groups)} groups in all")
+    held = frozenset(groups[-n_groups:])
+    return [p for p in problems if p["group"] not in held], [p for p in problems if p["group"] in held]
+
+
+@torch.no_grad()
+def _probe_accuracy(model, tokenizer, probe: list, template: str) -> float:  # noqa: ANN001
+    """Greedy accuracy on ``probe``: the completion must begin with the answer as the warm-up writes it."""
+    model.eval()
+    prompts = [
+        tokenizer(render_prompt(tokenizer, p["question"], template), add_special_tokens=False).input_ids
+        for p in probe
+    ]
+    width = max(len(ids) for ids in prompts)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts])
+    attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    out = model.generate(
+        input_ids=input_ids, attention_mask=attention, max_new_tokens=12, do_sample=False, pad_token_id=pad
+    )
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    model.train()
+    return sum(
+        t.strip().startswith(completion_text(p["answer"])) for t, p in zip(texts, probe, strict=True)
+    ) / len(probe)
 
 
 def build_demo_base(
@@ -85,6 +122,9 @@ def _build(out: Path, cfg: DemoBaseConfig, exclude: frozenset[str]) -> dict[str,
     problems = arithmetic_problems(
         cfg.n_train, seed=cfg.seed, split="train", levels=cfg.levels, exclude=exclude
     )
+    probe: list = []
+    if cfg.sft_target is not None:
+        problems, probe = _hold_out_probe(problems, cfg.sft_probe_groups)
     corpus = [f"{p['question']} {completion_text(p['answer'])}" for p in problems]
     build_tiny_model(
         out,
@@ -107,9 +147,9 @@ def _build(out: Path, cfg: DemoBaseConfig, exclude: frozenset[str]) -> dict[str,
     ]
     torch.manual_seed(cfg.seed)
     order = random.Random(cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=cfg.sft_weight_decay)
     model.train()
-    started, losses = time.perf_counter(), []
+    started, losses, probed = time.perf_counter(), [], []
     for step in range(cfg.sft_steps):
         batch = order.sample(examples, min(cfg.sft_batch, len(examples)))
         width = max(len(ids) for ids, _ in batch)
@@ -125,6 +165,12 @@ def _build(out: Path, cfg: DemoBaseConfig, exclude: frozenset[str]) -> dict[str,
         losses.append(float(loss))
         if step % 20 == 0:
             log.info("demo warm-up step %d/%d loss %.3f", step, cfg.sft_steps, losses[-1])
+        if probe and (step + 1) % cfg.sft_probe_every == 0:
+            probed.append(_probe_accuracy(model, tokenizer, probe, cfg.template))
+            log.info("demo warm-up step %d: %.3f right on unseen pairs", step + 1, probed[-1])
+            recent = probed[-cfg.sft_probe_window :]
+            if len(recent) == cfg.sft_probe_window and sum(recent) / len(recent) >= cfg.sft_target:
+                break
     model.eval()
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     metrics = {
@@ -132,7 +178,11 @@ def _build(out: Path, cfg: DemoBaseConfig, exclude: frozenset[str]) -> dict[str,
         "sft_seconds": time.perf_counter() - started,
         "n_train": len(problems),
         "sft_threads": torch.get_num_threads(),
+        "sft_steps_run": len(losses),
     }
+    if probed:
+        recent = probed[-cfg.sft_probe_window :]
+        metrics |= {"sft_probe_accuracy": sum(recent) / len(recent), "sft_probe_items": len(probe)}
     # no wall time in the model directory: its content digest is every downstream cache key's input
     stable = {k: v for k, v in metrics.items() if k != "sft_seconds"}
     (out / "qerl_demo.json").write_text(json.dumps({"config": cfg.model_dump(), "metrics": stable}, indent=2))

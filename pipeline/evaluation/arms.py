@@ -45,7 +45,7 @@ ARMS: dict[str, dict[str, dict[str, Any]]] = {
 
 
 # the suffixes an arm may carry: the quantizers from the recipe model; the objectives spelled here, since
-# evaluation sits beside rl in the layering (tests/test_ablation.py checks them against GRPOConfig's)
+# evaluation sits beside rl in the layering (tests/flows/test_ablation.py checks them against GRPOConfig's)
 QUANTIZERS: tuple[str, ...] = get_args(QuantizeConfig.model_fields["method"].annotation)
 AQN_OBJECTIVES: tuple[str, ...] = ("clean_is", "on_policy", "noisy_trainer")
 

@@ -19,7 +19,7 @@ Back-propagating the layer holds about three [tokens, I] gradients (6I) and two 
 and back-propagated at a time; without it every layer's saved tensors live until backward reaches it.
 
 The trainer's figures are checked against measured peaks: the CPU train benchmark
-(tests/test_plan.py) and the GPU benchmark's ``torch.cuda.max_memory_allocated`` where
+(tests/pipeline/test_plan.py) and the GPU benchmark's ``torch.cuda.max_memory_allocated`` where
 benchmarks/results/gpu.json exists.
 """
 

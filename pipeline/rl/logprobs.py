@@ -11,7 +11,7 @@ whole vocabulary for all positions ever exists. The slab size is chosen per devi
 GEMM is compute-bound; the reasons and numbers are at the function).
 
 Departures: none from the plain ``log_softmax(model(...).logits / T)`` expression it replaces; values
-and gradients match it up to the matmul's blocking (tests/test_train.py checks both).
+and gradients match it up to the matmul's blocking (tests/stages/test_train.py checks both).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GRPO objective as pure tensor functions: advantages, clipped ratio loss, aggregation, KL, metrics.
 
 What: the pieces of the GRPO/DAPO policy-gradient loss used by the train stage, each a pure function
-of tensors so that it can be checked against hand-derived numbers (tests/test_grpo.py).
+of tensors so that it can be checked against hand-derived numbers (tests/pipeline/test_grpo.py).
 
 How (shapes: B sequences, T completion positions, ``mask`` 1 on real completion tokens):
 

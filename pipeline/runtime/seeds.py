@@ -8,7 +8,7 @@ streams of different purposes apart: ``qerl-sample`` (one request of the rollout
 ``qerl-eval-chunk`` (a large evaluation's chunks after the first).
 
 Why one helper: a drift in any copy of this construction would silently change sampled tokens and
-invalidate cached rollouts. The strings are fixed (integers as ``str(int(x))``); ``tests/test_rollout.py``
+invalidate cached rollouts. The strings are fixed (integers as ``str(int(x))``); ``tests/stages/test_rollout.py``
 pins known values.
 """
 

@@ -3,8 +3,8 @@
 # What a user runs is scripts/gpu/gpu_validate.sh (every check, in priority order, each under its own
 # time limit); it calls this script once an item. Run this one directly for a part on its own.
 #
-#   bash scripts/gpu/gpu_check.sh              the `gpu` tests (tests/test_gpu_vllm.py, _aqn.py,
-#                                              _padded.py, tests/test_gpu.py) with compiled Triton, then
+#   bash scripts/gpu/gpu_check.sh              the `gpu` tests (tests/gpu/test_gpu_vllm.py, _aqn.py,
+#                                              _padded.py, tests/gpu/test_gpu.py) with compiled Triton, then
 #                                              the benchmarks (benchmarks/bench_vllm.py, bench_gpu.py)
 #   bash scripts/gpu/gpu_check.sh --dry-run    the same on a CPU at tiny shapes, in about a minute (CI):
 #                                              the gpu tests skip, the benchmarks run their tiny CPU shapes
@@ -43,10 +43,10 @@
 #                        what is left (SIGINT, so pytest still writes its summary and the benchmarks keep
 #                        every finished arm); one that would get under 45 s is not started. The
 #                        report's parts table says what ran, was cut off, or was not started.
-# The parts, in this order: (1) the vLLM tests: tests/test_gpu_vllm.py (the default GPU engine on FP4
-# Marlin with CUDA graphs), tests/test_gpu_vllm_aqn.py (the same engine built for AQN, after the first
-# compiled: it must not get that engine's cached graphs), tests/test_gpu_vllm_padded.py (SmolLM2-135M's
-# 576-wide shape, which Marlin serves padded); (2) tests/test_gpu.py (kernels, trainer, determinism);
+# The parts, in this order: (1) the vLLM tests: tests/gpu/test_gpu_vllm.py (the default GPU engine on FP4
+# Marlin with CUDA graphs), tests/gpu/test_gpu_vllm_aqn.py (the same engine built for AQN, after the first
+# compiled: it must not get that engine's cached graphs), tests/gpu/test_gpu_vllm_padded.py (SmolLM2-135M's
+# 576-wide shape, which Marlin serves padded); (2) tests/gpu/test_gpu.py (kernels, trainer, determinism);
 # `qerl run --config CFG` with --run-e2e (default the demo-gpu preset, in a fresh .gpu-run-work);
 # (3) benchmarks/bench_vllm.py (Marlin NVFP4 vs bf16 tokens/s); (4) benchmarks/bench_gpu.py (a GRPO
 # update at 7B/14B/32B, kernels); --exec-py's script.
@@ -100,7 +100,7 @@ done
 
 [[ "$BUDGET_S" =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget-s takes whole seconds, not '$BUDGET_S'" >&2; exit 2; }
 for f in ${TEST_FILES_ONLY//,/ }; do
-  [[ "$f" == tests/test_gpu*.py && -f "$f" ]] || { echo "gpu_check: --test-files: no GPU test file '$f' (tests/test_gpu*.py)" >&2; exit 2; }
+  [[ "$f" == tests/gpu/test_gpu*.py && -f "$f" ]] || { echo "gpu_check: --test-files: no GPU test file '$f' (tests/gpu/test_gpu*.py)" >&2; exit 2; }
 done
 T_START=$SECONDS
 OUT=${OUT:-qerl-work/gpu-check}
@@ -207,8 +207,8 @@ TEST_SUMMARY="not run (--bench-only)"
 TEST_FILES=()
 if ((TESTS)); then
   ((DRY)) || export TRITON_INTERPRET=0
-  ((NO_VLLM)) || TEST_FILES+=(tests/test_gpu_vllm.py tests/test_gpu_vllm_aqn.py tests/test_gpu_vllm_padded.py)
-  ((VLLM_ONLY)) || TEST_FILES+=(tests/test_gpu.py)
+  ((NO_VLLM)) || TEST_FILES+=(tests/gpu/test_gpu_vllm.py tests/gpu/test_gpu_vllm_aqn.py tests/gpu/test_gpu_vllm_padded.py)
+  ((VLLM_ONLY)) || TEST_FILES+=(tests/gpu/test_gpu.py)
   if [[ -n "$TEST_FILES_ONLY" ]]; then
     IFS=, read -ra TEST_FILES <<<"$TEST_FILES_ONLY"
   fi

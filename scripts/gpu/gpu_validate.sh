@@ -18,7 +18,7 @@
 #   2 marlin-7b   210 s  FP4 Marlin against bf16 rollout tokens/s at 7B's matrix shapes (a 7B with 4 of
 #                        its 28 layers), 128 concurrent sequences (--concurrency); the memory planner's
 #                        vLLM rows against vLLM's log
-#   3 padded       90 s  tests/test_gpu_vllm_padded.py: SmolLM2-135M's 576-wide projections through Marlin
+#   3 padded       90 s  tests/gpu/test_gpu_vllm_padded.py: SmolLM2-135M's 576-wide projections through Marlin
 #                        (padded to its tiles) with a LoRA, against the trainer
 #   4 aqn-det-7b   90 s  one GRPO update at 7B with and without train.deterministic's kernels, then the
 #                        nvfp4-aqn arm (the engine built for AQN) at item 2's shape: what exact AQN costs
@@ -107,7 +107,7 @@ item_calls() {
   case "$1" in
     1) echo "run|--run-only --run-config demo-gpu" ;;
     2) echo "marlin|--bench-only --no-bench-gpu ${VLLM_7B[*]} --vllm-arms nvfp4,bf16" ;;
-    3) echo "padded|--tests-only --test-files tests/test_gpu_vllm_padded.py" ;;
+    3) echo "padded|--tests-only --test-files tests/gpu/test_gpu_vllm_padded.py" ;;
     4) echo "det|--bench-only --no-vllm --models 7b --arms nvfp4,nvfp4-det --skip-kernels --merge"
        echo "aqn|--bench-only --no-bench-gpu ${VLLM_7B[*]} --vllm-arms nvfp4-aqn" ;;
     5) echo "quantize|--exec-py scripts/gpu/gpu_quantize_7b.py" ;;

@@ -464,7 +464,7 @@ def test_requirements_are_exact_pins_consistent_with_the_small_wheel_set():
 
 
 def test_the_gpu_install_and_the_kit_pin_the_same_vllm_and_torch():
-    from test_gpu_install import GPU_REQS, pins
+    from tests.gpu.test_gpu_install import GPU_REQS, pins
 
     install = pins(GPU_REQS)
     bundle = pins(SCRIPTS / "gpu_vllm_requirements.txt")  # the vLLM the kit carries
@@ -538,7 +538,7 @@ def test_the_qerl_side_of_the_vllm_part_needs_only_the_image_and_the_bundle(tmp_
     (src / "__init__.py").write_bytes((ROOT / "qerl" / "__init__.py").read_bytes())
     for sub in ("pipeline", "stages", "kernels", "flows"):
         (src / sub).symlink_to(ROOT / sub)
-    from test_gpu import VLLM_KIT
+    from tests.gpu.test_gpu import VLLM_KIT
 
     trees = [ast.parse((ROOT / f).read_text()) for f in VLLM_KIT]
     roots = sorted(

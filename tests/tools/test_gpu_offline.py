@@ -215,7 +215,7 @@ def test_the_wrappers_dry_run_runs_the_product_with_qerl_from_the_checkout(tmp_p
     image."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     env.pop("TRITON_INTERPRET", None)
-    args = ["--check", "--dry-run", "--tests-only", "--test-files", "tests/test_gpu_vllm_padded.py"]
+    args = ["--check", "--dry-run", "--tests-only", "--test-files", "tests/gpu/test_gpu_vllm_padded.py"]
     proc = subprocess.run(
         ["bash", WRAPPER, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
@@ -230,10 +230,15 @@ def test_the_wrappers_dry_run_runs_the_product_with_qerl_from_the_checkout(tmp_p
 
 
 def _kit_modules() -> list[str]:
-    """Our modules imported by tests/test_gpu.py and by benchmarks/bench_gpu.py and its parts (parsed,
+    """Our modules imported by tests/gpu/test_gpu.py and by benchmarks/bench_gpu.py and its parts (parsed,
     so a new import is covered without editing a list)."""
     found = set()
-    kit = ("tests/test_gpu.py", "tests/conftest.py", "tests/test_qlinear.py", "tests/test_nvfp4_kernels.py")
+    kit = (
+        "tests/gpu/test_gpu.py",
+        "tests/conftest.py",
+        "tests/pipeline/test_qlinear.py",
+        "tests/kernels/test_nvfp4_kernels.py",
+    )
     bench = ("bench_gpu.py", "gpu_train_arm.py", "gpu_kernels.py")
     for path in [ROOT / p for p in kit] + [ROOT / "benchmarks" / p for p in bench]:
         for mod in re.findall(
@@ -244,7 +249,7 @@ def _kit_modules() -> list[str]:
 
 
 def test_kit_imports_no_prefect_mlflow_or_vllm():
-    """tests/test_gpu.py and the GPU benchmark run on the image with the vLLM bundle alone: their
+    """tests/gpu/test_gpu.py and the GPU benchmark run on the image with the vLLM bundle alone: their
     modules import nothing the image lacks."""
     modules = _kit_modules()
     assert {

@@ -111,7 +111,7 @@ def test_the_requests_check_passes_qerls_requests_through_vllms_signatures(tiny_
     pytest.importorskip("vllm")
     from qerl.pipeline.rollout.config import RolloutConfig
 
-    from tests.test_gpu_vllm import ENGINE
+    from tests.gpu.test_gpu_vllm import ENGINE
 
     assert grc.check_requests(RolloutConfig(**ENGINE), tiny_model_dir, adapter) == []
 
@@ -121,7 +121,7 @@ def test_the_requests_check_names_an_argument_vllm_does_not_take(tiny_model_dir,
     from qerl.pipeline.rollout import vllm_engine
     from qerl.pipeline.rollout.config import RolloutConfig
 
-    from tests.test_gpu_vllm import ENGINE
+    from tests.gpu.test_gpu_vllm import ENGINE
 
     def prefill(self, encoded):
         from vllm import SamplingParams
