@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 from qerl.pipeline.demo.base_model import DemoBaseConfig, build_demo_base
 
@@ -23,3 +24,37 @@ def test_demo_base_is_the_same_for_any_thread_count(tmp_path):
     finally:
         torch.set_num_threads(before)
     assert digests[0] == digests[1]
+
+
+def test_the_warm_up_stops_when_its_probe_of_unseen_pairs_reaches_the_target(tmp_path, monkeypatch):
+    """``sft_target``: the warm-up probes whole groups of problems it never trains on every
+    ``sft_probe_every`` steps and stops once the mean of the last ``sft_probe_window`` probes reaches
+    the target; a target it does not reach runs every step. The probe's measurements are replaced by a
+    fixed sequence here: the rule is what is tested, not what the model learns in a few steps."""
+    import json
+
+    from qerl.pipeline.demo import base_model
+
+    seen: list[list[str]] = []
+
+    def probe(model, tokenizer, problems, template):  # noqa: ANN001
+        seen.append([p["group"] for p in problems])
+        return [0.2, 0.6, 0.5, 0.9, 0.1][len(seen) - 1]
+
+    monkeypatch.setattr(base_model, "_probe_accuracy", probe)
+    small = dict(n_train=200, sft_batch=32, hidden_size=64, intermediate_size=192, sft_probe_groups=4)
+    cfg = DemoBaseConfig(**small, sft_steps=40, sft_target=0.55, sft_probe_every=5, sft_probe_window=2)
+    reached = build_demo_base(tmp_path / "reached", cfg)
+    # probes 0.2, 0.6 (mean 0.4), 0.5 (mean 0.55): stopped after the third, at step 15
+    assert reached["sft_steps_run"] == 15 and reached["sft_probe_accuracy"] == pytest.approx(0.55)
+    assert len({g for groups in seen for g in groups}) == 4  # the same four groups, every time
+    assert reached["sft_probe_items"] > 0 and reached["n_train"] + reached["sft_probe_items"] == 200
+    seen.clear()
+    unreached = build_demo_base(
+        tmp_path / "all", cfg.model_copy(update={"sft_target": 0.95, "sft_steps": 25})
+    )
+    assert unreached["sft_steps_run"] == 25 and unreached["sft_probe_accuracy"] == pytest.approx(0.5)
+    written = json.loads((tmp_path / "all" / "qerl_demo.json").read_text())["metrics"]
+    assert written["sft_steps_run"] == 25 and "sft_seconds" not in written
+    plain = build_demo_base(tmp_path / "plain", DemoBaseConfig(**small, sft_steps=12))
+    assert plain["sft_steps_run"] == 12 and "sft_probe_accuracy" not in plain and plain["n_train"] == 200
