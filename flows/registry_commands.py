@@ -14,33 +14,31 @@ a mistyped ``--work-dir`` or name cannot leave an empty database or an empty reg
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import getpass
+import json
+import socket
 
+import yaml
+from mlflow.tracking import MlflowClient
+from qerl.pipeline.config import load_config
+from qerl.pipeline.registry import adapters, health, heldout, policy, promotion
+from qerl.pipeline.registry.lock import RegistryError, registry_lock
+from qerl.pipeline.registry.release import RELEASED_TAG, check_not_released
+from qerl.pipeline.registry.tracking import RegistryConfig
 from qerl.pipeline.store.layout import default_work_dir
-
-if TYPE_CHECKING:
-    from qerl.pipeline.registry.tracking import RegistryConfig
 
 
 def registry_config(args: argparse.Namespace) -> RegistryConfig:
     """The commands' registry settings: ``--config``, then ``--set KEY=VALUE``, where a run config's
     spelling (``registry.tracking_uri=...``, as ``qerl run`` and ``qerl eval`` take it) means the same."""
-    from qerl.pipeline.config import load_config
-    from qerl.pipeline.registry.tracking import RegistryConfig
-
     sets = [s.removeprefix("registry.") for s in args.set]
     return load_config(RegistryConfig, args.config, sets, prefix="registry" if sets != args.set else "")
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from qerl.pipeline.registry import adapters, promotion
-    from qerl.pipeline.registry.lock import RegistryError
-    from qerl.pipeline.registry.release import RELEASED_TAG, check_not_released
-
     cfg = registry_config(args).model_copy(update={"model_name": args.name})
-    uri = adapters.open_registry(
-        cfg, default_work_dir(args.work_dir)
-    )  # promoting creates nothing: a typo is an error
+    # promoting creates nothing: a typo is an error
+    uri = adapters.open_registry(cfg, default_work_dir(args.work_dir))
     adapters.require_registered_model(args.name, uri)
     version = adapters.registered_version(args.name, args.version)
     if version is not None:  # None: promote says the version does not exist
@@ -58,12 +56,6 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 def cmd_heldout(args: argparse.Namespace) -> int:
     """``qerl heldout``: restore a lineage's held-out status by hand (``qerl.pipeline.registry.heldout``)."""
-    import getpass
-    import socket
-
-    from qerl.pipeline.registry import adapters, heldout
-    from qerl.pipeline.registry.lock import RegistryError, registry_lock
-
     cfg = registry_config(args).model_copy(update={"model_name": args.name})
     uri = adapters.open_registry(cfg, default_work_dir(args.work_dir))
     adapters.require_registered_model(args.name, uri)
@@ -87,10 +79,6 @@ def _accuracy(tags: dict[str, str], key: str) -> str:
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
-    from mlflow.tracking import MlflowClient
-    from qerl.pipeline.registry import adapters, health
-    from qerl.pipeline.registry.release import RELEASED_TAG
-
     cfg = registry_config(args)
     name = args.name or cfg.model_name
     uri = adapters.open_registry(cfg, default_work_dir(args.work_dir))
@@ -118,13 +106,6 @@ def cmd_versions(args: argparse.Namespace) -> int:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    import getpass
-    import json
-
-    import yaml
-    from qerl.pipeline.registry import adapters, policy
-    from qerl.pipeline.registry.lock import RegistryError, registry_lock
-
     cfg = registry_config(args)
     name = args.name or cfg.model_name
     uri = adapters.open_registry(cfg, default_work_dir(args.work_dir))

@@ -3,20 +3,25 @@
 The handler asks ``qerl.pipeline.registry.release`` which registered versions ``store.keep_versions``
 lets go, has ``qerl.pipeline.store.retention`` plan the deletions with those releases in view, prints
 both (``--dry-run`` stops there), then releases first and deletes after, skipping the deletions of a
-release that did not happen. Imports stay inside the handler, as for every command.
+release that did not happen.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from pydantic import ValidationError
+from qerl.pipeline.registry import release
+from qerl.pipeline.schemes import scheme_module_name
+from qerl.pipeline.store import retention
+from qerl.pipeline.store.code_version import code_version
+from qerl.pipeline.store.layout import STORE_DIR, default_work_dir
+from qerl.pipeline.store.retention_policy import RetentionConfig, RetentionError
+
 
 def _base_code_versions() -> dict[str, set[str]]:
     """The installed code versions of each base stage, one per scheme, as its ``run`` computes them
     (from the modules' source: nothing is imported), for ``qerl gc``'s superseded copies."""
-    from qerl.pipeline.schemes import scheme_module_name
-    from qerl.pipeline.store.code_version import code_version
-
     stages = "qerl.stages."
     return {
         "demo-base": {code_version(stages + "demo_base")},
@@ -32,12 +37,6 @@ def _count(n: int, what: str) -> str:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-    from qerl.pipeline.registry import release
-    from qerl.pipeline.store import retention
-    from qerl.pipeline.store.layout import STORE_DIR, default_work_dir
-    from qerl.pipeline.store.retention_policy import RetentionConfig, RetentionError
-
     work = default_work_dir(args.work_dir)
     names = ("keep_optimizer_last", "keep_adapters_every", "live_window_h", "keep_versions")
     overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
