@@ -135,7 +135,7 @@ def _start_server() -> str:
     )
 
 
-def use_api(needed_for: str = "qerl reports runs to the Prefect server of PREFECT_API_URL") -> str:
+def use_api(needed_for: str = "qerl run reports to the Prefect server of PREFECT_API_URL") -> str:
     """The Prefect API this process's runs report to (module docstring), made the one Prefect uses."""
     url = os.environ.get("PREFECT_API_URL")
     if url:

@@ -112,6 +112,9 @@ def open_run(cfg: RunConfig, work: Path, night: _dt.date | None, ablation: dict[
     the run (its plan and MLflow run), so an attempt that dies before its plan keeps it."""
     run_id = run_id_for(cfg, night)
     previous = previous_record(work, run_id)
+    carried = {
+        k: getattr(previous, k) for k in ("plan", "mlflow_run_id") if previous and getattr(previous, k)
+    }
     record = RunRecord(
         run_id=run_id,
         status="running",
@@ -124,8 +127,7 @@ def open_run(cfg: RunConfig, work: Path, night: _dt.date | None, ablation: dict[
         steps=[],
         evaluations=[],
         started_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        plan=previous.plan if previous else None,
-        mlflow_run_id=previous.mlflow_run_id if previous else None,
+        **carried,
     )
     store = ArtifactStore(work / STORE_DIR)
     return Run(cfg, work, store, record, previous, console.current(), get_run_logger())

@@ -225,9 +225,9 @@ def test_disk_full_build_is_one_clear_error_and_leaves_nothing(tmp_path, monkeyp
         store.produce("train", {"a": 2}, {}, "v1", wrapped)
 
     # the CLI prints it in one line (exit 2), no traceback
-    monkeypatch.setattr(
-        cli.store_commands, "cmd_gc", lambda a: store.produce("train", {"a": 3}, {}, "v1", build)
-    )
+    from qerl.flows import store_commands
+
+    monkeypatch.setattr(store_commands, "cmd_gc", lambda a: store.produce("train", {"a": 3}, {}, "v1", build))
     assert cli.main(["gc", "--work-dir", str(tmp_path)]) == 2
     out = capsys.readouterr()
     assert out.err.count("\n") == 1 and "no space left on device writing the train artifact" in out.err
