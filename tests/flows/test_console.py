@@ -196,7 +196,8 @@ def test_a_failed_run_shows_its_error_in_one_line_and_is_not_retried(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("qerl run: error: model source")
     (log_path,) = (tmp_path / "work" / "runs").glob("*/run.log")
     assert (
-        "Traceback (most recent call last)" in log_path.read_text() and "in base_model" in log_path.read_text()
+        "Traceback (most recent call last)" in log_path.read_text()
+        and "in base_model" in log_path.read_text()
     )
     assert log_path.read_text().count("not retried") == 1
     assert "Retry 1/2" not in log_path.read_text()
