@@ -409,8 +409,8 @@ def run_checks(work: Path) -> list[str]:
     from qerl.pipeline.store.artifact_store import ArtifactStore
     from qerl.stages import quantize
 
-    from tests.test_gpu_vllm import ENGINE, SIZES
-    from tests.test_gpu_vllm_padded import SMOLLM2_SIZES
+    from tests.gpu.test_gpu_vllm import ENGINE, SIZES
+    from tests.gpu.test_gpu_vllm_padded import SMOLLM2_SIZES
 
     store = ArtifactStore(work / "store")
     base = build_tiny_model(work / "marlin-qwen2", arch="qwen2", norm_jitter=0.05, **SIZES)
@@ -455,7 +455,7 @@ def check_engines(work: Path, quantized: Any, plain: Any, padded: Any) -> list[s
     from qerl.pipeline.rollout.config import RolloutConfig
 
     import benchmarks.bench_vllm as bench_vllm
-    from tests.test_gpu_vllm import ENGINE
+    from tests.gpu.test_gpu_vllm import ENGINE
 
     pretend_cuda()
     bench_args = argparse.Namespace(prompts=16, n=8, max_new_tokens=256)  # bench_vllm's defaults
