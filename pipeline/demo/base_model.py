@@ -9,20 +9,30 @@ but is often wrong. That leaves room for GRPO to show a real gain within minutes
 warm-up draws from the arithmetic train split, whose numbers no test problem shares, less the groups
 a run holds out for validation (``exclude``): the base has seen no problem it is measured on.
 
-The warm-up is deterministic on CPU (seeded init, fixed data order) and runs on ONE intra-op thread
-(``SFT_THREADS``), whatever the machine's core count: float reductions are blocked per thread, so the
-same seed gives different weights with 1 and 2 threads, and with them different demo accuracies. The
-same CPU type is still assumed: another instruction set (AVX-512 vs AVX2 kernels) can round
-differently.
+The warm-up builds the same weights on every x86-64 CPU with AVX2. Its few hundred steps of Adam
+amplify any rounding difference, and CPUs round differently: torch picks AVX-512 or AVX2 kernels by
+CPUID, and MKL picks its own code path by CPUID and vendor, so the same seed used to give an AVX-512
+machine and an AVX2 one different bases (0.672 and 0.495 of the test problems right) and different
+demos. ``build_demo_base`` therefore runs the warm-up in a child process whose arithmetic is pinned
+to one instruction set (``PORTABLE_ARITHMETIC``: torch's AVX2 kernels, MKL's AVX2 path in its
+conditional-numerical-reproducibility mode, oneDNN capped at AVX2) and to ONE intra-op thread, since
+float reductions are blocked per thread. The capability the child ran with is recorded
+(``sft_cpu_capability``); a CPU without AVX2 builds another base, and says so in the log. RL, after
+the warm-up, runs on the machine's own kernels: it is short enough not to move far on their rounding.
+``warm_up`` is the warm-up itself, in the caller's process and arithmetic.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import Field
@@ -34,6 +44,14 @@ from qerl.pipeline.demo.tiny_model import build_tiny_model
 log = logging.getLogger("qerl.demo")
 
 SFT_THREADS = 1  # the warm-up's intra-op threads: fixed so the base does not depend on the core count
+PORTABLE_ARITHMETIC = {  # the warm-up child's kernels: one instruction set on every x86-64 CPU with AVX2
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "MKL_CBWR": "AVX2,STRICT",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OMP_NUM_THREADS": str(SFT_THREADS),
+    "MKL_NUM_THREADS": str(SFT_THREADS),
+}
 
 
 class DemoBaseConfig(StrictModel):
@@ -104,9 +122,38 @@ def _probe_accuracy(model, tokenizer, probe: list, template: str) -> float:  # n
 
 def build_demo_base(
     out_dir: str | Path, cfg: DemoBaseConfig, exclude: frozenset[str] = frozenset()
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Write the warmed-up demo model to ``out_dir`` (an HF model dir) and return warm-up metrics;
-    no warm-up problem is of a group in ``exclude`` (a run's validation split)."""
+    no warm-up problem is of a group in ``exclude`` (a run's validation split). The warm-up runs in
+    a child process under ``PORTABLE_ARITHMETIC``, so the weights do not depend on this CPU."""
+    request = json.dumps({"out": str(out_dir), "config": cfg.model_dump(), "exclude": sorted(exclude)})
+    child = subprocess.run(
+        [sys.executable, "-m", __name__],
+        input=request,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **PORTABLE_ARITHMETIC},
+        check=False,
+    )
+    for line in child.stderr.splitlines():
+        log.debug("warm-up: %s", line)
+    if child.returncode != 0:
+        lines = child.stderr.strip().splitlines() or ["(no output)"]
+        tail = "\n".join(lines[-15:])
+        raise RuntimeError(f"the demo warm-up failed (exit {child.returncode}): {lines[-1]}\n{tail}")
+    metrics = json.loads(child.stdout.splitlines()[-1])
+    if metrics["sft_cpu_capability"] != PORTABLE_ARITHMETIC["ATEN_CPU_CAPABILITY"].upper():
+        log.warning(
+            "this CPU has no AVX2 (torch ran %s kernels): its demo base differs from other machines'",
+            metrics["sft_cpu_capability"],
+        )
+    return metrics
+
+
+def warm_up(
+    out_dir: str | Path, cfg: DemoBaseConfig, exclude: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """``build_demo_base`` in this process and with its arithmetic, on ``SFT_THREADS`` threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(SFT_THREADS)
     try:
@@ -116,7 +163,7 @@ def build_demo_base(
     return metrics
 
 
-def _build(out: Path, cfg: DemoBaseConfig, exclude: frozenset[str]) -> dict[str, float]:
+def _build(out: Path, cfg: DemoBaseConfig, exclude: frozenset[str]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     problems = arithmetic_problems(
@@ -179,6 +226,7 @@ def _build(out: Path, cfg: DemoBaseConfig, exclude: frozenset[str]) -> dict[str,
         "n_train": len(problems),
         "sft_threads": torch.get_num_threads(),
         "sft_steps_run": len(losses),
+        "sft_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     if probed:
         recent = probed[-cfg.sft_probe_window :]
@@ -187,3 +235,15 @@ def _build(out: Path, cfg: DemoBaseConfig, exclude: frozenset[str]) -> dict[str,
     stable = {k: v for k, v in metrics.items() if k != "sft_seconds"}
     (out / "qerl_demo.json").write_text(json.dumps({"config": cfg.model_dump(), "metrics": stable}, indent=2))
     return metrics
+
+
+def _main() -> None:
+    """The warm-up child: a JSON request on stdin, the metrics as one JSON line on stdout."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    request = json.loads(sys.stdin.read())
+    metrics = warm_up(request["out"], DemoBaseConfig(**request["config"]), frozenset(request["exclude"]))
+    print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    _main()
