@@ -37,6 +37,7 @@ SLOW_FILES = {
     "test_base_identity.py": 37,
     "test_deadline.py": 32,
     "test_aqn_objective.py": 29,
+    "test_demo.py": 28,
     "test_evaluation.py": 23,
     "test_quantize_quality.py": 23,
     "test_run_start.py": 22,
