@@ -136,7 +136,7 @@ def build_demo_base(
         check=False,
     )
     for line in child.stderr.splitlines():
-        log.debug("warm-up: %s", line)
+        log.info("warm-up: %s", line)
     if child.returncode != 0:
         lines = child.stderr.strip().splitlines() or ["(no output)"]
         tail = "\n".join(lines[-15:])
