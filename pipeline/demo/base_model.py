@@ -11,15 +11,16 @@ a run holds out for validation (``exclude``): the base has seen no problem it is
 
 The warm-up builds the same weights on every x86-64 CPU with AVX2. Its few hundred steps of Adam
 amplify any rounding difference, and CPUs round differently: torch picks AVX-512 or AVX2 kernels by
-CPUID, and MKL picks its own code path by CPUID and vendor, so the same seed used to give an AVX-512
-machine and an AVX2 one different bases (0.672 and 0.495 of the test problems right) and different
-demos. ``build_demo_base`` therefore runs the warm-up in a child process whose arithmetic is pinned
-to one instruction set (``PORTABLE_ARITHMETIC``: torch's AVX2 kernels, MKL's AVX2 path in its
+CPUID, and MKL picks its own code path by CPUID and vendor, so on the machine's own kernels the same
+seed gives an AVX-512 machine and an AVX2 one different bases, which RL then lifts differently.
+``build_demo_base`` therefore runs the warm-up in a child process whose arithmetic is pinned to one
+instruction set (``PORTABLE_ARITHMETIC``: torch's AVX2 kernels, MKL's AVX2 path in its
 conditional-numerical-reproducibility mode, oneDNN capped at AVX2) and to ONE intra-op thread, since
 float reductions are blocked per thread. The capability the child ran with is recorded
-(``sft_cpu_capability``); a CPU without AVX2 builds another base, and says so in the log. RL, after
-the warm-up, runs on the machine's own kernels: it is short enough not to move far on their rounding.
-``warm_up`` is the warm-up itself, in the caller's process and arithmetic.
+(``sft_cpu_capability``); a CPU without AVX2 builds another base, and says so in the log. The rest
+of a run keeps the machine's own, faster kernels: from one base, their rounding moves RL's result
+far less than another base does (docs/results/demo.md). ``warm_up`` is the warm-up itself, in the
+caller's process and arithmetic.
 """
 
 from __future__ import annotations

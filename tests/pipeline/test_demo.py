@@ -18,9 +18,10 @@ def _digest(out) -> str:  # noqa: ANN001
 )
 def test_the_warm_up_runs_on_one_instruction_set_and_thread_whatever_the_caller_runs(tmp_path, monkeypatch):
     """The warm-up child runs torch's AVX2 kernels (and MKL's AVX2 path) on one thread whatever the
-    caller's process runs, so an AVX-512 and an AVX2 machine, with any number of cores, build one base. A warm-up on other kernels
-    (torch's scalar ones, as ``ATEN_CPU_CAPABILITY=default`` selects) builds other weights: the
-    instruction set does reach this warm-up, and pinning it is what makes the base portable."""
+    caller's process runs, so an AVX-512 and an AVX2 machine, with any number of cores, build one
+    base. A warm-up on other kernels (torch's scalar ones, as ``ATEN_CPU_CAPABILITY=default``
+    selects) builds other weights: the instruction set does reach this warm-up, and pinning it is
+    what makes the base portable."""
     import json
     import os
     import subprocess
