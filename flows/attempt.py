@@ -4,6 +4,7 @@ run works, its typed record, console and MLflow run; a stage's clock; the base t
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from qerl.pipeline.rollout.lazy import LazyEngine
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.manifest import Manifest
 from qerl.pipeline.store.run_record import Ablation, RunRecord, save_record
+from qerl.pipeline.store.shared import publish_record
 
 
 @dataclass
@@ -43,8 +45,14 @@ class Run:
         return manifest is not None and manifest.created_at < self.since
 
     def save(self) -> None:
+        """The record, on this machine and, on a fleet, in the shared store (where ``qerl runs`` and
+        another machine's attempt read it); a run that lost its lease publishes nothing more."""
         self.park_if_stopped()
         save_record(self.work, self.record)
+        if self.store.shared is not None:
+            publish_record(
+                self.store.shared, self.run_id, json.dumps(self.record.to_json(), indent=2).encode()
+            )
 
     def park_if_stopped(self) -> None:
         """Past its deadline the attempt's thread waits here for the exit: the record is the

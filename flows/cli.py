@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gc(sub)
     _add_plan(sub)
     _add_ablate(sub)
+    from qerl.flows.fleet_commands import add_parsers  # argparse only: --help stays fast
+
+    add_parsers(sub, COMMANDS, _common, lambda p, c, s: _config_options(p, c, s))
     return parser
 
 
@@ -155,8 +158,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all", action="store_true", help="show every run")
     _common(p)
     COMMANDS["runs"] = "commands:cmd_runs"
-    p = sub.add_parser("schedule", help="serve the nightly deployment on a Prefect server")
+    p = sub.add_parser("schedule", help="serve the nightly deployment, or deploy it to a fleet's work pool")
     p.add_argument("--cron", required=True, help="cron expression, e.g. '0 2 * * *'")
+    p.add_argument(
+        "--pool",
+        default=None,
+        help="deploy to this Prefect work pool and return (a fleet: `qerl worker` runs the nights)",
+    )
     p.add_argument(
         "--api-url",
         default=None,
@@ -347,7 +355,7 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
 
 
 # runs (their console session moves logging to run.log) and the nightly server: INFO is their record
-RUN_COMMANDS = ("run", "resume", "ablate", "schedule")
+RUN_COMMANDS = ("run", "resume", "ablate", "schedule", "worker")
 # other commands that work for minutes: qerl's own INFO lines are their progress
 PROGRESS_COMMANDS = ("quantize", "eval", "bench")
 
@@ -395,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _terminal_logging(args.command, getattr(args, "verbose", False))
     prepare_process()  # before any CUDA matmul: train.deterministic needs cuBLAS's workspace config
     try:
+        from qerl.pipeline.fleet.settings import load_credentials_file
+
+        load_credentials_file()  # QERL_CREDENTIALS_FILE: the fleet's passwords, never in a config
         if args.command in RUN_COMMANDS:
             _prefect_environment(args)
         return _handler(args.command)(args)

@@ -106,7 +106,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     """Serve the nightly deployment (the CLI pointed PREFECT_API_URL at ``--api-url`` already)."""
     cfg = load_run_config(args.config, args.set)
     work = work_dir(args)
-    orchestration.schedule(cfg, work, args.cron, longest_attempt(work, cfg.loop.name))
+    orchestration.schedule(cfg, work, args.cron, longest_attempt(work, cfg.loop.name), args.pool)
     return 0
 
 

@@ -21,7 +21,9 @@ the process: the run skips what only the orchestrator would have received, ends 
 outcome, and the command exits without Prefect's exit handlers (``qerl.flows.cli.entry``).
 
 Scheduling needs a real server (cron schedules run in its scheduler): ``schedule`` serves the
-nightly deployment on the server at ``--api-url``, else PREFECT_API_URL, else ``LOOPBACK_API_URL``.
+nightly deployment on the server at ``--api-url``, else PREFECT_API_URL, else ``LOOPBACK_API_URL``,
+or, given a work pool, deploys it there and returns: the pool's workers run the nights
+(``qerl.flows.fleet``).
 The deployment has a concurrency limit of one, so a night that overruns delays the next instead of
 overlapping it; each of its flow runs is the nightly run of its scheduled date (``qerl.flows.run``).
 """
@@ -221,9 +223,12 @@ def check_api(
         ) from None
 
 
-def schedule(cfg: RunConfig, work: Path, cron: str, longest: tuple[float, str] | None) -> None:
+def schedule(
+    cfg: RunConfig, work: Path, cron: str, longest: tuple[float, str] | None, pool: str | None = None
+) -> None:
     """Serve the nightly deployment on the API of PREFECT_API_URL (set by the caller); blocks, like
-    ``prefect ... serve``. ``longest``: the longest completed night here (hours, run id)."""
+    ``prefect ... serve``. ``longest``: the longest completed night here (hours, run id). With
+    ``pool``, deploy it to that work pool instead and return (``qerl.flows.fleet``)."""
     from prefect import serve
     from prefect.client.schemas.schedules import CronSchedule
 
@@ -235,6 +240,16 @@ def schedule(cfg: RunConfig, work: Path, cron: str, longest: tuple[float, str] |
     if warning:
         print(f"qerl schedule: warning: {warning}", file=sys.stderr, flush=True)
     check_api(os.environ["PREFECT_API_URL"])
+    if pool is not None:
+        from qerl.flows.fleet import deploy_to_pool, nightly_name
+
+        deployment_id = deploy_to_pool(cfg, cron, pool)
+        print(
+            f"qerl schedule: deployment qerl-rl/{nightly_name(cfg)} ({deployment_id}) on pool '{pool}', "
+            f"'{cron}': `qerl worker --pool {pool} --gpu ID` on each GPU machine runs its nights",
+            flush=True,
+        )
+        return
     serve(nightly_deployment(cfg, work, cron), limit=1)
 
 
@@ -281,9 +296,10 @@ def deadline_warning(
     return "; ".join(found) or None
 
 
-def nightly_deployment(cfg: RunConfig, work: Path, cron: str) -> Any:
+def nightly_deployment(cfg: RunConfig, work: Path | None, cron: str) -> Any:
     """The deployment object (cron schedule, concurrency 1, parameters = config + work dir + nightly):
-    each scheduled flow run is the nightly run of its scheduled date."""
+    each scheduled flow run is the nightly run of its scheduled date. ``work`` None: each flow run
+    uses the work directory of the worker that runs it (a pool deployment, ``qerl.flows.fleet``)."""
     from prefect.deployments.runner import EntrypointType
     from qerl.flows.run import rl_flow
 
@@ -291,7 +307,11 @@ def nightly_deployment(cfg: RunConfig, work: Path, cron: str) -> Any:
         name=DEPLOYMENT_NAME,
         cron=cron,
         concurrency_limit=1,
-        parameters={"config": cfg.model_dump(mode="json"), "work_dir": str(work), "nightly": True},
+        parameters={
+            "config": cfg.model_dump(mode="json"),
+            "work_dir": str(work) if work else None,
+            "nightly": True,
+        },
         description=f"nightly QeRL run '{cfg.loop.name}'",
         tags=["qerl", cfg.loop.name],
         entrypoint_type=EntrypointType.MODULE_PATH,

@@ -45,7 +45,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from qerl.flows import console, deadline, orchestration, report, tasks
+from qerl.flows import console, deadline, fleet, orchestration, report, tasks
 from qerl.flows.attempt import Base, Clock, Run, parent_tags
 from qerl.flows.promotion import register
 from qerl.flows.steps import evaluate, train_steps
@@ -64,10 +64,10 @@ from qerl.pipeline.registry import live, release, tracking
 from qerl.pipeline.registry.adapters import base_lineage_digest
 from qerl.pipeline.rollout.lazy import LazyEngine
 from qerl.pipeline.store import retention, run_lock
-from qerl.pipeline.store.artifact_store import ArtifactStore
+from qerl.pipeline.store.artifact_store import ArtifactStore, open_store
 from qerl.pipeline.store.code_version import dependency_versions, package_version
-from qerl.pipeline.store.files import read_json
-from qerl.pipeline.store.layout import STORE_DIR, default_work_dir
+from qerl.pipeline.store.files import atomic_write_bytes, read_json
+from qerl.pipeline.store.layout import RUN_RECORD, default_work_dir
 from qerl.pipeline.store.manifest import Adapter, Manifest
 from qerl.pipeline.store.run_record import (
     Ablation,
@@ -80,26 +80,31 @@ from qerl.pipeline.store.run_record import (
     previous_record,
     run_dir,
 )
+from qerl.pipeline.store.shared import fetch_record
 from qerl.stages import train
 
 
 @flow(name="qerl-rl", log_prints=True)
 def rl_flow(
     config: dict[str, Any],
-    work_dir: str,
+    work_dir: str | None = None,
     nightly: bool = False,
     night: str | None = None,
     ablation: dict[str, Any] | None = None,
 ) -> RunRecord:
     """Start or continue one run (module docstring); returns its record.
 
-    ``nightly``: the night Prefect scheduled this flow run for; ``night`` (``YYYY-MM-DD``) names it
+    ``work_dir``: None is ``$QERL_WORK_DIR`` (a fleet worker's). ``nightly``: the night Prefect
+    scheduled this flow run for; ``night`` (``YYYY-MM-DD``) names it
     (and implies ``nightly``). ``ablation``: the ablation this run belongs to (never promoted)."""
     cfg = RunConfig.model_validate(config)
     if ablation is not None and (nightly or night):
         raise RunPlanError("an ablation run is a plain run, not a nightly one")
     run = open_run(cfg, default_work_dir(work_dir), _night(nightly, night), ablation)
-    with run_lock.hold(run_dir(run.work, run.run_id), run.run_id):  # one attempt at a time
+    with (
+        run_lock.hold(run_dir(run.work, run.run_id), run.run_id),  # one attempt at a time
+        fleet.run_resources(run.run_id),  # its GPUs, and on a fleet a slot of the GPU limit
+    ):
         cancel = deadline.arm(run, cfg.loop.deadline_h)  # a hung attempt is stopped, not waited for
         try:
             return attempt(run)
@@ -111,7 +116,8 @@ def open_run(cfg: RunConfig, work: Path, night: _dt.date | None, ablation: dict[
     """The attempt's context and a fresh record that keeps what earlier attempts decided once for
     the run (its plan and MLflow run), so an attempt that dies before its plan keeps it."""
     run_id = run_id_for(cfg, night)
-    previous = previous_record(work, run_id)
+    store = open_store(work, cfg.store)  # on a fleet: this machine's cache of the shared store
+    previous = previous_record(work, run_id) or shared_record(store, work, run_id)
     carried = {
         k: getattr(previous, k) for k in ("plan", "mlflow_run_id") if previous and getattr(previous, k)
     }
@@ -129,8 +135,16 @@ def open_run(cfg: RunConfig, work: Path, night: _dt.date | None, ablation: dict[
         started_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         **carried,
     )
-    store = ArtifactStore(work / STORE_DIR)
     return Run(cfg, work, store, record, previous, console.current(), get_run_logger())
+
+
+def shared_record(store: ArtifactStore, work: Path, run_id: str) -> RunRecord | None:
+    """The record another machine's attempt at ``run_id`` left in the shared store, copied here."""
+    data = fetch_record(store.shared, run_id) if store.shared is not None else None
+    if data is None:
+        return None
+    atomic_write_bytes(run_dir(work, run_id) / RUN_RECORD, data)
+    return previous_record(work, run_id)
 
 
 def attempt(run: Run) -> RunRecord:

@@ -3,7 +3,8 @@
 Imports go one way, from the bottom of this list to the top:
 
 - ``config`` and ``schemes`` (modules) and ``runtime``: typed configs, the base schemes' mode names
-  and decoding modules, device, threads, seeds; import nothing of qerl.
+  and decoding modules, device, threads, seeds; ``fleet``: where a fleet's services are, PostgreSQL
+  coordination (leases, build locks, the cursor) and the host-local GPU lock; import nothing of qerl.
 - ``store``: the content-addressed artifact store, manifests, retention.
 - ``nvfp4``: the NVFP4A16 checkpoint format, its I/O and the quantized linear for training (uses
   ``qerl.kernels``); ``data``: datasets, prompts, rewards, the model catalogue.

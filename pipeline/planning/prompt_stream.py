@@ -75,7 +75,9 @@ def data_slice(start: int, steps: int, n_problems: int, per_step: int) -> dict[s
 
 @dataclass
 class DataCursor:
-    """The next unused slot of each stream of one nightly line (``loop.name``), persistent in the work dir."""
+    """The next unused slot of each stream of one nightly line (``loop.name``), persistent in the work dir;
+    on a fleet (``QERL_FLEET_DB`` set) a row per stream in the coordination database, shared by every
+    machine (``qerl.pipeline.fleet.coordination.cursor_position``/``cursor_advance``, same answers)."""
 
     work: Path
     name: str
@@ -96,12 +98,26 @@ class DataCursor:
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
+    @staticmethod
+    def _fleet() -> bool:
+        from qerl.pipeline.fleet.settings import database_url
+
+        return database_url() is not None
+
     def position(self, stream: str) -> int:
+        if self._fleet():
+            from qerl.pipeline.fleet.coordination import cursor_position
+
+            return cursor_position(self.name, stream)
         with self._locked() as data:
             return int(data["streams"].get(stream, {}).get("next_slot", 0))
 
     def advance(self, stream: str, end_slot: int, run_id: str) -> int:
         """Move the stream's cursor to ``end_slot`` (never back: re-completing a night is a no-op)."""
+        if self._fleet():
+            from qerl.pipeline.fleet.coordination import cursor_advance
+
+            return cursor_advance(self.name, stream, end_slot, run_id)
         with self._locked() as data:
             entry = data["streams"].setdefault(stream, {"next_slot": 0, "runs": []})
             if end_slot > int(entry["next_slot"]):

@@ -2,7 +2,11 @@
 
 Why: promotion is a read-modify-write ("read the champion, compare, set the alias") and version
 creation checks "is this adapter digest registered already?" first; two runs finishing together
-must not interleave them (see ``qerl.pipeline.registry.promotion``). The lock lives with the backend:
+must not interleave them (see ``qerl.pipeline.registry.promotion``). On a fleet (``QERL_FLEET_DB``
+set) the lock is a session-level ``pg_advisory_lock`` on the coordination database
+(``qerl.pipeline.fleet.coordination.advisory_lock``, the key ``qerl-registry:<name>``), whatever the
+MLflow backend: every machine shares that database, the server drops the lock when its holder dies,
+and the lock never calls MLflow (no ticket model is created). Otherwise the lock lives with the backend:
 
 - sqlite: an ``flock`` on ``<db>.lock`` next to the database file;
 - PostgreSQL: a session-level ``pg_advisory_lock`` on the same database;
@@ -75,9 +79,31 @@ def backend_kind(uri: str) -> str:
 def registry_lock(
     uri: str, name: str, timeout_s: float = 120.0, lease_s: float = SERVER_LOCK_LEASE_S
 ) -> Iterator[None]:
-    """Exclusive lock for registry writes of model ``name`` on the backend behind ``uri``
-    (``lease_s``: how long a tracking-server lock outlives a holder that stopped renewing it)."""
-    if backend_kind(uri) == "server":
+    """Exclusive lock for registry writes of model ``name``: on a fleet the coordination database's
+    advisory lock, else one on the backend behind ``uri`` (``lease_s``: how long a tracking-server
+    lock outlives a holder that stopped renewing it)."""
+    kind = backend_kind(uri)
+    from qerl.pipeline.fleet import settings
+
+    if settings.database_url() is not None:
+        from qerl.pipeline.fleet import coordination
+
+        lock = coordination.advisory_lock(f"qerl-registry:{name}", timeout_s)
+        try:  # only the lock's own errors become RegistryError, not the block's (a LeaseLostError stays one)
+            lock.__enter__()
+        except coordination.CoordinationError as err:
+            raise RegistryError(f"the registry lock on {name}: {err}") from None
+        try:
+            yield
+        except BaseException as exc:
+            lock.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        try:
+            lock.__exit__(None, None, None)
+        except coordination.CoordinationError as err:
+            raise RegistryError(f"the registry lock on {name}: {err}") from None
+        return
+    if kind == "server":
         with server_lock(name, timeout_s, lease_s):
             yield
         return

@@ -20,6 +20,18 @@ files are missing or changed is reported, moved aside, and the stage recomputes.
 Retention (``qerl.pipeline.store.retention``, ``qerl gc``) deletes files on purpose with ``prune``: the
 manifest keeps their records (the digest, and every downstream key, is unchanged) and names them in
 ``pruned``; lookups skip them and a consumer asking for one gets an ArtifactError saying why.
+
+Fleet: a store opened with a shared store (``open_store`` with the run config's ``store.uri``;
+``qerl.pipeline.store.shared``) is that machine's cache of it. A local miss is fetched from the shared
+store (each file hashed while written) and served as a hit; a fetch whose bytes do not match their
+manifest is logged and taken for a miss, so the stage rebuilds. ``produce`` builds under the local
+lock and the fleet's build lock on the key (``qerl.pipeline.fleet.coordination.build_lock``: a no-op
+without the fleet database), looks in the shared store once more, builds, commits locally and
+publishes; when another machine published other bytes for the key first, its artifact replaces the
+local one, so every machine uses one artifact per key. A local hit that the shared store lacks (built
+before ``store.uri`` was set, or a publish cut off by a crash) is published by the next ``produce``
+that finds it. ``prune``, ``_heal`` and ``_rekey`` work on the local cache only, and nothing retires
+what the shared store holds (a limit: no retention of the shared store).
 """
 
 from __future__ import annotations
@@ -59,10 +71,19 @@ from qerl.pipeline.store.layout import (
     LOCKS_DIR,
     MANIFEST,
     OBJECTS_DIR,
+    STORE_DIR,
     TMP_DIR,
     TRASH_DIR,
 )
 from qerl.pipeline.store.manifest import ArtifactError, BuildResult, Manifest, file_record, tree_files
+from qerl.pipeline.store.shared import (
+    BlobMismatchError,
+    SharedStore,
+    fetch,
+    manifest_path,
+    open_shared,
+    publish,
+)
 
 log = logging.getLogger("qerl.artifacts")
 
@@ -72,11 +93,13 @@ REKEYED_TO = "rekeyed_to"  # a pruned artifact's manifest extra: the key its non
 class ArtifactStore:
     """A directory of content-addressed stage outputs (see the module docstring)."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, shared: SharedStore | None = None):
         self.root = Path(root).resolve()
+        self.shared = shared  # None: this machine only; else this store is its cache (module docstring)
         for sub in (OBJECTS_DIR, TMP_DIR, LOCKS_DIR, TRASH_DIR):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._checks = FileChecks()  # the files this store object has hashed (integrity's "once")
+        self._corrupt_blobs: set[str] = set()  # sha256 of shared blobs a fetch found corrupt
 
     # keys -------------------------------------------------------------------------------------
     @staticmethod
@@ -105,7 +128,31 @@ class ArtifactStore:
         A problem is confirmed under the key's lock before anything is discarded: retention
         (``prune``) rewrites the manifest and then removes files under that lock, so a reader that
         loaded the old manifest just before a prune must not mistake the pruned file for corruption.
+        With a shared store, a local miss is fetched from it under the key's lock (a fetch that fails
+        verification is logged and is a miss; the shared store's manifest stays).
         """
+        hit = self._get_local(stage, key, verify, _locked)
+        if hit is not None or self.shared is None:
+            return hit
+        with contextlib.nullcontext() if _locked else self.lock(f"{stage}-{key}"):
+            if not _locked and (hit := self._get_local(stage, key, verify, True)) is not None:
+                return hit  # another process of this machine fetched it meanwhile
+            return self._fetch(stage, key)
+
+    def _fetch(self, stage: str, key: str) -> Manifest | None:
+        """(stage, key) fetched from the shared store (caller holds the key's lock); None if it has
+        none or what it has fails verification."""
+        assert self.shared is not None
+        try:
+            return fetch(self.shared, stage, key, self)
+        except BlobMismatchError as err:
+            self._corrupt_blobs.add(err.expected)
+            log.warning("%s: %s/%s is a miss, the stage rebuilds", err, stage, key)
+        except ArtifactError as err:
+            log.warning("cannot fetch %s/%s (%s): the stage rebuilds", stage, key, err)
+        return None
+
+    def _get_local(self, stage: str, key: str, verify: str | None, _locked: bool) -> Manifest | None:
         directory = self.path_for(stage, key)
         if not (directory / MANIFEST).is_file():
             return None
@@ -169,9 +216,57 @@ class ArtifactStore:
             self._journal({"stage": stage, "key": key, "event": "pruned", "files": sorted(fresh)}, GC_LOG)
         return freed
 
-    def _discard(self, directory: Path) -> None:
-        if directory.exists():
-            os.replace(directory, self.root / TRASH_DIR / f"{directory.name}-{uuid.uuid4().hex[:8]}")
+    def _discard(self, directory: Path) -> Path | None:
+        """Move ``directory`` aside into trash/; returns where it went (None: it did not exist)."""
+        if not directory.exists():
+            return None
+        aside = self.root / TRASH_DIR / f"{directory.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(directory, aside)
+        return aside
+
+    def install(self, tmp: Path, stage: str, key: str) -> Path:
+        """Rename the complete artifact folder ``tmp`` (its manifest written last) into objects/ as
+        (stage, key), replacing what is there (moved into trash/); caller holds the key's lock."""
+        final = self.path_for(stage, key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self._discard(final)  # a manifest-less leftover cannot exist, but a corrupt one can
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+        return final
+
+    def _build_lock(self, stage: str, key: str) -> contextlib.AbstractContextManager[Any]:
+        """The fleet's build lock on a key (every machine sees it; a no-op without the fleet
+        database); none for a store of this machine only."""
+        if self.shared is None:
+            return contextlib.nullcontext()
+        from qerl.pipeline.fleet.coordination import build_lock  # psycopg: imported on a fleet only
+
+        return build_lock(f"{stage}-{key}")
+
+    def _share(self, manifest: Manifest) -> Manifest:
+        """Publish ``manifest`` (a local artifact; caller holds its lock); when the shared store holds
+        another machine's bytes for the key, fetch those over the local copy and return them."""
+        assert self.shared is not None
+        redo = self._corrupt_blobs & {r.sha256 for r in manifest.files.values()}
+        there = publish(self.shared, manifest, manifest.dir, overwrite=redo)
+        self._corrupt_blobs -= redo
+        if there.digest == manifest.digest:
+            return manifest
+        log.warning(
+            "stage %s: %s holds other bytes for %s/%s (another machine built it first): using those",
+            manifest.stage,
+            self.shared.describe(),
+            manifest.stage,
+            manifest.key,
+        )
+        return self._fetch(manifest.stage, manifest.key) or manifest
+
+    def _served(self, hit: Manifest, locked: bool = False) -> Manifest:
+        """A hit, published first when the shared store lacks it (see the module docstring)."""
+        if self.shared is None or self.shared.has(manifest_path(hit.stage, hit.key)):
+            return hit
+        with contextlib.nullcontext() if locked else self.lock(f"{hit.stage}-{hit.key}"):
+            return self._share(hit)
 
     @contextlib.contextmanager
     def lock(self, name: str) -> Iterator[None]:
@@ -211,13 +306,13 @@ class ArtifactStore:
         or, with ``heal``, on a hit that retention pruned: then the pruned files are rebuilt and put
         back (``_heal``), and the result counts as not cached."""
         key = self.key(stage, config, inputs, code)
-        if (hit := self.get(stage, key)) is not None:
+        if (hit := self._get_local(stage, key, None, False)) is not None:
             if heal and hit.pruned:
                 return self._heal(hit, build), False
-            return hit, True
-        with self.lock(f"{stage}-{key}"):
-            if (hit := self.get(stage, key, _locked=True)) is not None:
-                return hit, True
+            return self._served(hit), True
+        with self.lock(f"{stage}-{key}"), self._build_lock(stage, key):
+            if (hit := self.get(stage, key, _locked=True)) is not None:  # local, else fetched
+                return self._served(hit, locked=True), True
             tmp = self.root / TMP_DIR / f"{stage}-{key}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
             try:
@@ -240,11 +335,7 @@ class ArtifactStore:
                 )
                 fault_point(stage)
                 atomic_write_text(tmp / MANIFEST, manifest.model_dump_json(indent=2))
-                final = self.path_for(stage, key)
-                final.parent.mkdir(parents=True, exist_ok=True)
-                self._discard(final)  # a manifest-less leftover cannot exist, but a corrupt one can
-                os.replace(tmp, final)
-                fsync_dir(final.parent)
+                final = self.install(tmp, stage, key)
             except Exception as err:
                 if not is_disk_full(err):
                     raise
@@ -257,6 +348,8 @@ class ArtifactStore:
             manifest.path = str(final)
             self._journal({"stage": stage, "key": key, "event": "built", "pid": os.getpid()})
             log.info("stage %s wrote %s (%d files)", stage, final, len(files))
+            if self.shared is not None:
+                manifest = self._share(manifest)
             return manifest, False
 
     def _heal(self, hit: Manifest, build: Callable[[Path], BuildResult | None]) -> Manifest:
@@ -277,7 +370,9 @@ class ArtifactStore:
             if not manifest.pruned:  # healed meanwhile by another process
                 manifest.path = str(directory)
                 return manifest
-            if (to := manifest.extra.get(REKEYED_TO)) and (done := self.get(hit.stage, to)) is not None:
+            if (to := manifest.extra.get(REKEYED_TO)) and (
+                done := self._get_local(hit.stage, to, None, False)
+            ) is not None:
                 return self._heal(done, build) if done.pruned else done  # re-keyed before: that one
             tmp = self.root / TMP_DIR / f"heal-{hit.stage}-{hit.key}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
@@ -316,7 +411,7 @@ class ArtifactStore:
         )
         with self.lock(f"{old.stage}-{key}"):
             final = self.path_for(old.stage, key)
-            if self.get(old.stage, key, _locked=True) is None:  # else a crash came before rekeyed_to
+            if self._get_local(old.stage, key, None, True) is None:  # else a crash before rekeyed_to
                 files = {str(p.relative_to(tmp)): file_record(p) for p in tree_files(tmp)}
                 extra = {
                     **result.extra,
@@ -384,3 +479,9 @@ class ArtifactStore:
             memo[str(path)] = {"fingerprint": fingerprint, "digest": digest}
             atomic_write_json(memo_path, memo)
         return digest
+
+
+def open_store(work: str | Path, store_cfg: Any = None) -> ArtifactStore:
+    """The store of the work directory ``work``: this machine's cache of the shared store that
+    ``store_cfg.uri`` names (the run config's ``store`` section), or a local-only store without one."""
+    return ArtifactStore(Path(work) / STORE_DIR, open_shared(getattr(store_cfg, "uri", None)))

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
-from qerl.pipeline.config import StrictModel
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+from qerl.pipeline.config import StrictModel, resource_field
 from qerl.pipeline.store.artifact_store import ArtifactStore
 from qerl.pipeline.store.layout import (
     ABLATION_DIR,
@@ -33,6 +33,7 @@ from qerl.pipeline.store.layout import (
 )
 from qerl.pipeline.store.manifest import ArtifactError, Manifest
 from qerl.pipeline.store.run_record import RunRecord, read_records
+from qerl.pipeline.store.shared import check_uri
 
 TABLE_STAGES = ("rollout", "score")  # a step's tables: what ``keep_step_tables`` is about
 
@@ -40,7 +41,10 @@ TABLE_STAGES = ("rollout", "score")  # a step's tables: what ``keep_step_tables`
 class RetentionConfig(StrictModel):
     """A run's ``store`` section: what ``qerl gc`` (and the flow, after each step and at the end) may
     delete from the store, and whether the run checks its disk estimate first
-    (``qerl.pipeline.planning.disk_plan``)."""
+    (``qerl.pipeline.planning.disk_plan``); and ``uri``, the fleet's shared store
+    (``qerl.pipeline.store.shared``)."""
+
+    model_config = ConfigDict(hide_input_in_errors=True)  # a rejected uri may hold a credential
 
     keep_optimizer_last: int = Field(
         2,
@@ -72,6 +76,17 @@ class RetentionConfig(StrictModel):
         description="keep the adapters of the newest N versions this work dir registered (and of any "
         "holding an alias); older ones are released: their MLflow and store copies go (unset: keep all)",
     )
+    uri: str | None = resource_field(
+        None,
+        description="the fleet's shared store, of which the local store is a cache: s3://bucket[/prefix] "
+        "(credentials and endpoint from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL) or "
+        "an absolute path / file:///path on a shared mount (unset: the store is this machine's only)",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _shared_uri(cls, uri: str | None) -> str | None:
+        return None if uri is None else check_uri(uri)
 
 
 class RetentionError(RuntimeError):

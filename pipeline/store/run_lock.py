@@ -13,10 +13,18 @@ the lock never goes stale and nothing has to clean it up. The file stays; the ho
 host and start time into it, for the refusal's message and for ``qerl runs``, which tells a running
 attempt from one that died (status ``running`` in its record, lock free).
 
-Limits: ``flock`` is per machine on most network filesystems. An attempt on another machine sharing
-the work dir is not seen; ``holder`` cannot tell it from a dead one, and its recorded host says so
-(``other_host``). That is why retention (``store.live_window_h``) still treats a recently updated
-``running`` record as live whatever the lock says; the lock only adds the attempts it can see.
+Limits: ``flock`` is per machine on most network filesystems. Without a coordination database
+(``QERL_FLEET_DB`` unset), an attempt on another machine sharing the work dir is not seen; ``holder``
+cannot tell it from a dead one, and its recorded host says so (``other_host``). That is why retention
+(``store.live_window_h``) still treats a recently updated ``running`` record as live whatever the
+lock says; the lock only adds the attempts it can see.
+
+On a fleet (``QERL_FLEET_DB`` set) the attempt also holds the lease ``qerl-run:<run_id>``, a
+PostgreSQL advisory lock (``qerl.pipeline.fleet.coordination.hold_lease``), after the local ``flock``:
+every machine sees it, whatever work dir each uses, and the server drops it when the holder's process
+or machine dies. A second attempt anywhere is refused with the holder's pid, host and start time, and
+``holder`` reports the lease's holder when no local process holds the file lock. A run whose lease is
+lost (``ensure_leases``) stops before it publishes anything more.
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ import json
 import os
 import socket
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
+
+from qerl.pipeline.fleet import settings
 
 RUN_LOCK = "run.lock"
 
@@ -61,18 +71,22 @@ def busy(run_id: str, info: dict[str, Any]) -> RunLockedError:
 
 
 def holder(run_dir: Path) -> dict[str, Any] | None:
-    """The live attempt holding ``run_dir``'s lock on this machine (its pid, host, start time), or
-    None when no process holds it."""
+    """The live attempt holding ``run_dir``'s lock (its pid, host, start time), or None when no
+    process holds it: on this machine, and on a fleet on any machine (the lease ``qerl-run:<run id>``,
+    the run id being ``run_dir``'s name)."""
     path = run_dir / RUN_LOCK
-    if not path.is_file():
+    if path.is_file():
+        with open(path, "rb") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _read(path)
+            fcntl.flock(fh, fcntl.LOCK_UN)
+    if settings.database_url() is None:
         return None
-    with open(path, "rb") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read(path)
-        fcntl.flock(fh, fcntl.LOCK_UN)
-    return None
+    from qerl.pipeline.fleet import coordination
+
+    return coordination.lease_holder(f"qerl-run:{run_dir.name}")
 
 
 def other_host(run_dir: Path) -> str | None:
@@ -84,15 +98,23 @@ def other_host(run_dir: Path) -> str | None:
 
 @contextmanager
 def hold(run_dir: Path, run_id: str) -> Iterator[None]:
-    """Hold the run's lock for the block; a ``RunLockedError`` when another attempt holds it."""
+    """Hold the run's lock for the block (on a fleet, its lease too); a ``RunLockedError`` when
+    another attempt holds it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RUN_LOCK
-    with open(path, "a+") as fh:
+    with open(path, "a+") as fh, ExitStack() as lease:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise busy(run_id, _read(path)) from None
         try:
+            if settings.database_url() is not None:
+                from qerl.pipeline.fleet import coordination
+
+                try:
+                    lease.enter_context(coordination.hold_lease(f"qerl-run:{run_id}"))
+                except coordination.LeaseHeldError as err:
+                    raise busy(run_id, err.holder) from None
             now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
             fh.seek(0)
             fh.truncate()
@@ -100,4 +122,5 @@ def hold(run_dir: Path, run_id: str) -> Iterator[None]:
             fh.flush()
             yield
         finally:
+            lease.close()  # the lease goes before the file lock
             fcntl.flock(fh, fcntl.LOCK_UN)

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 # pipeline's sub-packages by layer: a sub-package may import its own layer's lower entries only when
 # listed in SAME_LAYER_OK, and any lower layer
 LAYERS = [
-    {"config", "runtime", "schemes"},
+    {"config", "runtime", "schemes", "fleet"},
     {"store"},
     {"nvfp4", "data"},
     {"nf4"},

@@ -1,0 +1,156 @@
+"""The fleet's janitor: a night whose machine died is crashed, then started again on another worker.
+
+Prefect alone does not finish such a night. A machine that dies with its run leaves the flow run
+RUNNING (no one reports its end: Prefect #16746), a worker that dies between PENDING and launch
+leaves it PENDING (#18933), and Prefect's flow retries do not cover a Crashed run (#10211). qerl's own
+liveness signal is sharper than a heartbeat: an attempt holds its run's lease, a PostgreSQL advisory
+lock (``qerl.pipeline.fleet.coordination``) that the database drops when the holder's connection
+dies. So ``sweep`` does, for the qerl flow runs of the deployments on one work pool:
+
+1. a run RUNNING or PENDING for longer than ``grace_s`` whose run lease no session holds (asked
+   twice, a second apart) is set CRASHED, with a message saying why;
+2. a night (a qerl run id: the deployment's config and the flow run's night) whose newest flow run
+   is CRASHED, with no flow run of it completed or still to come, gets a new flow run of the same
+   deployment with the night named in its parameters, while the night has had fewer than
+   ``1 + retries`` flow runs. The new run has the same run id, so it resumes: finished stages are
+   store hits, training continues from the last published checkpoint, registration happens once.
+
+Every ``qerl worker`` sweeps every ``janitor_every_s`` under a try-lock (``qerl-janitor``), so the
+janitor lives as long as any worker and two never sweep at once. A run crashed by mistake (alive but
+cut off from the database for longer than the grace) has lost its lease and stops before it
+publishes anything more (``ensure_leases``); its night continues in the new flow run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from qerl.pipeline.fleet import coordination
+from qerl.pipeline.planning.prompt_stream import parse_night
+from qerl.pipeline.planning.run_config import RunConfig
+from qerl.pipeline.planning.runs import run_id_for
+
+log = logging.getLogger("qerl.fleet")
+
+JANITOR_LOCK = "qerl-janitor"
+RERUN_TAG = "qerl-rerun"
+LIVE_STATES = ("RUNNING", "PENDING")
+TO_COME_STATES = ("SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING")
+
+
+@dataclass
+class Night:
+    """The flow runs of one qerl run id on the pool, oldest first."""
+
+    run_id: str
+    night: str
+    deployment_id: Any
+    parameters: dict[str, Any]
+    flow_runs: list[Any]
+
+
+def run_lease(run_id: str) -> str:
+    """The lease name an attempt at ``run_id`` holds (``qerl.pipeline.store.run_lock``)."""
+    return f"qerl-run:{run_id}"
+
+
+def _night_of(flow_run: Any) -> _dt.date | None:
+    params = flow_run.parameters or {}
+    if params.get("night"):
+        return parse_night(params["night"])
+    if not params.get("nightly"):
+        return None
+    return parse_night(flow_run.expected_start_time)
+
+
+def _nights(client: Any, pool: str) -> list[Night]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, WorkPoolFilter
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    deployments = client.read_deployments(work_pool_filter=WorkPoolFilter(name={"any_": [pool]}))
+    by_id: dict[str, Night] = {}
+    configs: dict[Any, RunConfig] = {}
+    for dep in deployments:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[dep.id])),
+            sort=FlowRunSort.START_TIME_ASC,
+            limit=200,
+        )
+        for fr in runs:
+            night = _night_of(fr)
+            if night is None or not (fr.parameters or {}).get("config"):
+                continue
+            if dep.id not in configs:
+                configs[dep.id] = RunConfig.model_validate(fr.parameters["config"])
+            rid = run_id_for(configs[dep.id], night)
+            entry = by_id.setdefault(rid, Night(rid, night.isoformat(), dep.id, dict(fr.parameters), []))
+            entry.flow_runs.append(fr)
+    for entry in by_id.values():
+        entry.flow_runs.sort(key=lambda fr: fr.created or fr.expected_start_time)
+    return list(by_id.values())
+
+
+def _state_age_s(flow_run: Any) -> float:
+    stamp = flow_run.state.timestamp if flow_run.state else None
+    if stamp is None:
+        return float("inf")
+    return (_dt.datetime.now(_dt.UTC) - stamp).total_seconds()
+
+
+def _lease_free(run_id: str) -> bool:
+    if coordination.lock_is_held(run_lease(run_id)):
+        return False
+    time.sleep(1.0)  # an attempt between its start and its lease, seen once, is not a dead one
+    return not coordination.lock_is_held(run_lease(run_id))
+
+
+def _crash(client: Any, flow_run: Any, why: str) -> None:
+    from prefect.states import Crashed
+
+    client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
+    flow_run.state = Crashed(message=why)
+
+
+def sweep(pool: str, retries: int = 3, grace_s: float = 60.0) -> list[str]:
+    """One pass over the pool's nights (module docstring); what it did, one line each."""
+    from prefect import get_client
+
+    done: list[str] = []
+    with coordination.try_advisory_lock(JANITOR_LOCK) as mine:
+        if not mine:
+            return done
+        with get_client(sync_client=True) as client:
+            for night in _nights(client, pool):
+                done += _tend(client, night, retries, grace_s)
+    for line in done:
+        log.warning("janitor: %s", line)
+    return done
+
+
+def _tend(client: Any, night: Night, retries: int, grace_s: float) -> list[str]:
+    done: list[str] = []
+    for fr in night.flow_runs:
+        state = fr.state.type.value if fr.state else None
+        if state in LIVE_STATES and _state_age_s(fr) > grace_s and _lease_free(night.run_id):
+            why = f"janitor: no process holds run {night.run_id}'s lease: its machine is gone"
+            _crash(client, fr, why)
+            done.append(f"flow run {fr.name} ({night.run_id}) was {state} with its lease free: crashed")
+    states = [fr.state.type.value if fr.state else None for fr in night.flow_runs]
+    if "COMPLETED" in states or any(s in TO_COME_STATES for s in states) or states[-1] != "CRASHED":
+        return done
+    if len(night.flow_runs) > retries:
+        done.append(f"night {night.run_id} crashed {len(night.flow_runs)} times: no retry left ({retries})")
+        return done
+    params = {**night.parameters, "nightly": True, "night": night.night}
+    new = client.create_flow_run_from_deployment(
+        night.deployment_id, parameters=params, tags=["qerl", RERUN_TAG, f"qerl-run:{night.run_id}"]
+    )
+    done.append(
+        f"night {night.run_id}: started flow run {new.name} (attempt {len(night.flow_runs) + 1} "
+        f"of {retries + 1}) after {night.flow_runs[-1].name} crashed"
+    )
+    return done
