@@ -23,7 +23,9 @@ all runs are submitted at once, each a Prefect task in its own Ray worker proces
 it asks for, and the console shows one line per finished run; ``qerl.flows.ray`` has the rules (shared
 work dir, registry and Prefect API reachable by every node) and what a worker gets. Either way each
 run is the same ordinary run, so the ablation id, the run ids and resumption do not depend on where
-the runs went; the record notes the driver and, per run, the worker's node and pid.
+the runs went; the record notes the driver and, per run, the worker's node and pid. On a fleet (``qerl ablate --pool NAME``) each
+run is a flow run of the deployment ``qerl-rl/ablation-arms`` on the fleet's work pool, so arms and
+nights share the GPUs and the fleet-wide limit; the records come back through the shared store.
 """
 
 from __future__ import annotations
@@ -145,11 +147,13 @@ def ablate_flow(
     seeds: int,
     n_boot: int = 10_000,
     ray: dict[str, Any] | None = None,
+    pool: str | None = None,
 ) -> dict[str, Any]:
     """Run every (arm, seed) and compare (see the module docstring); returns the ablation record.
 
     ``ray``: run on a Ray cluster, the plan ``qerl.flows.ray.connection.cluster`` yields (with its task runner on
-    this flow: ``ablate_flow.with_options(task_runner=...)``); None: sequentially, in this process."""
+    this flow: ``ablate_flow.with_options(task_runner=...)``); ``pool``: submit every run to that work
+    pool of a fleet; neither: sequentially, in this process."""
     arms = parse_arms(arms)
     base = RunConfig.model_validate(config)  # the user's config must be valid before any arm runs
     work = default_work_dir(work_dir)
@@ -173,7 +177,11 @@ def ablate_flow(
     try:
         parent = _parent_run(base, work, record)
         atomic_write_json(path, record)
-        if ray is None:
+        if pool is not None:  # each run a flow run on a fleet's work pool (qerl.flows.fleet)
+            from qerl.flows.fleet import run_arms_on_pool
+
+            run_arms_on_pool(planned, work, {"id": aid, "parent_run_id": parent}, pool)
+        elif ray is None:
             _run_sequentially(aid, work, planned, parent)
         else:
             from qerl.flows.ray.runs import run_all

@@ -40,6 +40,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _store_uri(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store-uri",
+        default=None,
+        metavar="URI",
+        help="a fleet's shared store: its run records too (default: $QERL_STORE_URI)",
+    )
+
+
 def _config_options(parser: argparse.ArgumentParser, config_help: str, set_help: str) -> None:
     """``--config FILE`` and the repeatable ``--set KEY=VALUE`` of a command with a config."""
     parser.add_argument("--config", default=None, help=config_help)
@@ -89,6 +98,11 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
         metavar="ADDRESS",
         help="run the runs concurrently on this Ray cluster (host:port, ray://host:10001, auto, local; "
         "default: $QERL_RAY_ADDRESS, else one after the other here); see flows/ray/",
+    )
+    p.add_argument(
+        "--pool",
+        default=None,
+        help="submit the runs to this work pool of a fleet (PREFECT_API_URL: its server; needs store.uri)",
     )
     p.add_argument("--cpus-per-run", type=float, default=1.0, help="with --ray: CPUs each run asks for")
     p.add_argument(
@@ -141,6 +155,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     COMMANDS["run"] = "commands:cmd_run"
     p = sub.add_parser("resume", help="continue a recorded run: completed stages are reused")
     p.add_argument("run_id", metavar="RUN", help="run id (see <work>/runs)")
+    _store_uri(p)
     p.add_argument(
         "--set",
         action="append",
@@ -156,6 +171,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--limit", type=int, default=20, metavar="N", help="show the newest N (default 20)")
     p.add_argument("--all", action="store_true", help="show every run")
+    _store_uri(p)
     _common(p)
     COMMANDS["runs"] = "commands:cmd_runs"
     p = sub.add_parser("schedule", help="serve the nightly deployment, or deploy it to a fleet's work pool")
@@ -384,6 +400,9 @@ def _prefect_environment(args: argparse.Namespace) -> None:
 
     work = default_work_dir(args.work_dir)
     if args.command == "resume":
+        from qerl.flows.fleet import pull_records
+
+        pull_records(work, args.store_uri)  # a run another machine of a fleet left
         recorded_run(work, args.run_id)  # a mistyped id or --work-dir: an error, and nothing made there
     if args.command == "schedule":
         url = args.api_url or os.environ.get("PREFECT_API_URL") or orchestration.LOOPBACK_API_URL

@@ -117,12 +117,18 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     arms = parse_arms(args.arms)  # a bad --arms fails before Prefect starts
     aid = ablation_id(key_payload(cfg), arms, args.seeds)  # as ablate_flow computes it
     address, tracking_uri = _ablate_ray_checks(args, cfg, work)  # a bad cluster setup fails first
+    if args.pool and (address or not os.environ.get("PREFECT_API_URL") or not cfg.store.uri):
+        raise ValueError(
+            "qerl ablate --pool submits to a fleet: it needs PREFECT_API_URL (the fleet's server) and "
+            "store.uri, and no --ray"
+        )
     params = {
         "config": cfg.model_dump(mode="json"),
         "work_dir": str(work),
         "arms": arms,
         "seeds": args.seeds,
         "n_boot": args.bootstrap,
+        **({"pool": args.pool} if args.pool else {}),
     }
     out = ablation_dir(work, aid)
     with console.session(out / console.LOG_NAME, args.verbose, keep_fds=True) as ui:
@@ -214,10 +220,14 @@ def longest_attempt(work: Path, loop_name: str) -> tuple[float, str] | None:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    """``qerl runs``: the work dir's runs, newest first (module docstring); it writes nothing."""
+    """``qerl runs``: the work dir's runs, newest first (module docstring); it writes nothing but the
+    records of a fleet's other machines it copies from the shared store (``pull_records``)."""
     if args.limit < 1:
         raise ValueError(f"--limit {args.limit}: must be at least 1 (--all shows every run)")
     work = work_dir(args)
+    from qerl.flows.fleet import pull_records
+
+    pull_records(work, args.store_uri)  # a fleet's runs, from every machine
     records, unreadable = read_records(work)
     if not records and not unreadable:
         print(f"{work}: no runs")

@@ -91,6 +91,82 @@ def run_resources(run_id: str) -> Iterator[None]:
         yield
 
 
+ARMS_DEPLOYMENT = "ablation-arms"
+TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+def run_arms_on_pool(planned: list[dict[str, Any]], work: Path, info: dict[str, Any], pool: str) -> None:
+    """Each (arm, seed) of an ablation as a flow run of ``qerl-rl/ablation-arms`` on ``pool`` (the
+    nights' GPUs and limits); waits for all, then copies their records here from the shared store.
+    ``info``: the ablation's id and MLflow parent run, given to every arm."""
+    from prefect import get_client
+    from qerl.flows.run import rl_flow
+
+    cfg = RunConfig.model_validate(planned[0]["config"])
+    if not cfg.store.uri:
+        raise RuntimeError("qerl ablate --pool needs store.uri: the arms' records come back through it")
+    dep_id = rl_flow.to_deployment(name=ARMS_DEPLOYMENT, tags=["qerl", "ablation"]).apply(work_pool_name=pool)
+    with get_client(sync_client=True) as client:
+        ids = []
+        for p in planned:
+            arm = {**info, "arm": p["arm"], "replicate": p["replicate"]}
+            params = {"config": p["config"], "work_dir": None, "ablation": arm}
+            ids.append(
+                client.create_flow_run_from_deployment(
+                    dep_id, parameters=params, tags=["qerl", info["id"]]
+                ).id
+            )
+        log.info("ablation %s: %d runs submitted to pool %s", info["id"], len(ids), pool)
+        while True:
+            states = [client.read_flow_run(i).state for i in ids]
+            if all(st is not None and st.type.value in TERMINAL for st in states):
+                break
+            time.sleep(5)
+    failed = [
+        f"{p['run_id']} {st.type.value}"
+        for p, st in zip(planned, states, strict=True)
+        if st.type.value != "COMPLETED"
+    ]
+    pull_records(work, cfg.store.uri)
+    if failed:
+        raise RuntimeError(
+            f"ablation {info['id']}: runs that did not complete on pool {pool}: {', '.join(failed)}"
+        )
+
+
+STORE_URI_ENV = "QERL_STORE_URI"  # the shared store of the commands without a config: runs, resume
+
+
+def pull_records(work: Path, uri: str | None) -> int:
+    """Copy into ``work`` the run records of the shared store at ``uri`` (else ``QERL_STORE_URI``)
+    that are newer than this machine's copy, so ``qerl runs`` and ``qerl resume`` see every machine's
+    runs; returns how many were copied (0 without a shared store)."""
+    from qerl.pipeline.store.files import atomic_write_bytes
+    from qerl.pipeline.store.layout import RUN_RECORD
+    from qerl.pipeline.store.run_record import run_dir
+    from qerl.pipeline.store.shared import fetch_record, list_records, open_shared
+
+    shared = open_shared(uri or os.environ.get(STORE_URI_ENV) or None)
+    if shared is None:
+        return 0
+    copied = 0
+    for run_id in list_records(shared):
+        data = fetch_record(shared, run_id)
+        if data is None:
+            continue
+        path = run_dir(work, run_id) / RUN_RECORD
+        try:
+            theirs = json.loads(data).get("updated_at") or ""
+            ours = json.loads(path.read_text()).get("updated_at") or "" if path.is_file() else None
+        except ValueError as err:
+            log.warning("run record %s in %s is unreadable: %s", run_id, shared.describe(), err)
+            continue
+        if ours is None or str(theirs) > str(ours):
+            atomic_write_bytes(path, data)
+            copied += 1
+    return copied
+
+
 # ---- what a worker is -------------------------------------------------------------------------
 def stage_code_versions() -> dict[str, str]:
     """Each stage module's code version as installed here (parsed, not imported)."""
@@ -154,6 +230,7 @@ def run_worker(
 
     if settings.database_url() is None:
         raise RuntimeError(f"qerl worker needs the coordination database: set {settings.FLEET_DB_ENV}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a request line per janitor query otherwise
     name = name or f"{socket.gethostname()}-gpu{gpu}"
     env = {
         **os.environ,

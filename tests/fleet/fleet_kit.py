@@ -130,6 +130,12 @@ class Fleet:
         self.workers.append(w)
         return w
 
+    def stop_workers(self) -> None:
+        """Every machine's whole session, SIGKILLed (a test's machines end with it)."""
+        for w in self.workers:
+            w.kill()
+        self.workers = []
+
     def logs(self, tail: int = 4000) -> str:
         out = []
         for w in self.workers:
@@ -160,7 +166,7 @@ def built(work: Path, stage: str | None = None) -> list[tuple[str, str]]:
 def start_fleet(base: Path, postgres_factory: Any, seaweed_factory: Any) -> Fleet:
     """Every service, migrated and checked by ``qerl fleet init`` (2 GPUs)."""
     pg = postgres_factory(base)
-    s3 = seaweed_factory(base)
+    s3 = seaweed_factory(base / "s3")
     s3.create_bucket(BUCKET)
     prefect = prefect_server(base, pg.url_for("prefect")).start()
     mlflow = mlflow_server(

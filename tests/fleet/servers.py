@@ -9,6 +9,7 @@ the fleet-wide slots.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -127,6 +128,7 @@ def mlflow_server(
         **env,
         "MLFLOW_AUTH_CONFIG_PATH": str(auth_ini),
         "MLFLOW_AUTH_ADMIN_PASSWORD": admin_pw,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),  # CSRF protection of the auth app
         "MLFLOW_S3_ENDPOINT_URL": env.get("AWS_ENDPOINT_URL", ""),
     }
     cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
