@@ -16,6 +16,8 @@ ORDER = [
     "contention",
     "contention-busy",
     "aqn-dtype",
+    "shared-store",
+    "fleet",
     "gpu",
 ]
 

@@ -41,6 +41,13 @@ from qerl.pipeline.store.code_version import code_version, dependency_versions, 
 
 log = logging.getLogger("qerl.fleet")
 
+# what a worker's runs get unless the environment says otherwise: a restart of the Prefect or MLflow
+# server (about a minute at worst) is ridden out by the clients' own retries, not failed on
+RIDE_OUT = {
+    "PREFECT_CLIENT_MAX_RETRIES": "6",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "6",
+    "QERL_API_GRACE_S": "90",
+}
 GPU_LIMIT = "qerl-gpus"  # the fleet-wide global concurrency limit: one slot per GPU
 WORKERS_TABLE = """CREATE TABLE IF NOT EXISTS qerl_workers (
     name text PRIMARY KEY, host text NOT NULL, gpu text, pool text NOT NULL, info jsonb NOT NULL,
@@ -74,14 +81,17 @@ def deploy_to_pool(cfg: RunConfig, cron: str, pool: str) -> str:
 
 @contextlib.contextmanager
 def run_resources(run_id: str) -> Iterator[None]:
-    """What an attempt holds besides its run's lease: its GPUs' host-local locks and, for a run of a
-    fleet's worker, one slot of the fleet-wide GPU limit. The slot's lease renewal may fail while the
+    """What an attempt holds besides its run's lease: its GPUs' host-local locks and, for a
+    deployment's run on a fleet's worker (a night, an ablation's arm), one slot of the fleet-wide GPU
+    limit (a run started by hand takes its GPU's lock only). The slot's lease renewal may fail while the
     Prefect server restarts without stopping the run (``raise_on_lease_renewal_failure=False``): the
     GPU lock, not the slot, is what keeps two runs off one GPU."""
+    from prefect.runtime import deployment
     from qerl.flows import orchestration
 
     with contextlib.ExitStack() as stack:
-        if settings.gpu_id() and settings.database_url() and orchestration.answers():
+        on_pool = deployment.get_id() is not None  # a night's or an arm's flow run, not a run by hand
+        if on_pool and settings.gpu_id() and settings.database_url() and orchestration.answers():
             from prefect.concurrency.sync import concurrency
 
             stack.enter_context(
@@ -239,6 +249,8 @@ def run_worker(
         "QERL_WORK_DIR": str(work),
         "PREFECT_HOME": os.environ.get("PREFECT_HOME") or str(work / "prefect"),
     }
+    for variable, value in RIDE_OUT.items():  # a night rides out a restart of a fleet's server
+        env.setdefault(variable, value)
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--name", name]
     cmd += ["--limit", "1", "--type", "process"]
     child = subprocess.Popen(cmd, env=env, preexec_fn=_stop_with_this_process())

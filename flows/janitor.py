@@ -7,8 +7,9 @@ liveness signal is sharper than a heartbeat: an attempt holds its run's lease, a
 lock (``qerl.pipeline.fleet.coordination``) that the database drops when the holder's connection
 dies. So ``sweep`` does, for the qerl flow runs of the deployments on one work pool:
 
-1. a run RUNNING or PENDING for longer than ``grace_s`` whose run lease no session holds (asked
-   twice, a second apart) is set CRASHED, with a message saying why;
+1. a run RUNNING for longer than ``grace_s`` (PENDING: ``pending_grace_s``, 5 minutes, as a run's
+   process may take a while to start) whose run lease no session holds (asked twice, a second
+   apart) is set CRASHED, with a message saying why;
 2. a night (a qerl run id: the deployment's config and the flow run's night) whose newest flow run
    is CRASHED, with no flow run of it completed or still to come, gets a new flow run of the same
    deployment with the night named in its parameters, while the night has had fewer than
@@ -40,6 +41,9 @@ JANITOR_LOCK = "qerl-janitor"
 RERUN_TAG = "qerl-rerun"
 LIVE_STATES = ("RUNNING", "PENDING")
 TO_COME_STATES = ("SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING")
+# a PENDING run is a process still starting (imports take seconds on a loaded machine) until the
+# worker that claimed it is gone for good: a long grace, so a slow start is never crashed
+PENDING_GRACE_S = 300.0
 
 
 @dataclass
@@ -102,10 +106,16 @@ def _state_age_s(flow_run: Any) -> float:
 
 
 def _lease_free(run_id: str) -> bool:
-    if coordination.lock_is_held(run_lease(run_id)):
-        return False
-    time.sleep(1.0)  # an attempt between its start and its lease, seen once, is not a dead one
-    return not coordination.lock_is_held(run_lease(run_id))
+    """Whether no session holds the run's lease for a whole ``REGAIN_S`` and more: a live attempt
+    whose session a database restart ended takes its lease again within that time, and an attempt
+    between its start and its lease takes it within a second."""
+    deadline = time.monotonic() + coordination.REGAIN_S + 5.0
+    while True:
+        if coordination.lock_is_held(run_lease(run_id)):
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(1.0)
 
 
 def _crash(client: Any, flow_run: Any, why: str) -> None:
@@ -115,7 +125,9 @@ def _crash(client: Any, flow_run: Any, why: str) -> None:
     flow_run.state = Crashed(message=why)
 
 
-def sweep(pool: str, retries: int = 3, grace_s: float = 60.0) -> list[str]:
+def sweep(
+    pool: str, retries: int = 3, grace_s: float = 60.0, pending_grace_s: float = PENDING_GRACE_S
+) -> list[str]:
     """One pass over the pool's nights (module docstring); what it did, one line each."""
     from prefect import get_client
 
@@ -125,17 +137,18 @@ def sweep(pool: str, retries: int = 3, grace_s: float = 60.0) -> list[str]:
             return done
         with get_client(sync_client=True) as client:
             for night in _nights(client, pool):
-                done += _tend(client, night, retries, grace_s)
+                done += _tend(client, night, retries, grace_s, pending_grace_s)
     for line in done:
         log.warning("janitor: %s", line)
     return done
 
 
-def _tend(client: Any, night: Night, retries: int, grace_s: float) -> list[str]:
+def _tend(client: Any, night: Night, retries: int, grace_s: float, pending_grace_s: float) -> list[str]:
     done: list[str] = []
     for fr in night.flow_runs:
         state = fr.state.type.value if fr.state else None
-        if state in LIVE_STATES and _state_age_s(fr) > grace_s and _lease_free(night.run_id):
+        allowed = pending_grace_s if state == "PENDING" else grace_s
+        if state in LIVE_STATES and _state_age_s(fr) > allowed and _lease_free(night.run_id):
             why = f"janitor: no process holds run {night.run_id}'s lease: its machine is gone"
             _crash(client, fr, why)
             done.append(f"flow run {fr.name} ({night.run_id}) was {state} with its lease free: crashed")

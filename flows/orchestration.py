@@ -156,24 +156,32 @@ def use_api(needed_for: str = "qerl run reports to the Prefect server of PREFECT
 
 
 def answers(timeout_s: float = 2.0) -> bool:
-    """Whether the API answers its health check within ``timeout_s``; a silent one is remembered as
-    lost for the rest of the process (not asked again). True when no API is in use."""
+    """Whether the API answers its health check within ``timeout_s`` (or, on a fleet's worker, within
+    ``QERL_API_GRACE_S``: a server restart); a silent one is remembered as lost for the rest of the
+    process (not asked again). True when no API is in use."""
     if _api["url"] is None:
         return True
     if _api["lost"]:
         return False
     import httpx
 
-    try:
-        httpx.get(f"{str(_api['url']).rstrip('/')}/health", timeout=timeout_s).raise_for_status()
-        return True
-    except httpx.HTTPError as err:
-        _api["lost"] = True
-        log.warning(
-            "the Prefect server at %s stopped answering (%s): the run goes on without it", _api["url"], err
-        )
-        _stop_api_logging()
-        return False
+    grace = time.monotonic() + float(os.environ.get("QERL_API_GRACE_S") or 0)
+    while True:
+        try:
+            httpx.get(f"{str(_api['url']).rstrip('/')}/health", timeout=timeout_s).raise_for_status()
+            return True
+        except httpx.HTTPError as err:
+            if time.monotonic() < grace:
+                time.sleep(1.0)
+                continue
+            _api["lost"] = True
+            log.warning(
+                "the Prefect server at %s stopped answering (%s): the run goes on without it",
+                _api["url"],
+                err,
+            )
+            _stop_api_logging()
+            return False
 
 
 def _stop_api_logging() -> None:

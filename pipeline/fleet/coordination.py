@@ -77,7 +77,8 @@ CONNECT_OPTIONS: dict[str, Any] = {
 }
 SCHEMA_LOCK = "qerl-schema"
 CONNECT_RETRY_S = 30.0  # a restarting server refuses connections for a few seconds
-REGAIN_S = 30.0  # how long a lease whose connection broke tries to take its lock again
+# how long a lease whose connection broke tries to take its lock again (QERL_LEASE_REGAIN_S)
+REGAIN_S = float(os.environ.get("QERL_LEASE_REGAIN_S") or 30.0)
 CURSOR_RUNS_KEPT = 50
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS qerl_leases (name text PRIMARY KEY, holder jsonb, since timestamptz)",

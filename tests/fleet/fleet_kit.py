@@ -48,10 +48,14 @@ class Fleet:
         return [self.postgres.password, self.s3.secret_key, MLFLOW_ADMIN_PW]
 
     # ---- configs and deployments ----
-    def write_config(self, cfg: dict, name: str) -> Path:
+    def write_config(self, cfg: dict, name: str, store: str = "store", model: str | None = None) -> Path:
+        """``cfg`` on the fleet's services: the shared store ``s3://qerl/<store>``, the fleet's MLflow
+        (registered model ``model``: its own, for a test that counts versions)."""
         cfg = json.loads(json.dumps(cfg))
-        cfg.setdefault("store", {})["uri"] = f"s3://{BUCKET}/store"
+        cfg.setdefault("store", {})["uri"] = f"s3://{BUCKET}/{store}"
         cfg.setdefault("registry", {})["tracking_uri"] = self.tracking_uri
+        if model:
+            cfg["registry"]["model_name"] = model
         path = self.base / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return path
@@ -119,7 +123,7 @@ class Fleet:
         )
 
     # ---- machines ----
-    def worker(self, name: str, gpu: str, grace_s: float = 5.0) -> Worker:
+    def worker(self, name: str, gpu: str, grace_s: float = 10.0) -> Worker:
         env = {**self.env, "QERL_CREDENTIALS_FILE": str(self.credentials)}
         for secret_var in ("QERL_FLEET_DB", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD"):
             env.pop(secret_var, None)  # a worker reads them from its credentials file
@@ -190,6 +194,7 @@ def start_fleet(base: Path, postgres_factory: Any, seaweed_factory: Any) -> Flee
         "MLFLOW_TRACKING_USERNAME": "admin",
         "MLFLOW_TRACKING_PASSWORD": MLFLOW_ADMIN_PW,
         "QERL_GPU_LOCK_DIR": str(base / "gpu-locks"),
+        "QERL_LEASE_REGAIN_S": "8",  # the suite's PostgreSQL restarts in about a second
         "PYTHONUNBUFFERED": "1",
     }
     fleet = Fleet(base, pg, s3, prefect, mlflow, credentials, env)

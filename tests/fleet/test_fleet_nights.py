@@ -131,7 +131,7 @@ def test_a_night_killed_with_machine_a_finishes_on_machine_b_logical_gpus(fleet,
     shared store: no finished stage rebuilt, the adapter identical to one machine's uninterrupted
     night, one registered version."""
     cfg, ref_work, ref_record, ref_s = reference
-    deployment = fleet.deploy(fleet.write_config(cfg, "killed"))  # the same night under another line name
+    deployment = fleet.deploy(fleet.write_config(cfg, "killed", store="killed", model="qerl-killed"))
     a = fleet.worker("machine-a", gpu="0")
     fleet.start_night(deployment, NIGHT)
     _wait_for(lambda: len(built(a.work, "train")) >= 2, 300, "two training steps on A", fleet)
@@ -153,8 +153,8 @@ def test_a_night_killed_with_machine_a_finishes_on_machine_b_logical_gpus(fleet,
     assert b_built and not (a_built & b_built), f"B rebuilt finished stages: {sorted(a_built & b_built)}"
     assert len(built(b.work, "train")) == 4 - len(built(a.work, "train"))
     assert _adapter_digest(b.work, record) == _adapter_digest(ref_work, ref_record)
-    versions = _registered(fleet, "qerl-adapter")
-    assert len([v for v in versions if v["run_id"] == record["registration"]["run_id"]]) == 1, versions
+    versions = _registered(fleet, "qerl-killed")
+    assert len(versions) == 1 and versions[0]["run_id"] == record["registration"]["run_id"], versions
     a_train = len(built(a.work, "train"))
     print(
         f"\nFLEET-TIMING remainder on B after the kill ({4 - a_train} of 4 steps, evaluation, registration, "
@@ -174,53 +174,67 @@ def _champions(registrations: list[dict]) -> list[tuple[int, str, bool]]:
     return sorted(out)
 
 
-def test_three_nights_on_two_logical_gpus_never_share_one_an_orphan_keeps_its_gpu_and_promotions_serialise(
+def test_three_nights_and_a_hand_started_run_on_two_logical_gpus_never_share_one_and_promotions_serialise(
     fleet, learner_model_dir, tmp_path
 ):
-    """Two nightly lines, three nights, two machines (GPU 0 and GPU 1). Machine 0's worker is killed
-    (not its run: an orphan) and restarted; the orphan keeps GPU 0 until it ends. No GPU's lock
-    intervals overlap; every night completes; the registrations, two of them finishing about together,
-    go through the promotion rule one after the other (each judged against the champion the one
-    before it left)."""
-    import psutil
+    """Two nightly lines, three scheduled nights, two machines (GPU 0 and GPU 1), and a night started by
+    hand on machine 0's GPU while its worker runs one: no GPU's lock intervals overlap (the hand-started
+    run waits, saying whose the GPU is); every night completes; the registrations, some finishing about
+    together, go through the promotion rule one after the other (each judged against the champion the
+    one before it left)."""
     from qerl.pipeline.fleet.gpu_lock import intervals
 
-    deps = {}
+    deps, configs = {}, {}
     for seed, line in enumerate(("line-a", "line-b")):  # the same data, each line its own order of it
         (tmp_path / line).mkdir()
         cfg = night_config(learner_model_dir, tmp_path / line / "data.jsonl", line, steps=3)
         cfg["loop"]["seed"] = seed
-        deps[line] = fleet.deploy(fleet.write_config(cfg, line))
+        configs[line] = fleet.write_config(cfg, line, store="lines", model="qerl-lines")
+        deps[line] = fleet.deploy(configs[line])
     m0, m1 = fleet.worker("machine-0", gpu="0"), fleet.worker("machine-1", gpu="1")
     fleet.start_night(deps["line-a"], "2026-12-02")
     fleet.start_night(deps["line-b"], "2026-12-02")
     fleet.start_night(deps["line-a"], "2026-12-03")  # waits for line-a's first (deployment limit 1)
     _wait_for(lambda: len(built(m0.work, "train")) >= 1, 300, "a training step on machine 0", fleet)
-
-    worker = psutil.Process(m0.proc.pid)
-    run_procs = [p for p in worker.children(recursive=True) if "prefect.engine" in " ".join(p.cmdline())]
-    assert run_procs, [p.cmdline() for p in worker.children(recursive=True)]
-    for proc in [worker, *worker.children(recursive=False)]:  # qerl worker and Prefect's worker only
-        proc.kill()
-    assert all(p.is_running() for p in run_procs)  # the orphan goes on holding GPU 0
-    fleet.workers.remove(m0)
-    m0 = fleet.worker("machine-0", gpu="0")  # the machine's worker restarted
+    by_hand = subprocess.run(  # a night of line-b typed on machine 0, on its GPU
+        [
+            str(BIN / "qerl"),
+            "run",
+            "--night",
+            "2026-12-04",
+            "--config",
+            str(configs["line-b"]),
+            "--work-dir",
+            str(m0.work),
+        ],
+        env={**fleet.env, "QERL_GPU_ID": "0"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert by_hand.returncode == 0, by_hand.stdout[-3000:] + by_hand.stderr[-3000:]
+    said = (
+        by_hand.stdout + by_hand.stderr + "".join(p.read_text() for p in (m0.work / "runs").glob("*/run.log"))
+    )
+    assert "GPU 0 is held by run" in said, "the hand-started run never waited for GPU 0"
 
     runs = {
         line: fleet.wait_completed(dep, nights=2 if line == "line-a" else 1, timeout_s=600)
         for line, dep in deps.items()
     }
     for line, flow_runs in runs.items():
-        assert all(r["state_type"] == "COMPLETED" for r in flow_runs), (line, flow_runs)
+        assert [r["state_type"] for r in flow_runs] == ["COMPLETED"] * len(flow_runs), (line, flow_runs)
     gpu_dir = Path(fleet.env["QERL_GPU_LOCK_DIR"])
-    for gpu in ("0", "1"):
-        held = [(h["acquired"], h["released"], h["run_id"]) for h in intervals(gpu, gpu_dir)]
-        assert all(a[1] <= b[0] for a, b in zip(held, held[1:], strict=False)), (gpu, held)
-    assert len(intervals("0", gpu_dir)) + len(intervals("1", gpu_dir)) >= 3
+    held = {
+        gpu: [(h["acquired"], h["released"], h["run_id"]) for h in intervals(gpu, gpu_dir)] for gpu in "01"
+    }
+    for gpu, spans in held.items():
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), (gpu, spans)
+    assert any(run.endswith("20261204") for _, _, run in held["0"]), held
 
     records = [json.loads(p.read_text()) for w in (m0, m1) for p in (w.work / "runs").glob("line-*/run.json")]
     records = {r["run_id"]: r for r in records if r["status"] == "completed"}
-    assert len(records) == 3, sorted(records)
+    assert len(records) == 4, sorted(records)
     judged = _champions([r["registration"] for r in records.values()])
     champion = None
     for version, against, promoted in judged:  # each judged against the champion the one before left
@@ -235,7 +249,7 @@ def test_every_server_restarted_mid_night_and_the_night_completes(fleet, referen
     machine runs a night (one after each training step): the night completes in its first flow run,
     with the uninterrupted night's adapter and one registered version."""
     cfg, ref_work, ref_record, _ = reference
-    deployment = fleet.deploy(fleet.write_config(cfg, "restarts"))
+    deployment = fleet.deploy(fleet.write_config(cfg, "restarts", store="restarts", model="qerl-restarts"))
     m = fleet.worker("machine-r", gpu="0")
     fleet.start_night(deployment, NIGHT)
     restarts = [fleet.postgres.restart, fleet.prefect.restart, fleet.mlflow.restart, fleet.s3.restart]
@@ -249,8 +263,8 @@ def test_every_server_restarted_mid_night_and_the_night_completes(fleet, referen
     record = _record(m.work)
     assert record["status"] == "completed" and len(record["steps"]) == 4
     assert _adapter_digest(m.work, record) == _adapter_digest(ref_work, ref_record)
-    versions = _registered(fleet, "qerl-adapter")
-    assert len([v for v in versions if v["run_id"] == record["registration"]["run_id"]]) == 1, versions
+    versions = _registered(fleet, "qerl-restarts")
+    assert len(versions) == 1 and versions[0]["run_id"] == record["registration"]["run_id"], versions
 
 
 def test_no_secret_is_written_anywhere(fleet):

@@ -17,7 +17,7 @@ Shared stores: S3 on a SeaweedFS ``weed mini`` on loopback (``tests/fleet/seawee
 between, so what a real network adds is not measured) and POSIX (a folder on the same disk standing
 in for a shared mount: page cache, no NFS). Median of ``--repeats`` runs (default 5), in ms.
 
-Run: ``.venv/bin/python benchmarks/shared_store.py [--repeats N]`` (prints the table).
+Run: ``qerl bench shared_store`` (writes ``benchmarks/results/shared-store.md``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+OUT = ROOT / "benchmarks" / "results" / "shared-store.md"
 
 from qerl.pipeline.store.artifact_store import ArtifactStore  # noqa: E402
 from qerl.pipeline.store.manifest import BuildResult  # noqa: E402
@@ -126,17 +127,30 @@ def main() -> None:
         finally:
             server.stop(hard=True)
     sizes = {n: sum(f.values()) / MB for n, f in ARTIFACTS.items()}
-    print(f"# Shared store: cost of a cache hit (ms, median of {args.repeats})\n")
-    print(f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; ")
-    print(f"SeaweedFS start: {started:.2f} s\n")
-    head = "| store | artifact | local hit, first lookup | local hit, same object | local hit + shared check | fetch | publish |"
-    print(head)
-    print("|---|---|---|---|---|---|---|")
+    lines = [
+        "## Shared store: what a cache hit costs",
+        "",
+        "Command: `qerl bench shared_store`. No goal: the price of a fleet's shared store beside a local hit.",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}; "
+        f"S3 is SeaweedFS on loopback (started in {started:.2f} s), POSIX a folder on the same disk; "
+        f"ms, median of {args.repeats}.",
+        "",
+        "| store | artifact | local hit, first lookup | local hit, same object | local hit + shared check | fetch | publish |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (label, name), r in results.items():
-        print(
+        lines.append(
             f"| {label} | {name} ({sizes[name]:.1f} MB) | {r['first']:.1f} | {r['same']:.2f} | "
             f"{r['shared-check']:.1f} | {r['fetch']:.1f} | {r['publish']:.1f} |"
         )
+    lines += [
+        "",
+        "A fetch streams each blob into the local store, hashing it as it is written; a local first "
+        "lookup hashes every file once. Loopback only: a real network adds its latency and bandwidth.",
+    ]
+    OUT.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
