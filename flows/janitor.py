@@ -25,6 +25,7 @@ publishes anything more (``ensure_leases``); its night continues in the new flow
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ def _nights(client: Any, pool: str) -> list[Night]:
 
     deployments = client.read_deployments(work_pool_filter=WorkPoolFilter(name={"any_": [pool]}))
     by_id: dict[str, Night] = {}
-    configs: dict[Any, RunConfig] = {}
+    configs: dict[str, RunConfig] = {}  # by the config's JSON: a deployment's config changes on redeploy
     for dep in deployments:
         runs = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[dep.id])),
@@ -88,9 +89,10 @@ def _nights(client: Any, pool: str) -> list[Night]:
             night = _night_of(fr)
             if night is None or not (fr.parameters or {}).get("config"):
                 continue
-            if dep.id not in configs:
-                configs[dep.id] = RunConfig.model_validate(fr.parameters["config"])
-            rid = run_id_for(configs[dep.id], night)
+            text = json.dumps(fr.parameters["config"], sort_keys=True)
+            if text not in configs:
+                configs[text] = RunConfig.model_validate(fr.parameters["config"])
+            rid = run_id_for(configs[text], night)  # each flow run's own config: it names its run
             entry = by_id.setdefault(rid, Night(rid, night.isoformat(), dep.id, dict(fr.parameters), []))
             entry.flow_runs.append(fr)
     for entry in by_id.values():

@@ -8,7 +8,8 @@
   ``integrity``: how a cache hit is checked (``QERL_VERIFY``: hashed once per store object by default);
   ``faults``: the ``QERL_FAULT`` crash-test hook;
 - ``shared``: the fleet's shared store (S3 or a shared mount): content-addressed blobs, one manifest
-  per key published last and only if absent, fetches hashed while written;
+  per key published last and only if absent, fetches hashed while written; ``shared_backends``: its
+  two kinds (S3, a POSIX mount) and ``store.uri``'s rules;
 - ``retention_policy`` (what each run keeps) and ``retention`` (``qerl gc``: plan and apply deletions);
   ``retention_inputs``: the error a consumer of a pruned adapter gets (the step, the file, why).
 

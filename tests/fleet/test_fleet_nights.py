@@ -131,6 +131,7 @@ def test_a_night_killed_with_machine_a_finishes_on_machine_b_logical_gpus(fleet,
     shared store: no finished stage rebuilt, the adapter identical to one machine's uninterrupted
     night, one registered version."""
     cfg, ref_work, ref_record, ref_s = reference
+    cfg = {**cfg, "loop": {**cfg["loop"], "name": "killed"}}  # its own line: its own deployment
     deployment = fleet.deploy(fleet.write_config(cfg, "killed", store="killed", model="qerl-killed"))
     a = fleet.worker("machine-a", gpu="0")
     fleet.start_night(deployment, NIGHT)
@@ -249,6 +250,7 @@ def test_every_server_restarted_mid_night_and_the_night_completes(fleet, referen
     machine runs a night (one after each training step): the night completes in its first flow run,
     with the uninterrupted night's adapter and one registered version."""
     cfg, ref_work, ref_record, _ = reference
+    cfg = {**cfg, "loop": {**cfg["loop"], "name": "restarts"}}  # its own line: its own deployment
     deployment = fleet.deploy(fleet.write_config(cfg, "restarts", store="restarts", model="qerl-restarts"))
     m = fleet.worker("machine-r", gpu="0")
     fleet.start_night(deployment, NIGHT)
