@@ -120,11 +120,23 @@ def _lease_free(run_id: str) -> bool:
         time.sleep(1.0)
 
 
-def _crash(client: Any, flow_run: Any, why: str) -> None:
+def _crash(client: Any, flow_run: Any, why: str) -> bool:
+    """Set the flow run CRASHED unless it ended meanwhile: its state is read again (the sweep's
+    snapshot is seconds old by now) and the transition is proposed, not forced, so a run that
+    reported COMPLETED in between keeps it. Whether it was crashed."""
+    from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
+    now = client.read_flow_run(flow_run.id)
+    if now.state is None or now.state.type not in (StateType.RUNNING, StateType.PENDING):
+        flow_run.state = now.state
+        return False
+    result = client.set_flow_run_state(flow_run.id, Crashed(message=why))
+    if getattr(result.status, "value", result.status) != "ACCEPT":
+        flow_run.state = client.read_flow_run(flow_run.id).state
+        return False
     flow_run.state = Crashed(message=why)
+    return True
 
 
 def sweep(
@@ -152,8 +164,8 @@ def _tend(client: Any, night: Night, retries: int, grace_s: float, pending_grace
         allowed = pending_grace_s if state == "PENDING" else grace_s
         if state in LIVE_STATES and _state_age_s(fr) > allowed and _lease_free(night.run_id):
             why = f"janitor: no process holds run {night.run_id}'s lease: its machine is gone"
-            _crash(client, fr, why)
-            done.append(f"flow run {fr.name} ({night.run_id}) was {state} with its lease free: crashed")
+            if _crash(client, fr, why):
+                done.append(f"flow run {fr.name} ({night.run_id}) was {state} with its lease free: crashed")
     states = [fr.state.type.value if fr.state else None for fr in night.flow_runs]
     if "COMPLETED" in states or any(s in TO_COME_STATES for s in states) or states[-1] != "CRASHED":
         return done
