@@ -49,6 +49,9 @@ RIDE_OUT = {
     "QERL_API_GRACE_S": "90",
 }
 GPU_LIMIT = "qerl-gpus"  # the fleet-wide global concurrency limit: one slot per GPU
+# a dead run's slot comes back when its lease runs out (Prefect renews a live one): 2 minutes, not
+# Prefect's default 5, so a killed night's slot does not hold a GPU of the fleet back for long
+SLOT_LEASE_S = 120.0
 WORKERS_TABLE = """CREATE TABLE IF NOT EXISTS qerl_workers (
     name text PRIMARY KEY, host text NOT NULL, gpu text, pool text NOT NULL, info jsonb NOT NULL,
     seen_at timestamptz NOT NULL DEFAULT now())"""
@@ -95,7 +98,13 @@ def run_resources(run_id: str) -> Iterator[None]:
             from prefect.concurrency.sync import concurrency
 
             stack.enter_context(
-                concurrency(GPU_LIMIT, occupy=1, strict=True, raise_on_lease_renewal_failure=False)
+                concurrency(
+                    GPU_LIMIT,
+                    occupy=1,
+                    strict=True,
+                    lease_duration=SLOT_LEASE_S,
+                    raise_on_lease_renewal_failure=False,
+                )
             )
         stack.enter_context(gpu_lock.hold_gpus(run_id))
         yield
