@@ -89,6 +89,7 @@ MACHINES = (("machine-0", "0"), ("machine-1", "1"))
 NIGHT_TIMEOUT_S = 900.0
 OPERATOR_RESTARTS = 3  # an operator gives up on a night after this many restarts of it
 JANITOR_PATIENCE_S = 120.0  # a crashed night the janitor has not started again by then: the operator does
+SETTLE_S = 25.0  # longer than a janitor's sweep (its lease check: QERL_LEASE_REGAIN_S 8 + 5 s) and period
 SLOT_LEASE_S = 300.0 + 15.0  # Prefect's concurrency lease (qerl's default) and its repossessor's loop
 TMPFS_SIZE = "512m"
 BASE_STAGES = ("quantize", "dequantize", "quality")  # finished artifacts every night looks up
@@ -154,6 +155,10 @@ def sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def stamp(iso: str | None) -> dt.datetime:
+    return dt.datetime.fromisoformat(iso) if iso else dt.datetime.min.replace(tzinfo=dt.UTC)
 
 
 def night_label(night: str) -> str:
@@ -360,6 +365,17 @@ def night_runs(fleet: Any, deployment: str, night: str) -> list[dict]:
     return [r for r in fleet.flow_runs(deployment) if (r.get("parameters") or {}).get("night") == night]
 
 
+def attempt_of(flow_run: dict) -> dict:
+    message = ((flow_run.get("state") or {}).get("message") or "")[:300]
+    return {
+        "id": flow_run["id"],
+        "name": flow_run["name"],
+        "state": flow_run["state_type"],
+        "message": message,
+        "end_time": flow_run.get("end_time"),
+    }
+
+
 def tmp_leftovers(work: Path, before: float) -> list[str]:
     """Unfinished build folders under the machine's store/tmp older than ``before`` (epoch s)."""
     tmp = work / "store" / "tmp"
@@ -456,10 +472,10 @@ class NightResult:
 
 
 class Soak:
-    def __init__(self, fleet: Any, cfg: dict, ref: Reference, faults: list[Fault]):
+    def __init__(self, fleet: Any, cfg: dict, ref: Reference, faults: list[Fault], seed: int):
         import yaml
 
-        self.fleet, self.cfg, self.ref, self.faults = fleet, cfg, ref, faults
+        self.fleet, self.cfg, self.ref, self.faults, self.seed = fleet, cfg, ref, faults, seed
         self.config = fleet.write_config(cfg, "soak", store="soak", model=MODEL)
         self.deployment = fleet.deploy(self.config)
         self.fleet_cfg = yaml.safe_load(self.config.read_text())
@@ -470,6 +486,7 @@ class Soak:
         self.results: list[NightResult] = []
         self.corruptions: list[Corruption] = []
         self.kills: list[float] = []  # monotonic times of kills (a killed attempt's slot lease outlives it)
+        self.stops: list[float] = []  # and of the other attempts that ended without releasing theirs
         self.champion: int | None = None
 
     # -- machines --
@@ -662,7 +679,7 @@ class Soak:
 
     def corrupt(self, name: str, fault: Fault) -> str:
         """Flip one byte of a file of a finished base artifact in ``name``'s store, size and mtime kept."""
-        rng = random.Random(f"{fault.night}-{fault.kind}")
+        rng = random.Random(f"{self.seed}-{fault.night}-{fault.kind}")
         objects = self.work(name) / "store" / "objects"
         candidates = []
         for stage in BASE_STAGES:
@@ -738,10 +755,7 @@ class Soak:
             if states and all(s in TERMINAL for s in states):
                 if "COMPLETED" in states:
                     res.completed = True
-                    res.attempts = [
-                        {"name": r["name"], "state": r["state_type"], "message": ((r.get("state") or {}).get("message") or "")[:300]}
-                        for r in runs
-                    ]  # fmt: skip
+                    res.attempts = [attempt_of(r) for r in runs]
                     return
                 terminal_since = terminal_since or time.monotonic()
                 newest = states[-1]
@@ -767,21 +781,25 @@ class Soak:
         if state == "COMPLETED":
             res.hit = "missed: " + res.hit + ": the night completed within it"
             return
-        found = []
+        self.stops.append(time.monotonic())
+        found, steps = [], 0
         for name in self.machines:
             log = self.work(name) / "runs" / res.run_id / "run.log"
-            if log.is_file():
-                found += [
-                    f"{name}: {ln.strip()[:200]}"
-                    for ln in log.read_text(errors="replace").splitlines()
-                    if "DeadlineExceeded" in ln
-                ]
+            if not log.is_file():
+                continue
+            for line in log.read_text(errors="replace").splitlines():
+                if "DeadlineExceeded" in line:
+                    found.append(f"{name}: {line.strip()[:200]}")
+                    res.machine = name
+                    break
+                if " step " in line and f"/{STEPS} sigma=" in line:  # "step k/3 sigma=..." of the attempt
+                    steps = int(line.split(" step ")[1].split("/")[0])
         res.notes.append(
             f"deadline attempt {flow_run['name']} {state}; "
             + (found[0] if found else "no DeadlineExceeded in any run.log")
         )
         if found:
-            res.machine = found[0].split(":")[0]
+            res.hit += f"; it stopped the attempt on {res.machine} after {steps} of {STEPS} steps"
 
     def operator_restart(self, res: NightResult, fault: Fault, why: str) -> None:
         self.unfill()
@@ -801,6 +819,7 @@ class Soak:
         res.machine = res.machine or name
         failed = [a for a in res.attempts if a["state"] != "COMPLETED"]
         unexplained = [a["name"] for a in failed if not a["message"].strip()]
+        self.check_history(res)
         checks["completed"] = [
             not unexplained,
             f"completed on {name} in flow run {len(res.attempts)} of {len(res.attempts)}"
@@ -873,6 +892,46 @@ class Soak:
         if res.fault == "twice":
             self.check_twice(res)
 
+    def completed_before(self, flow_run_id: str) -> bool:
+        """Whether the flow run was COMPLETED once and is in another state now (its states' history)."""
+        states = http_json("GET", f"{self.fleet.api}/flow_run_states/", params={"flow_run_id": flow_run_id})
+        states = sorted(states, key=lambda st: st["timestamp"])
+        return any(st["type"] == "COMPLETED" for st in states[:-1]) and states[-1]["type"] != "COMPLETED"
+
+    def check_history(self, res: NightResult) -> None:
+        """No flow run of the night was set CRASHED (or else) after it had COMPLETED."""
+        overwritten = [
+            a for a in res.attempts if a["state"] != "COMPLETED" and self.completed_before(a["id"])
+        ]
+        res.checks["no completed run crashed"] = [
+            not overwritten,
+            "; ".join(
+                f"{a['name']}: COMPLETED, then {a['state']} ({a['message'][:120]})" for a in overwritten
+            )
+            or "no flow run's COMPLETED state was overwritten",
+        ]
+
+    def revisit(self) -> None:
+        """Every night again, once the soak is over: flow runs of it that came after its check (a late
+        re-run), and completed ones set to another state since."""
+        for res in self.results:
+            if not res.completed:
+                continue
+            runs = night_runs(self.fleet, self.deployment, res.night)
+            seen = {a["id"] for a in res.attempts}
+            late = [r for r in runs if r["id"] not in seen]
+            if late:
+                res.checks["no late flow run"] = [
+                    False,
+                    "; ".join(
+                        f"{r['name']} {r['state_type']} (created {r['created'][11:19]}, tags {','.join(r.get('tags') or [])})"
+                        for r in late
+                    ),
+                ]
+            now = {r["id"]: r for r in runs}
+            res.attempts = [attempt_of(now[a["id"]]) if a["id"] in now else a for a in res.attempts]
+            self.check_history(res)
+
     def check_twice(self, res: NightResult) -> None:
         second = res.attempts[1:]
         refused = [
@@ -885,8 +944,17 @@ class Soak:
             "; ".join(f"{a['name']} {a['state']} {a['message'][:100]}" for a in second)
             or "no second flow run"
         )
+        first_end = (res.attempts[0].get("end_time") or "") if res.attempts else ""
+        rebuilt = [
+            f"{n}: {b['stage']}/{b['key'][:8]}"
+            for n in self.machines
+            for b in builds(self.work(n))
+            if b.get("event") == "built" and first_end and stamp(b.get("at")) > stamp(first_end)
+        ]
+        if noop and rebuilt:
+            detail += "; built after the first completed: " + ", ".join(rebuilt)
         res.checks["second flow run"] = [
-            bool(refused or noop),
+            bool(refused or noop) and not rebuilt,
             (
                 "refused: "
                 if refused
@@ -997,7 +1065,7 @@ def run_soak(
         fleet = start_fleet(base / "fleet", start_postgres, start_seaweed)
         fleet_up_s = time.monotonic() - t0
         print(f"fleet up in {fleet_up_s:.1f} s", flush=True)
-        soak = Soak(fleet, cfg, ref, faults)
+        soak = Soak(fleet, cfg, ref, faults, seed)
         error = None
         for i, fault in enumerate(faults):
             try:
@@ -1010,14 +1078,18 @@ def run_soak(
                 f"night {res.night} [{res.fault}] {res.hit} -> {res.verdict} ({res.fleet_s:.1f} s vs {res.ref_s:.1f} s)",
                 flush=True,
             )
+        time.sleep(SETTLE_S)  # a janitor's sweep started before the last night ended has finished by now
+        soak.revisit()
         soak.final_sweep()
         if slot_wait_s is None:
-            slot_wait_s = SLOT_LEASE_S + 30 - (time.monotonic() - max(soak.kills)) if soak.kills else 0.0
+            ends = soak.kills + soak.stops
+            slot_wait_s = SLOT_LEASE_S + 30 - (time.monotonic() - max(ends)) if ends else 0.0
         slots_left, slot_wait = soak.wait_slots_free(max(0.0, slot_wait_s))
         summary = summarize(
             soak, faults, nights, seed, kinds, skipped, error, slots_left, slot_wait, fleet_up_s
         )
         summary["wall_s"] = round(time.monotonic() - started, 1)
+        summary["overlap"] = overlap
         if out is not None:
             write_page(summary, Path(out))
         summary["reference_work"] = str(ref.work)
@@ -1093,6 +1165,22 @@ def write_page(s: dict, out: Path) -> None:
     ]  # fmt: skip
     kinds_count = {k: sum(1 for f in s["schedule"] if f["kind"] == k) for k in s["kinds"]}
     cmd = f"python benchmarks/soak.py --nights {s['nights']} --seed {s['seed']}"
+    if set(s["kinds"]) | set(s["skipped_kinds"]) != set(KINDS):
+        cmd += f" --kinds {','.join(s['kinds'])}"
+    if s.get("overlap"):
+        cmd += " --overlap"
+    notes = [
+        f"- {r['night']} ({r['fault']}): "
+        + "; ".join(n for n in r["notes"] if not n.startswith("promotion:"))
+        for r in s["results"]
+        if any(not n.startswith("promotion:") for n in r["notes"])
+    ]
+    extra_checks = [
+        f"- {r['night']} {name}: {r['checks'][name][1]}"
+        for r in s["results"]
+        for name in ("second flow run", "hand-started run")
+        if name in r["checks"] and r["checks"][name][0]
+    ]
     lines = [
         "# Soak: nights on a fleet with faults",
         "",
@@ -1104,8 +1192,8 @@ def write_page(s: dict, out: Path) -> None:
         + f". Seed {s['seed']}; fault kinds {', '.join(f'{k} x{n}' for k, n in kinds_count.items())}.",
         "",
         "Each night is a nightly run of the fleet suite's learner model (3 steps of 6 prompts, GRPO "
-        "groups of 4, evaluation and registration; the promotion margin 0, so nights win and lose and "
-        "the next night warm-starts from whichever won last). The reference runs the same nights on one "
+        "groups of 4, learning rate 5e-3, evaluation and registration; the promotion margin 0, so nights "
+        "win and lose and the next night warm-starts from whichever won last). The reference runs the same nights on one "
         "machine without the fleet and without faults (`qerl run --night`, a local store and registry); "
         "every fleet night is compared with it.",
         "",
@@ -1119,7 +1207,7 @@ def write_page(s: dict, out: Path) -> None:
             else ""
         ),
         f"- nights lost: **{s['nights_lost']}** (goal 0)",
-        f"- data lost: **{s['data_lost']}** (goal 0): nights whose adapter, data slice or cursor differ from the reference",
+        f"- data lost: **{s['data_lost']}** (goal 0): nights whose adapter, warm start, data slice or cursor differ from the reference",
         f"- false promotions: **{s['false_promotions']}** (goal 0): nights whose promotion or champion differ from the reference",
         f"- invariant failures: {json.dumps(s['invariant_failures']) if s['invariant_failures'] else 'none'}",
         f"- time: the fleet's nights {s['fleet_s']:.0f} s against the reference's {s['reference_s']:.0f} s"
@@ -1145,6 +1233,8 @@ def write_page(s: dict, out: Path) -> None:
     ]
     if corruption_lines:
         lines += ["## Corrupted cache files", "", *corruption_lines, ""]
+    if notes or extra_checks:
+        lines += ["## What happened on the nights with more than one attempt", "", *notes, *extra_checks, ""]
     failing = [r for r in s["results"] if r["failed_checks"] or not r["completed"]]
     if failing:
         lines += ["## Failed checks", ""]
@@ -1167,9 +1257,13 @@ def write_page(s: dict, out: Path) -> None:
         "- the data cursor (`qerl_cursors` in the fleet's database) is at nights x 3 and lists the night once;",
         "- no machine's `store/tmp/` holds an unfinished build older than the night.",
         "",
-        "For `twice`: the second flow run either failed naming the running attempt, or waited for the "
-        "deployment's concurrency slot and then re-ran the completed night without building or registering "
-        "anything; the `qerl run --night` typed on the other machine was refused naming the holder.",
+        "- no flow run of a night was set to another state after it had COMPLETED (its state history), and "
+        "none of a night came after its check (looked at again at the end of the soak).",
+        "",
+        "For `twice`: the second flow run must fail naming the running attempt, or wait for the "
+        "deployment's concurrency slot and then re-run the completed night without building anything "
+        "(the registry and cursor checks cover registering and consuming twice); the `qerl run --night` "
+        "typed on the other machine must be refused naming the holder.",
         "",
         "## What was simulated",
         "",
@@ -1199,8 +1293,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds")
     parser.add_argument("--overlap", action="store_true", help="run the reference beside the fleet")
+    parser.add_argument("--keep", type=Path, help="work in this folder and keep it (logs, stores)")
+    parser.add_argument("--page-from", type=Path, help="only write the page again from a soak's JSON")
     args = parser.parse_args(argv)
-    summary = run_soak(args.nights, args.seed, args.out, args.kinds.split(","), overlap=args.overlap)
+    if args.page_from:
+        write_page(json.loads(args.page_from.read_text()), args.out)
+        return 0
+    summary = run_soak(
+        args.nights, args.seed, args.out, args.kinds.split(","), base=args.keep, overlap=args.overlap
+    )
     print(json.dumps({k: summary[k] for k in ("nights_run", "nights_lost", "data_lost", "false_promotions",
                                               "faults_injected", "faults_survived", "invariant_failures")}))  # fmt: skip
     return (
