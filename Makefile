@@ -2,7 +2,7 @@
 # The suite runs in TEST_WORKERS pytest-xdist workers (make test TEST_WORKERS=4 on a bigger machine), the
 # slowest files first (tests/conftest.py's SLOW_FILES; --no-loadscope-reorder keeps that order).
 TEST_WORKERS ?= 2
-.PHONY: demo test test-kit test-fleet lint bench venv docs
+.PHONY: demo test test-kit test-fleet test-soak lint bench venv docs
 venv:
 	@scripts/bootstrap.sh
 
@@ -24,7 +24,13 @@ test-kit: venv
 # on loopback and several workers with logical GPU ids, one test at a time; CI runs it after test-kit.
 test-fleet: venv
 	.venv/bin/python -m pip install -q -r requirements/fleet.txt >> .venv/bootstrap.log 2>&1
-	.venv/bin/python -m pytest -q -p no:xdist -m fleet tests/fleet
+	.venv/bin/python -m pytest -q -p no:xdist -m fleet tests/fleet --ignore=tests/fleet/test_soak.py
+
+# The short soak (benchmarks/soak.py): three nights on the fleet, one fault each, every invariant
+# checked after every night against the same nights on one machine; CI runs it after test-fleet.
+test-soak: venv
+	.venv/bin/python -m pip install -q -r requirements/fleet.txt >> .venv/bootstrap.log 2>&1
+	.venv/bin/python -m pytest -q -p no:xdist -m fleet tests/fleet/test_soak.py
 
 bench: venv
 	.venv/bin/qerl bench
