@@ -5,7 +5,9 @@ engine that stops answering without dying, a collective that never returns) hold
 night after it, silently, for as long as nobody looks. Retries cannot help: a hang raises nothing.
 With ``loop.deadline_h: H`` an attempt still running H hours after it started is stopped: the run
 record says ``failed`` with the reason (so ``qerl runs`` shows it, and the data cursor stays where
-it was: the next night takes the slice again), its MLflow run is ended FAILED (10 s at most), the
+it was: the next night takes the slice again), its MLflow run and its Prefect flow run are ended
+FAILED with the reason (10 s at most each: a fleet's janitor starts a CRASHED night again, a FAILED
+one it leaves to the operator), its slot of a fleet's GPU limit is released (10 s at most), the
 attempt's child processes (the engine's, the reward workers) are killed so that the GPU and memory
 they hold come free, and the process exits with status 124 (``timeout``'s). Under ``qerl schedule``
 each night is its own process (Prefect's runner starts one per flow run), so only that night ends
@@ -33,6 +35,8 @@ log = logging.getLogger("qerl.flow")
 
 EXIT_STATUS = 124
 MLFLOW_END_S = 10.0
+PREFECT_END_S = 10.0
+SLOT_RELEASE_S = 10.0
 
 
 def _kill_children() -> int:
@@ -54,6 +58,7 @@ def _stop(run: Any, hours: float, started: _dt.datetime) -> None:
     docstring). ``run.stopped`` parks the flow's thread at its next record save, registration or
     cursor move (``Run.park_if_stopped``), so the record keeps the reason and nothing is registered
     after the deadline; the children die last, right before the exit."""
+    from qerl.flows import gpu_slot
     from qerl.pipeline.registry import live
     from qerl.pipeline.store.run_record import save_record
 
@@ -79,12 +84,34 @@ def _stop(run: Any, hours: float, started: _dt.datetime) -> None:
         ender = threading.Thread(target=live.end_run, args=(run.live, True), daemon=True)
         ender.start()
         ender.join(MLFLOW_END_S)  # a registry that hangs too must not keep the attempt alive
+    failer = threading.Thread(target=_fail_flow_run, args=(run.record.flow_run_id, error), daemon=True)
+    failer.start()
+    failer.join(PREFECT_END_S)
+    released = gpu_slot.release_held(SLOT_RELEASE_S)  # the fleet's slot: os._exit runs no finally
     killed = _kill_children()
-    log.error("run %s: stopped (%d child processes killed), exit status %d", run.run_id, killed, EXIT_STATUS)
+    log.error(
+        "run %s: stopped (%d child processes killed%s), exit status %d",
+        run.run_id, killed, f", {released} GPU slot(s) released" if released else "", EXIT_STATUS,
+    )  # fmt: skip
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     # no logging.shutdown: it takes every handler's lock, which the flow's thread may hold for good
     os._exit(EXIT_STATUS)
+
+
+def _fail_flow_run(flow_run_id: str | None, error: str) -> None:
+    """The attempt's flow run set FAILED with the reason: Prefect shows why, and a fleet's janitor
+    leaves the night to its operator (a CRASHED one it would start again, deadline and all)."""
+    if not flow_run_id:
+        return
+    from prefect import get_client
+    from prefect.states import Failed
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Failed(message=error))
+    except Exception as err:  # noqa: BLE001  (the worker reports the exit as a crash instead)
+        log.error("the flow run %s was not set FAILED (%s)", flow_run_id, err)
 
 
 def arm(run: Any, hours: float | None) -> Callable[[], None]:

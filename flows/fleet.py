@@ -86,26 +86,14 @@ def deploy_to_pool(cfg: RunConfig, cron: str, pool: str) -> str:
 def run_resources(run_id: str) -> Iterator[None]:
     """What an attempt holds besides its run's lease: its GPUs' host-local locks and, for a
     deployment's run on a fleet's worker (a night, an ablation's arm), one slot of the fleet-wide GPU
-    limit (a run started by hand takes its GPU's lock only). The slot's lease renewal may fail while the
-    Prefect server restarts without stopping the run (``raise_on_lease_renewal_failure=False``): the
-    GPU lock, not the slot, is what keeps two runs off one GPU."""
-    from prefect.runtime import deployment
-    from qerl.flows import orchestration
+    limit (``qerl.flows.gpu_slot``; a run started by hand takes its GPU's lock only)."""
+    from prefect.runtime import deployment, flow_run
+    from qerl.flows import gpu_slot, orchestration
 
     with contextlib.ExitStack() as stack:
         on_pool = deployment.get_id() is not None  # a night's or an arm's flow run, not a run by hand
         if on_pool and settings.gpu_id() and settings.database_url() and orchestration.answers():
-            from prefect.concurrency.sync import concurrency
-
-            stack.enter_context(
-                concurrency(
-                    GPU_LIMIT,
-                    occupy=1,
-                    strict=True,
-                    lease_duration=SLOT_LEASE_S,
-                    raise_on_lease_renewal_failure=False,
-                )
-            )
+            stack.enter_context(gpu_slot.hold_slot(GPU_LIMIT, SLOT_LEASE_S, flow_run.get_id()))
         stack.enter_context(gpu_lock.hold_gpus(run_id))
         yield
 

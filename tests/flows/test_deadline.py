@@ -120,3 +120,30 @@ def test_the_stop_records_first_and_parks_the_flows_thread(tmp_path, monkeypatch
         thread.join(0.5)
         assert thread.is_alive()  # waiting for the exit that ends the process
     assert json.loads((tmp_path / "runs" / "slow-run" / "run.json").read_text())["status"] == "failed"
+
+
+def test_the_stop_sets_the_flow_run_failed_and_the_workers_crash_report_does_not_overwrite_it():
+    """On a real Prefect server: the stopped attempt's flow run ends FAILED with the reason (a fleet's
+    janitor starts CRASHED nights again, not FAILED ones), and the CRASHED that the worker proposes
+    when it sees the process exit is refused."""
+    from prefect import flow, get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Crashed, Pending, Running
+    from prefect_home import shared_api_url
+    from qerl.flows import deadline
+
+    @flow(name="qerl-deadline-test")
+    def night() -> None:
+        pass
+
+    with temporary_settings(updates={PREFECT_API_URL: shared_api_url()}):
+        with get_client(sync_client=True) as client:
+            flow_run = client.create_flow_run(night)
+            client.set_flow_run_state(flow_run.id, Pending())
+            client.set_flow_run_state(flow_run.id, Running())
+            deadline._fail_flow_run(str(flow_run.id), "DeadlineExceeded: the attempt passed loop.deadline_h")
+            state = client.read_flow_run(flow_run.id).state
+            assert state.type.value == "FAILED" and state.message.startswith("DeadlineExceeded"), state
+            refused = client.set_flow_run_state(flow_run.id, Crashed(message="process exited 124"))
+            assert getattr(refused.status, "value", refused.status) == "ABORT"
+            assert client.read_flow_run(flow_run.id).state.type.value == "FAILED"
