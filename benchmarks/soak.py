@@ -34,9 +34,19 @@ Faults (``KINDS``; every kind appears once per cycle of the schedule):
 - ``deadline``: the night started with ``loop.deadline_h`` cut to a random fraction of the
   reference's attempt (a resource setting: the same run id), as if the clock jumped past it; then an
   operator starts the night again with the deployment's own config;
-- ``disk-full``: the running machine's work dir (a tmpfs of its own) filled up mid-night; the operator
-  frees it once the attempt has ended and starts the night again if it failed. Needs ``mount -t
-  tmpfs`` (root): where mounting is refused the kind is left out, and the page says so.
+- ``disk-full``: the running machine's work dir (a tmpfs of its own) filled up mid-night and kept full
+  (what retention frees is taken again); the operator frees it once the attempt has ended and starts
+  the night again if it failed. Needs ``mount -t tmpfs`` (root): where mounting is refused the kind
+  is left out, and the page says so.
+
+Recovery's cost is measured against the same nights on the same fleet without faults: ``--kinds
+none`` runs them (``--reference-from`` reuses an earlier soak's learner and reference nights), and
+``--baseline`` gives that run's JSON to the soak with faults, whose page then sets each night against
+its fault-free twin.
+
+Besides the per-night invariants (``Soak.check``), every night is looked at again at the end
+(``Soak.revisit``): a flow run of it that came after its check, or a COMPLETED one set to another
+state since, fails it. ``--page-from soak.json`` writes the page again from a run's JSON.
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "fleet")]
 OUT = ROOT / "docs" / "results" / "soak.md"
+BASELINE_PAGE = ROOT / "docs" / "results" / "soak-fault-free.md"
 KINDS = (
     "kill",
     "restart-prefect",
@@ -74,6 +85,7 @@ KINDS = (
     "deadline",
     "disk-full",
 )
+NO_FAULT = "none"  # ``--kinds none``: the same nights without faults, the baseline of recovery's cost
 POINTS = (
     "train:1",
     "train:2",
@@ -90,7 +102,18 @@ NIGHT_TIMEOUT_S = 900.0
 OPERATOR_RESTARTS = 3  # an operator gives up on a night after this many restarts of it
 JANITOR_PATIENCE_S = 120.0  # a crashed night the janitor has not started again by then: the operator does
 SETTLE_S = 25.0  # longer than a janitor's sweep (its lease check: QERL_LEASE_REGAIN_S 8 + 5 s) and period
-SLOT_LEASE_S = 300.0 + 15.0  # Prefect's concurrency lease (qerl's default) and its repossessor's loop
+REPOSSESSOR_S = 15.0  # how often Prefect's server frees the slots of expired leases
+
+
+def slot_lease_s() -> float:
+    """How long a dead attempt's ``qerl-gpus`` slot stays taken: the lease qerl asks for (Prefect's
+    default 300 s where qerl names none) and a loop of Prefect's repossessor."""
+    import qerl.flows.fleet as fleet_flows
+
+    return float(getattr(fleet_flows, "SLOT_LEASE_S", 300.0)) + REPOSSESSOR_S + 10.0  # and a margin
+
+
+SLOT_LEASE_S = slot_lease_s()
 TMPFS_SIZE = "512m"
 BASE_STAGES = ("quantize", "dequantize", "quality")  # finished artifacts every night looks up
 TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
@@ -119,7 +142,9 @@ def schedule(nights: int, seed: int, kinds: tuple[str, ...]) -> list[Fault]:
     for i in range(nights):
         night = (FIRST_NIGHT + dt.timedelta(days=i)).isoformat()
         kind = order[i]
-        if kind == "deadline":
+        if kind == NO_FAULT:
+            out.append(Fault(night, kind, "no fault"))
+        elif kind == "deadline":
             fraction = round(rng.uniform(0.3, 0.9), 2)
             out.append(Fault(night, kind, f"deadline at {fraction:.0%} of the reference attempt", fraction))
         elif kind == "twice":
@@ -222,17 +247,18 @@ class RefNight:
     promotion: str
     start_slot: int
     warm_start: str | None
+    load: float = 0.0  # the 1-minute load average when the night ended
 
 
 class Reference:
     """The nights run one after another by ``qerl run --night`` (optionally in a thread beside the
     fleet's start, ``background``); ``night(i)`` waits for night ``i``."""
 
-    def __init__(self, cfg: dict, base: Path, nights: list[str]):
+    def __init__(self, cfg: dict, base: Path, nights: list[str], work: Path | None = None):
         import yaml
 
         self.base, self.nights = base, nights
-        self.work = base / "reference"
+        self.work = work or base / "reference"
         self.config = base / "reference.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.env = {
@@ -253,6 +279,27 @@ class Reference:
             with self._cond:
                 self.error = f"{type(err).__name__}: {err}"
                 self._cond.notify_all()
+
+    def load(self, seconds: dict[str, float]) -> None:
+        """The nights of a reference already run in ``self.work`` (``--reference-from``); a night's
+        time from ``seconds`` (an earlier soak's JSON), else its record's attempt."""
+        for night in self.nights:
+            record = self.record(night)
+            reg = record["registration"]
+            warm = (record.get("plan") or {}).get("warm_start") or {}
+            self.done.append(
+                RefNight(
+                    night,
+                    seconds.get(night, attempt_s(record)),
+                    attempt_s(record),
+                    adapter_digest(self.work, record),
+                    int(reg["version"]),
+                    bool(reg["promoted"]),
+                    reg["promotion"],
+                    int(record["plan"]["start_slot"]),
+                    warm.get("version"),
+                )  # fmt: skip
+            )
 
     def background(self) -> None:
         self._thread = threading.Thread(target=self.run, name="soak-reference", daemon=True)
@@ -276,6 +323,7 @@ class Reference:
         made = RefNight(
             night, seconds, attempt_s(record), adapter_digest(self.work, record), int(reg["version"]),
             bool(reg["promoted"]), reg["promotion"], int(record["plan"]["start_slot"]), warm.get("version"),
+            os.getloadavg()[0],
         )  # fmt: skip
         with self._cond:
             self.done.append(made)
@@ -458,6 +506,8 @@ class NightResult:
     checks: dict[str, list] = field(default_factory=dict)  # name -> [ok, detail]
     notes: list[str] = field(default_factory=list)
     completed: bool = False
+    late: list[dict] = field(default_factory=list)  # flow runs of the night that came after its check
+    load: float = 0.0  # the 1-minute load average when the night ended
 
     @property
     def failed_checks(self) -> list[str]:
@@ -556,6 +606,7 @@ class Soak:
             raise
         finally:
             res.fleet_s = time.monotonic() - started
+            res.load = os.getloadavg()[0]
             if hand is not None:
                 hand_verdict = self.end_hand_run(hand)
         ref = self.ref.night(i)
@@ -627,6 +678,9 @@ class Soak:
         self, res: NightResult, fault: Fault, run_id: str, first: str, offsets: dict, hand: Any
     ) -> None:
         kind = fault.kind
+        if kind == NO_FAULT:
+            res.hit = "no fault"
+            return
         if kind == "deadline":
             return  # the flow run carries it
         if kind == "twice":
@@ -717,12 +771,28 @@ class Soak:
         with open(filler, "wb") as fh:
             os.posix_fallocate(fh.fileno(), 0, size)
         self.filled = filler
+        stop = self.topping = threading.Event()
+        threading.Thread(target=self._keep_full, args=(filler, stop), daemon=True).start()
         return (
-            f"its work dir filled ({size / 2**20:.0f} MiB, {shutil.disk_usage(work).free // 1024} KiB left)"
+            f"its work dir filled ({size / 2**20:.0f} MiB, {shutil.disk_usage(work).free // 1024} KiB left) "
+            "and kept full until the operator frees it"
         )
+
+    @staticmethod
+    def _keep_full(filler: Path, stop: threading.Event) -> None:
+        """What the machine's retention frees is taken again (as by another process writing), so the
+        disk stays full until the operator frees it."""
+        while not stop.wait(0.1):
+            with contextlib.suppress(OSError):
+                free = shutil.disk_usage(filler.parent).free
+                if free > 32 * 1024:
+                    with open(filler, "r+b") as fh:
+                        end = os.fstat(fh.fileno()).st_size
+                        os.posix_fallocate(fh.fileno(), end, free - 16 * 1024)
 
     def unfill(self) -> None:
         if self.filled is not None:
+            self.topping.set()
             self.filled.unlink(missing_ok=True)
             self.filled = None
 
@@ -900,9 +970,7 @@ class Soak:
 
     def check_history(self, res: NightResult) -> None:
         """No flow run of the night was set CRASHED (or else) after it had COMPLETED."""
-        overwritten = [
-            a for a in res.attempts if a["state"] != "COMPLETED" and self.completed_before(a["id"])
-        ]
+        overwritten = [a.get("later") or a for a in res.attempts if self.completed_before(a["id"])]
         res.checks["no completed run crashed"] = [
             not overwritten,
             "; ".join(
@@ -928,8 +996,11 @@ class Soak:
                         for r in late
                     ),
                 ]
+            res.late = [attempt_of(r) for r in late]
             now = {r["id"]: r for r in runs}
-            res.attempts = [attempt_of(now[a["id"]]) if a["id"] in now else a for a in res.attempts]
+            for a in res.attempts:
+                if a["id"] in now and now[a["id"]]["state_type"] != a["state"]:
+                    a["later"] = attempt_of(now[a["id"]])
             self.check_history(res)
 
     def check_twice(self, res: NightResult) -> None:
@@ -1014,21 +1085,30 @@ def run_soak(
     learner: Path | None = None,
     overlap: bool = False,
     slot_wait_s: float | None = None,
+    reference_from: Path | None = None,
+    baseline: dict | None = None,
 ) -> dict:
     """Run the soak (module docstring); returns the summary (also written to ``out`` and a JSON
     beside it when ``out`` is given). ``kinds``: the fault kinds (default all); ``base``: the
     working folder (default a temporary one, removed after); ``learner``: a built learner model;
     ``overlap``: run the reference beside the fleet instead of before it (faster, noisier times);
     ``slot_wait_s``: how long to wait at the end for the GPU slots of killed attempts to come free
-    (default: until their leases expire)."""
+    (default: until their leases expire); ``reference_from``: an earlier soak's ``--keep`` folder whose
+    learner and reference nights are used instead of building and running them again (its nights'
+    times from the ``soak.json`` there, if any); ``baseline``: a fault-free soak's JSON (``--kinds none``)
+    of the same nights, what the page measures recovery's cost against."""
     from fleet_kit import start_fleet
     from postgres import start_postgres
     from seaweed import start_seaweed
 
     kinds = tuple(kinds or KINDS)
     unknown = set(kinds) - set(KINDS)
+    if kinds == (NO_FAULT,):
+        unknown = set()
     if unknown:
-        raise ValueError(f"unknown fault kinds {sorted(unknown)}: use {', '.join(KINDS)}")
+        raise ValueError(
+            f"unknown fault kinds {sorted(unknown)}: use {', '.join(KINDS)}, or {NO_FAULT} alone"
+        )
     skipped = {}
     if "disk-full" in kinds:
         why = can_mount_tmpfs()
@@ -1045,10 +1125,16 @@ def run_soak(
     started = time.monotonic()
     fleet = soak = None
     try:
+        if reference_from is not None:
+            learner = learner or reference_from / "learner"
         learner = learner or build_learner(base)
         cfg = night_config(learner, base)
-        ref = Reference(cfg, base, [f.night for f in faults])
-        if overlap:
+        ref = Reference(cfg, base, [f.night for f in faults], reference_from and reference_from / "reference")
+        earlier: dict = {}
+        if reference_from is not None:
+            earlier = read_json(reference_from / "soak.json") or {}
+            ref.load({r["night"]: r["ref_s"] for r in earlier.get("results", [])})
+        elif overlap:
             ref.background()
         else:
             ref.run()
@@ -1090,8 +1176,15 @@ def run_soak(
         )
         summary["wall_s"] = round(time.monotonic() - started, 1)
         summary["overlap"] = overlap
+        summary["reference_from"] = str(reference_from) if reference_from else None
+        if earlier.get("load"):  # the reference's nights ran in that soak: their load is its
+            summary["load"]["reference"] = earlier["load"]["reference"]
+        if baseline is not None:
+            summary["baseline"] = baseline_of(baseline)
         if out is not None:
             write_page(summary, Path(out))
+        if tmp is None:  # a kept folder holds its soak's JSON (for --reference-from)
+            (base / "soak.json").write_text(summary_json(summary))
         summary["reference_work"] = str(ref.work)
         summary["_reference"] = ref
         return summary
@@ -1116,7 +1209,7 @@ def summarize(
         1 for r in completed if not all(r.checks.get(c, [False])[0] for c in ("adapter", "data slice", "cursor", "warm start"))
     )  # fmt: skip
     false_promotions = sum(1 for r in completed if not r.checks.get("promotion", [False])[0])
-    survived = [r for r in ok if not r.hit.startswith("missed")]
+    survived = [r for r in ok if r.fault != NO_FAULT and not r.hit.startswith("missed")]
     fleet_s = sum(r.fleet_s for r in completed)
     ref_s = sum(r.ref_s for r in completed)
     return {
@@ -1127,7 +1220,9 @@ def summarize(
         "skipped_kinds": skipped,
         "schedule": [asdict(f) for f in faults],
         "results": [{**asdict(r), "verdict": r.verdict, "failed_checks": r.failed_checks} for r in results],
-        "faults_injected": sum(1 for r in results if r.hit and not r.hit.startswith("missed")),
+        "faults_injected": sum(
+            1 for r in results if r.hit and r.fault != NO_FAULT and not r.hit.startswith("missed")
+        ),
         "faults_missed": sum(1 for r in results if r.hit.startswith("missed")),
         "faults_survived": len(survived),
         "nights_lost": lost,
@@ -1140,6 +1235,10 @@ def summarize(
         "corruptions": [asdict(c) for c in soak.corruptions],
         "slots_after": {"occupied": slots_left, "waited_s": round(slot_wait, 1)},
         "fleet_up_s": round(fleet_up_s, 1),
+        "load": {
+            "reference": round(sum(r.load for r in soak.ref.done) / max(1, len(soak.ref.done)), 1),
+            "fleet": round(sum(r.load for r in results) / max(1, len(results)), 1),
+        },
         "error": error,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
     }
@@ -1148,14 +1247,22 @@ def summarize(
 # ---- the results page ----------------------------------------------------------------------------
 def write_page(s: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
+    base = s.get("baseline")
     rows = []
     for r in s["results"]:
-        attempts = ", ".join(a["state"].lower() for a in r["attempts"]) or "-"
+        attempts = ", ".join(
+            a["state"].lower() + (f" (later {a['later']['state'].lower()})" if a.get("later") else "")
+            for a in r["attempts"]
+        )
+        late = ", ".join(a["state"].lower() for a in r.get("late", []))
+        attempts = (attempts or "-") + (f"; after the check: {late}" if late else "")
         lost = r["fleet_s"] - r["ref_s"]
         rows.append(
             f"| {r['night']} | {r['fault']} | {r['hit'] or describe_point(r['at'])} | {attempts}"
             + (f" (+{r['operator_restarts']} by the operator)" if r["operator_restarts"] else "")
-            + f" | {r['fleet_s']:.0f} s vs {r['ref_s']:.0f} s ({lost:+.0f} s) | {r['verdict']} |"
+            + f" | {r['fleet_s']:.0f} s vs {r['ref_s']:.0f} s ({lost:+.0f} s)"
+            + (f" | {baseline_cell(r, base)}" if base else "")
+            + f" | {r['verdict']} |"
         )
     corruption_lines = [
         f"- {c['night']}, {c['machine']}: {c['stage']}/{c['key'][:8]}/{c['file']}: "
@@ -1169,6 +1276,16 @@ def write_page(s: dict, out: Path) -> None:
         cmd += f" --kinds {','.join(s['kinds'])}"
     if s.get("overlap"):
         cmd += " --overlap"
+    if out.resolve() != OUT.resolve():
+        cmd += f" --out {os.path.relpath(out.resolve(), ROOT)}"
+    cmd = f"`{cmd}`"
+    if base:
+        cmd = (
+            f"`python benchmarks/soak.py --nights {base['nights_run']} --seed {base['seed']} --kinds {NO_FAULT} "
+            f"--out {BASELINE_PAGE.relative_to(ROOT)}` (the same nights without faults), then "
+            + cmd[:-1]
+            + f" --baseline {BASELINE_PAGE.with_suffix('.json').relative_to(ROOT)}`"
+        )
     notes = [
         f"- {r['night']} ({r['fault']}): "
         + "; ".join(n for n in r["notes"] if not n.startswith("promotion:"))
@@ -1182,12 +1299,24 @@ def write_page(s: dict, out: Path) -> None:
         if name in r["checks"] and r["checks"][name][0]
     ]
     lines = [
-        "# Soak: nights on a fleet with faults",
+        "# Soak: nights on a fleet "
+        + ("without faults (the baseline)" if s["kinds"] == [NO_FAULT] else "with faults"),
         "",
-        f"Reproduce: `{cmd}` (about {s['wall_s'] / 60:.0f} minutes here; it writes this page and "
-        "`soak.json` beside it). Issue 58.",
+        f"Reproduce: {cmd} ({'the second ' if base else ''}about {s['wall_s'] / 60:.0f} minutes here"
+        + (
+            f", and {s['reference_s'] / 60:.0f} more for the reference's nights"
+            if s.get("reference_from")
+            else ""
+        )
+        + f"; it writes this page and `{out.with_suffix('.json').name}` beside it). Issue 58."
+        + (
+            " This run took the learner and the reference's nights from an earlier soak of the same "
+            "seed (`--reference-from` its folder) instead of building and running them again."
+            if s.get("reference_from")
+            else ""
+        ),
         "",
-        f"Machine: {s['machine']}, shared with other work. Nights ran: **{s['nights_run']} of {s['nights']}**"
+        f"Machine: {s['machine']}. Nights ran: **{s['nights_run']} of {s['nights']}**"
         + (f" (stopped: {s['error'][:300]})" if s["error"] else "")
         + f". Seed {s['seed']}; fault kinds {', '.join(f'{k} x{n}' for k, n in kinds_count.items())}.",
         "",
@@ -1208,11 +1337,19 @@ def write_page(s: dict, out: Path) -> None:
         ),
         f"- nights lost: **{s['nights_lost']}** (goal 0)",
         f"- data lost: **{s['data_lost']}** (goal 0): nights whose adapter, warm start, data slice or cursor differ from the reference",
-        f"- false promotions: **{s['false_promotions']}** (goal 0): nights whose promotion or champion differ from the reference",
+        f"- false promotions: **{s['false_promotions']}** (goal 0): nights whose promotion or champion differ from the reference"
+        f" ({promoted(s)} of the {s['nights_run']} nights were promoted)",
         f"- invariant failures: {json.dumps(s['invariant_failures']) if s['invariant_failures'] else 'none'}",
         f"- time: the fleet's nights {s['fleet_s']:.0f} s against the reference's {s['reference_s']:.0f} s"
         + (f" ({s['overhead']:+.0%})" if s["overhead"] is not None else "")
-        + "; see below for what that includes",
+        + "; see below for what that includes"
+        + (
+            f" (the 1-minute load average when a night ended: {s['load']['reference']} on average for the "
+            f"reference's nights, {s['load']['fleet']} for the fleet's)"
+            if s.get("load")
+            else ""
+        ),
+        *([recovery_line(s, base)] if base else []),
         f"- the fleet-wide GPU limit after the soak: {s['slots_after']['occupied']} slot(s) occupied"
         + (
             f" (waited {s['slots_after']['waited_s']:.0f} s for killed attempts' leases to expire)"
@@ -1226,8 +1363,10 @@ def write_page(s: dict, out: Path) -> None:
         "creation to the completed night) against the reference night's (`qerl run --night`, process start "
         "to exit).",
         "",
-        "| night | fault | where it hit | attempts | time vs reference | verdict |",
-        "|---|---|---|---|---|---|",
+        "| night | fault | where it hit | attempts | time vs reference |"
+        + (" time vs the fault-free fleet |" if base else "")
+        + " verdict |",
+        "|---|---|---|---|---|" + ("---|" if base else "") + "---|",
         *rows,
         "",
     ]
@@ -1253,7 +1392,8 @@ def write_page(s: dict, out: Path) -> None:
         "- the night's promotion decision and the `champion` alias equal the reference's, and the alias moved only on a promotion;",
         "- no flow run of the deployment is RUNNING or PENDING; no GPU lock file is held (a try-lock of each);",
         "- no slot of the `qerl-gpus` limit is occupied, except by the lease of an attempt killed less than "
-        f"{SLOT_LEASE_S:.0f} s before (Prefect frees a dead holder's slot when its 300 s lease expires; the soak waits for that at its end);",
+        f"{SLOT_LEASE_S:.0f} s before (Prefect frees a dead holder's slot when its lease, {SLOT_LEASE_S - REPOSSESSOR_S - 10:.0f} s, "
+        "expires; the soak waits for that at its end);",
         "- the data cursor (`qerl_cursors` in the fleet's database) is at nights x 3 and lists the night once;",
         "- no machine's `store/tmp/` holds an unfinished build older than the night.",
         "",
@@ -1282,8 +1422,53 @@ def write_page(s: dict, out: Path) -> None:
         "",
     ]
     out.write_text("\n".join(lines))
-    data = {k: v for k, v in s.items() if not k.startswith("_")}
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    out.with_suffix(".json").write_text(summary_json(s))
+
+
+def promoted(s: dict) -> int:
+    return sum(1 for r in s["results"] if r["checks"].get("promotion", [False, ""])[1].startswith("promoted"))
+
+
+def baseline_cell(r: dict, base: dict) -> str:
+    clean = base["nights"].get(r["night"])
+    return "-" if clean is None else f"{r['fleet_s']:.0f} s vs {clean:.0f} s ({r['fleet_s'] - clean:+.0f} s)"
+
+
+def recovery_line(s: dict, base: dict) -> str:
+    """Recovery's cost: the nights with faults against the same nights on the same fleet without."""
+    both = [r for r in s["results"] if r["completed"] and r["night"] in base["nights"]]
+    faulty = sum(r["fleet_s"] for r in both)
+    clean = sum(base["nights"][r["night"]] for r in both)
+    line = (
+        f"- recovery's cost: the fleet's {len(both)} nights with their faults took {faulty:.0f} s against "
+        f"{clean:.0f} s for the same nights on the same fleet without faults ({faulty / clean - 1:+.0%}, "
+        f"{(faulty - clean) / max(1, len(both)):+.0f} s a night; the fault-free soak: `python benchmarks/soak.py "
+        f"--nights {base['nights_run']} --seed {base['seed']} --kinds {NO_FAULT}`"
+        + (f", load average {base['load']}" if base.get("load") is not None else "")
+        + ")"
+    )
+    if base["failed"]:
+        line += f"; the fault-free soak's own failed checks: {json.dumps(base['failed'])}"
+    return line
+
+
+def summary_json(s: dict) -> str:
+    return json.dumps({k: v for k, v in s.items() if not k.startswith("_")}, indent=1, default=str) + "\n"
+
+
+def baseline_of(s: dict) -> dict:
+    """What the page keeps of a fault-free soak: its nights' fleet times and how it ran."""
+    if s.get("kinds") != [NO_FAULT]:
+        raise ValueError(f"a baseline is a soak with --kinds {NO_FAULT}; this one had {s.get('kinds')}")
+    return {
+        "nights": {r["night"]: r["fleet_s"] for r in s["results"] if r["completed"]},
+        "failed": {
+            r["night"]: r["failed_checks"] for r in s["results"] if r["failed_checks"] or not r["completed"]
+        },
+        "nights_run": s["nights_run"],
+        "seed": s["seed"],
+        "load": (s.get("load") or {}).get("fleet"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1295,13 +1480,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", action="store_true", help="run the reference beside the fleet")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it (logs, stores)")
     parser.add_argument("--page-from", type=Path, help="only write the page again from a soak's JSON")
+    parser.add_argument(
+        "--reference-from", type=Path, help="use the learner and reference nights of an earlier --keep folder"
+    )
+    parser.add_argument(
+        "--baseline", type=Path, help="a fault-free soak's JSON (--kinds none) to set recovery against"
+    )
     args = parser.parse_args(argv)
+    baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     if args.page_from:
-        write_page(json.loads(args.page_from.read_text()), args.out)
+        summary = json.loads(args.page_from.read_text())
+        if baseline is not None:
+            summary["baseline"] = baseline_of(baseline)
+        write_page(summary, args.out)
         return 0
     summary = run_soak(
-        args.nights, args.seed, args.out, args.kinds.split(","), base=args.keep, overlap=args.overlap
-    )
+        args.nights, args.seed, args.out, args.kinds.split(","), base=args.keep, overlap=args.overlap,
+        reference_from=args.reference_from, baseline=baseline,
+    )  # fmt: skip
     print(json.dumps({k: summary[k] for k in ("nights_run", "nights_lost", "data_lost", "false_promotions",
                                               "faults_injected", "faults_survived", "invariant_failures")}))  # fmt: skip
     return (

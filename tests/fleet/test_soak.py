@@ -30,7 +30,7 @@ def test_three_nights_with_three_faults_lose_nothing(learner_model_dir, tmp_path
         base=tmp_path / "soak",
         learner=learner_model_dir,
         overlap=True,
-        slot_wait_s=0,  # a killed attempt's slot comes free when its lease expires (5 min): not waited for
+        slot_wait_s=0,  # a killed attempt's slot comes free when its lease expires: not waited for
     )
     ref = summary["_reference"]
     first = ref.record(ref.nights[0])
