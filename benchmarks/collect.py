@@ -18,6 +18,7 @@ ORDER = [
     "aqn-dtype",
     "shared-store",
     "fleet",
+    "soak",
     "gpu",
 ]
 
