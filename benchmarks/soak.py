@@ -1,5 +1,5 @@
 """Soak: consecutive nights on a fleet with one fault injected into each, checked night by night
-against the same nights run on one machine without faults (issue 58).
+against the same nights run on one machine without faults.
 
 ``python benchmarks/soak.py --nights N --seed S [--out docs/results/soak.md]``
 
@@ -1308,7 +1308,7 @@ def write_page(s: dict, out: Path) -> None:
             if s.get("reference_from")
             else ""
         )
-        + f"; it writes this page and `{out.with_suffix('.json').name}` beside it). Issue 58."
+        + f"; it writes this page and `{out.with_suffix('.json').name}` beside it)."
         + (
             " This run took the learner and the reference's nights from an earlier soak of the same "
             "seed (`--reference-from` its folder) instead of building and running them again."
@@ -1391,8 +1391,8 @@ def write_page(s: dict, out: Path) -> None:
         f"- the registry (`{MODEL}` on the fleet's MLflow) holds exactly one version per completed night;",
         "- the night's promotion decision and the `champion` alias equal the reference's, and the alias moved only on a promotion;",
         "- no flow run of the deployment is RUNNING or PENDING; no GPU lock file is held (a try-lock of each);",
-        "- no slot of the `qerl-gpus` limit is occupied, except by the lease of an attempt killed less than "
-        f"{SLOT_LEASE_S:.0f} s before (Prefect frees a dead holder's slot when its lease, {SLOT_LEASE_S - REPOSSESSOR_S - 10:.0f} s, "
+        "- no slot of the `qerl-gpus` limit is occupied, except the slot of an attempt killed less than "
+        f"{SLOT_LEASE_S:.0f} s before (Prefect frees a dead holder's slot when its hold on it times out, after {SLOT_LEASE_S - REPOSSESSOR_S - 10:.0f} s, "
         "expires; the soak waits for that at its end);",
         "- the data cursor (`qerl_cursors` in the fleet's database) is at nights x 3 and lists the night once;",
         "- no machine's `store/tmp/` holds an unfinished build older than the night.",
@@ -1418,7 +1418,7 @@ def write_page(s: dict, out: Path) -> None:
         "",
         "The time difference includes what a fleet night does beyond a one-machine night (the worker's poll, "
         "publishing to S3, the MLflow server) and the recovery of its fault (the janitor's grace of 10 s and "
-        "its lease check, a second process start); the reference starts its own Prefect server each night.",
+        "its check that the night's machine is gone, a second process start); the reference starts its own Prefect server each night.",
         "",
     ]
     out.write_text("\n".join(lines))
